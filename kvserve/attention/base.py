@@ -1,0 +1,76 @@
+"""The attention backend interface and the per-step metadata every backend reads.
+
+Layout conventions (one packed batch per step):
+  query        [num_tokens, num_heads, head_dim]      all sequences' new tokens, concatenated
+  KV pool      read through a `LayerKV` (kvserve/kvcache/kv_storage.py); dense pools are
+               [num_blocks, block_size, num_kv_heads, head_dim]
+  sequence i   owns query rows [query_start_loc[i], query_start_loc[i+1]) and has seq_lens[i]
+               tokens of KV (cached context + its new tokens, already written to the pool before
+               attention runs). Its new tokens sit at the END of its context, so the causal mask
+               is aligned bottom-right: query row j (0-based within the sequence, q_len rows) sees
+               KV positions [0, seq_len - q_len + j].
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+
+import torch
+
+from kvserve.kvcache.kv_storage import LayerKV
+
+
+@dataclass
+class AttentionMetadata:
+    """Built once per step by ModelRunner.prepare_inputs; read by every layer's attention."""
+
+    query_start_loc: torch.Tensor  # [num_seqs + 1] int32, cumulative query lengths
+    seq_lens: torch.Tensor  # [num_seqs] int32, KV length per sequence (context + new tokens)
+    block_tables: torch.Tensor  # [num_seqs, max_blocks_per_seq] int32, padded with 0
+    slot_mapping: torch.Tensor  # [num_tokens] int64, pool slot of each new token; -1 = do not write
+    query_lens_list: list[int]  # python copies for CPU loops and launch grids
+    seq_lens_list: list[int]
+    block_size: int
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.seq_lens_list)
+
+    @property
+    def max_query_len(self) -> int:
+        return max(self.query_lens_list, default=0)
+
+    @property
+    def max_seq_len(self) -> int:
+        return max(self.seq_lens_list, default=0)
+
+    @property
+    def is_pure_decode(self) -> bool:
+        return all(q == 1 for q in self.query_lens_list)
+
+
+class AttentionBackend(ABC):
+    """Computes causal attention of the step's queries over each sequence's paged KV.
+
+    Rules: the output for a sequence depends only on that sequence's query rows and KV blocks
+    (batching is invisible); GQA is handled inside (num_heads % num_kv_heads == 0); the result has
+    the dtype of `query`.
+    """
+
+    name: str = "base"
+
+    @abstractmethod
+    def forward(
+        self,
+        query: torch.Tensor,  # [num_tokens, num_heads, head_dim]
+        kv: LayerKV,
+        meta: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
+        ...
+
+    @classmethod
+    def is_available(cls, device: torch.device) -> tuple[bool, str]:
+        """(available, reason if not)."""
+        return True, ""

@@ -1,0 +1,161 @@
+"""ServeConfig: the one frozen configuration value, its YAML loading and its validation.
+
+Precedence: field defaults < YAML preset (`config=FILE`) < keyword arguments / CLI flags.
+Field name == CLI flag (with dashes) == YAML key. Runtime facts (number of blocks found at start-up,
+eos ids, chosen backend) live in `engine.RuntimeInfo`, never here.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+from kvserve.errors import ConfigError
+
+
+@dataclass(frozen=True)
+class ServeConfig:
+    # --- model -------------------------------------------------------------------------------
+    model: str = field(
+        default="smollm2-135m",
+        metadata={"help": "builtin name (smollm2-135m, tiny-random-llama), a local HF directory or a .gguf file"},
+    )
+    device: str = field(default="auto", metadata={"help": "auto, cpu or cuda"})
+    dtype: str = field(
+        default="auto",
+        metadata={"help": "auto (float32 on CPU, bfloat16 on GPU), float32, bfloat16 or float16"},
+    )
+    max_model_len: int = field(
+        default=0, metadata={"help": "context length in tokens; 0 = the model's max_position_embeddings"}
+    )
+    seed: int = field(default=0, metadata={"help": "seed for requests that give no seed"})
+    # --- KV cache ----------------------------------------------------------------------------
+    max_cache_bytes: int = field(
+        default=2_000_000_000,
+        metadata={"help": "bytes of KV memory (the paged pool: cached chunks plus running requests)"},
+    )
+    block_size: int = field(default=16, metadata={"help": "tokens per KV block (memory unit)"})
+    chunk_size: int = field(
+        default=128, metadata={"help": "tokens per hashed chunk (reuse unit); a multiple of block_size"}
+    )
+    enable_prefix_caching: bool = field(
+        default=True, metadata={"help": "reuse KV across requests (off: every prompt is computed cold)"}
+    )
+    kv_cache_dtype: str = field(
+        default="auto", metadata={"help": "KV storage codec by name (auto = the model dtype)"}
+    )
+    kv_cache_bits: int = field(
+        default=0, metadata={"help": "pick the best measured codec for 16, 8, 4 or 3 bits (0 = use kv_cache_dtype)"}
+    )
+    eviction_policy: str = field(
+        default="lru_freq", metadata={"help": "lru_freq (LRU with frequency awareness) or lru"}
+    )
+    attention_backend: str = field(
+        default="auto", metadata={"help": "auto, reference, cpu_paged, triton or cuda"}
+    )
+    # --- position-independent reuse (approximate) --------------------------------------------
+    reuse: str = field(default="prefix", metadata={"help": "prefix (exact only) or any (also content matches)"})
+    recompute_strategy: str = field(
+        default="selective", metadata={"help": "repair for content matches: none, selective or cacheblend"}
+    )
+    # --- scheduling --------------------------------------------------------------------------
+    max_num_seqs: int = field(default=32, metadata={"help": "most sequences in one step"})
+    max_num_batched_tokens: int = field(
+        default=2048, metadata={"help": "token budget of one step (long prompts are prefilled in pieces)"}
+    )
+    batch_window_ms: float = field(
+        default=0.0,
+        metadata={"help": "hold new requests this long so requests sharing a prefix are admitted together"},
+    )
+    # --- server ------------------------------------------------------------------------------
+    host: str = field(default="127.0.0.1", metadata={"help": "address to listen on"})
+    port: int = field(default=8000, metadata={"help": "port to listen on"})
+    max_queue_size: int = field(
+        default=256, metadata={"help": "requests waiting or running before new ones get 503"}
+    )
+    request_timeout_s: float = field(default=600.0, metadata={"help": "abort requests older than this (504)"})
+    api_key: str = field(default="", metadata={"help": "require 'Authorization: Bearer KEY' (empty = open)"})
+    warm: tuple[str, ...] = field(default=(), metadata={"help": "text to pre-warm and pin at start-up (repeatable)"})
+    served_model_name: str = field(default="", metadata={"help": "model id reported by the API (default: --model)"})
+
+    def __post_init__(self) -> None:
+        validate(self)
+
+    def replace(self, **overrides: Any) -> ServeConfig:
+        return from_dict({**dataclasses.asdict(self), **overrides})
+
+
+_CHOICES: dict[str, tuple[str, ...]] = {
+    "device": ("auto", "cpu", "cuda"),
+    "dtype": ("auto", "float32", "bfloat16", "float16"),
+    "eviction_policy": ("lru_freq", "lru"),
+    "attention_backend": ("auto", "reference", "cpu_paged", "triton", "cuda"),
+    "reuse": ("prefix", "any"),
+    "recompute_strategy": ("none", "selective", "cacheblend"),
+}
+
+
+def validate(cfg: ServeConfig) -> None:
+    """Raise ConfigError naming the field and the fix."""
+    for name, choices in _CHOICES.items():
+        value = getattr(cfg, name)
+        if value not in choices:
+            raise ConfigError(f"{name} must be one of {', '.join(choices)} (got {value!r})")
+    if cfg.block_size <= 0 or cfg.block_size & (cfg.block_size - 1):
+        raise ConfigError(f"block_size must be a positive power of two (got {cfg.block_size})")
+    if cfg.chunk_size <= 0 or cfg.chunk_size % cfg.block_size:
+        raise ConfigError(
+            f"chunk_size must be a multiple of block_size (got {cfg.chunk_size} vs {cfg.block_size})"
+        )
+    if cfg.kv_cache_bits not in (0, 16, 8, 4, 3):
+        raise ConfigError(f"kv_cache_bits must be 16, 8, 4 or 3 (got {cfg.kv_cache_bits})")
+    positive = ("max_cache_bytes", "max_num_seqs", "max_num_batched_tokens", "max_queue_size")
+    for name in positive:
+        if getattr(cfg, name) <= 0:
+            raise ConfigError(f"{name} must be positive (got {getattr(cfg, name)})")
+    if cfg.max_num_batched_tokens < cfg.block_size:
+        raise ConfigError(
+            f"max_num_batched_tokens must be at least block_size (got {cfg.max_num_batched_tokens})"
+        )
+    if cfg.max_model_len < 0:
+        raise ConfigError(f"max_model_len must be >= 0 (got {cfg.max_model_len})")
+    if cfg.batch_window_ms < 0 or cfg.request_timeout_s <= 0:
+        raise ConfigError("batch_window_ms must be >= 0 and request_timeout_s > 0")
+    if not 0 < cfg.port < 65536:
+        raise ConfigError(f"port must be in 1..65535 (got {cfg.port})")
+
+
+def field_names() -> list[str]:
+    return [f.name for f in fields(ServeConfig)]
+
+
+def from_dict(values: dict[str, Any]) -> ServeConfig:
+    """Build a config from a mapping; unknown keys are errors."""
+    known = set(field_names())
+    unknown = sorted(set(values) - known)
+    if unknown:
+        raise ConfigError(f"unknown config key(s): {', '.join(unknown)}; known keys: {', '.join(sorted(known))}")
+    values = dict(values)
+    if "warm" in values:
+        warm = values["warm"]
+        values["warm"] = (warm,) if isinstance(warm, str) else tuple(warm or ())
+    return ServeConfig(**values)
+
+
+def load_yaml(path: str | Path) -> dict[str, Any]:
+    import yaml
+
+    text = Path(path).read_text()
+    data = yaml.safe_load(text) or {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: a config file must be a mapping of field: value")
+    return data
+
+
+def make_config(config_file: str | Path | None = None, **overrides: Any) -> ServeConfig:
+    """defaults < YAML preset < overrides."""
+    values: dict[str, Any] = load_yaml(config_file) if config_file else {}
+    values.update({k: v for k, v in overrides.items() if v is not None})
+    return from_dict(values)

@@ -1,0 +1,156 @@
+"""Builds the engine's parts from a ServeConfig and records the runtime facts (RuntimeInfo)."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from kvserve.attention.base import AttentionBackend
+from kvserve.attention.registry import create_backend
+from kvserve.config import ServeConfig
+from kvserve.errors import ConfigError
+from kvserve.kvcache.kv_storage import DenseLayerKV, LayerKV
+from kvserve.models.hf_adapter import ATTN_IMPLEMENTATION, check_supported
+from kvserve.models.loader import model_fingerprint, resolve_model_path
+from kvserve.tokenizer import Tokenizer
+
+log = logging.getLogger("kvserve.engine")
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass(frozen=True)
+class RuntimeInfo:
+    """Facts found at start-up (never written back into the config)."""
+
+    model_path: str
+    device: str
+    dtype: str
+    kv_codec: str
+    attention_backend: str
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    num_blocks: int
+    block_size: int
+    bytes_per_token: float  # all layers, K and V, metadata included
+    max_model_len: int
+    eos_token_ids: tuple[int, ...]
+    namespace: str
+
+    @property
+    def pool_tokens(self) -> int:
+        return self.num_blocks * self.block_size
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("device cuda requested but no CUDA device is available; use --device cpu")
+    return torch.device(name)
+
+
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    if name == "auto":
+        return torch.float32 if device.type == "cpu" else torch.bfloat16
+    return DTYPES[name]
+
+
+def resolve_codec_name(config: ServeConfig, dtype: torch.dtype) -> str:
+    """kv_cache_bits picks the best measured codec; kv_cache_dtype names one; auto = model dtype."""
+    if config.kv_cache_bits:
+        from kvserve.quant.registry import BEST_CODEC_FOR_BITS
+
+        return str(BEST_CODEC_FOR_BITS[config.kv_cache_bits])
+    if config.kv_cache_dtype == "auto":
+        return {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}[dtype]
+    return config.kv_cache_dtype
+
+
+def make_layer_kv(
+    codec: str, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
+    dtype: torch.dtype, device: torch.device,
+) -> LayerKV:
+    passthrough = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+    if codec in passthrough:
+        return DenseLayerKV(num_blocks, block_size, num_kv_heads, head_dim, passthrough[codec], device)
+    try:
+        from kvserve.quant.storage import create_layer_kv
+    except ImportError as e:  # pragma: no cover - the quant package is part of kvserve
+        raise ConfigError(f"kv_cache_dtype {codec!r} is not available: {e}") from e
+    return create_layer_kv(codec, num_blocks, block_size, num_kv_heads, head_dim, dtype, device)
+
+
+def load_model(config: ServeConfig, device: torch.device, dtype: torch.dtype) -> tuple[torch.nn.Module, Path]:
+    from transformers import AutoModelForCausalLM
+
+    path = resolve_model_path(config.model)
+    model = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype, attn_implementation=ATTN_IMPLEMENTATION)
+    check_supported(model)
+    model.to(device).eval()
+    return model, path
+
+
+@dataclass
+class EngineParts:
+    model: torch.nn.Module
+    tokenizer: Tokenizer
+    layers: list[LayerKV]
+    backend: AttentionBackend
+    info: RuntimeInfo
+
+
+def build_parts(config: ServeConfig) -> EngineParts:
+    device = resolve_device(config.device)
+    dtype = resolve_dtype(config.dtype, device)
+    model, path = load_model(config, device, dtype)
+    tokenizer = Tokenizer(path)
+    mc = model.config
+    num_layers = mc.num_hidden_layers
+    num_kv_heads = getattr(mc, "num_key_value_heads", None) or mc.num_attention_heads
+    head_dim = getattr(mc, "head_dim", None) or mc.hidden_size // mc.num_attention_heads
+    codec = resolve_codec_name(config, dtype)
+    probe = make_layer_kv(codec, 1, config.block_size, num_kv_heads, head_dim, dtype, torch.device("cpu"))
+    bytes_per_block = probe.bytes_per_block() * num_layers
+    num_blocks = config.max_cache_bytes // bytes_per_block
+    if num_blocks < 2:
+        raise ConfigError(
+            f"max_cache_bytes={config.max_cache_bytes} holds fewer than 2 blocks "
+            f"({bytes_per_block} bytes each); raise it"
+        )
+    layers = [
+        make_layer_kv(codec, num_blocks, config.block_size, num_kv_heads, head_dim, dtype, device)
+        for _ in range(num_layers)
+    ]
+    backend = create_backend(config.attention_backend, device)
+    max_model_len = config.max_model_len or int(getattr(mc, "max_position_embeddings", 2048))
+    eos = _eos_ids(model, tokenizer)
+    namespace = "|".join(
+        [model_fingerprint(path), type(tokenizer.hf).__name__, str(tokenizer.vocab_size), str(dtype), codec,
+         f"chunk={config.chunk_size}", f"block={config.block_size}"]
+    )
+    info = RuntimeInfo(
+        model_path=str(path), device=str(device), dtype=str(dtype).replace("torch.", ""), kv_codec=codec,
+        attention_backend=backend.name, num_layers=num_layers, num_kv_heads=num_kv_heads, head_dim=head_dim,
+        num_blocks=num_blocks, block_size=config.block_size,
+        bytes_per_token=bytes_per_block / config.block_size, max_model_len=max_model_len,
+        eos_token_ids=eos, namespace=namespace,
+    )
+    return EngineParts(model, tokenizer, layers, backend, info)
+
+
+def _eos_ids(model: torch.nn.Module, tokenizer: Tokenizer) -> tuple[int, ...]:
+    ids: set[int] = set()
+    if tokenizer.eos_token_id is not None:
+        ids.add(int(tokenizer.eos_token_id))
+    gen = getattr(model, "generation_config", None)
+    eos = getattr(gen, "eos_token_id", None) if gen is not None else None
+    if isinstance(eos, int):
+        ids.add(eos)
+    elif isinstance(eos, list):
+        ids.update(int(e) for e in eos)
+    return tuple(sorted(ids))

@@ -1,0 +1,77 @@
+"""Per-request sampling: logits processors, greedy or seeded sampling, logprobs.
+
+Each request samples with its own torch.Generator, row by row, so the same seed gives the same
+tokens whatever else is in the batch.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Sequence
+
+import torch
+
+from kvserve.request import SamplingParams, TokenLogprob
+
+
+def apply_penalties(
+    logits: torch.Tensor,  # [vocab] float32, modified in place
+    params: SamplingParams,
+    prompt_token_ids: Sequence[int],
+    output_token_ids: Sequence[int],
+) -> None:
+    if params.logit_bias:
+        ids = torch.tensor(list(params.logit_bias.keys()), dtype=torch.long)
+        logits[ids] += torch.tensor(list(params.logit_bias.values()), dtype=logits.dtype)
+    if params.repetition_penalty != 1.0:
+        seen = torch.tensor(sorted(set(prompt_token_ids) | set(output_token_ids)), dtype=torch.long)
+        if len(seen):
+            vals = logits[seen]
+            logits[seen] = torch.where(vals > 0, vals / params.repetition_penalty, vals * params.repetition_penalty)
+    if (params.presence_penalty or params.frequency_penalty) and output_token_ids:
+        counts = Counter(output_token_ids)
+        ids = torch.tensor(list(counts.keys()), dtype=torch.long)
+        freq = torch.tensor(list(counts.values()), dtype=logits.dtype)
+        logits[ids] -= params.frequency_penalty * freq + params.presence_penalty
+
+
+def filter_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """Temperature, top-k, top-p, min-p -> probabilities [vocab]."""
+    logits = logits / params.temperature
+    if params.top_k > 0 and params.top_k < logits.numel():
+        kth = torch.topk(logits, params.top_k).values[-1]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    probs = torch.softmax(logits, dim=-1)
+    if params.top_p < 1.0:
+        sorted_probs, order = torch.sort(probs, descending=True)
+        cumulative = torch.cumsum(sorted_probs, dim=-1)
+        drop_sorted = cumulative - sorted_probs > params.top_p  # keep the smallest set reaching top_p
+        drop = torch.zeros_like(drop_sorted).scatter(0, order, drop_sorted)
+        probs = probs.masked_fill(drop, 0.0)
+    if params.min_p > 0.0:
+        probs = probs.masked_fill(probs < params.min_p * probs.max(), 0.0)
+    return probs / probs.sum()
+
+
+def sample_one(
+    logits: torch.Tensor,  # [vocab] float32 raw model logits
+    params: SamplingParams,
+    prompt_token_ids: Sequence[int],
+    output_token_ids: Sequence[int],
+    generator: torch.Generator,
+) -> tuple[int, TokenLogprob | None]:
+    raw = logits.float()
+    x = raw.clone()
+    apply_penalties(x, params, prompt_token_ids, output_token_ids)
+    if params.greedy:
+        token_id = int(torch.argmax(x))
+    else:
+        probs = filter_logits(x, params)
+        token_id = int(torch.multinomial(probs, 1, generator=generator))
+    logprob = None
+    if params.logprobs is not None:
+        logprobs = torch.log_softmax(raw, dim=-1)
+        top = torch.topk(logprobs, params.logprobs) if params.logprobs > 0 else None
+        alternatives = list(zip(top.indices.tolist(), top.values.tolist())) if top is not None else []
+        logprob = TokenLogprob(token_id, float(logprobs[token_id]), alternatives)
+    return token_id, logprob

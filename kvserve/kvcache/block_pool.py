@@ -1,0 +1,53 @@
+"""BlockPool: ref-counted block ids of the paged KV pool.
+
+A block's ref count is its number of owners: each request holding it, plus one if a cached chunk
+holds it. Ref 0 <=> the block is on the free list. The bytes live in kv_storage.LayerKV.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Callable, Iterable
+
+
+class BlockPool:
+    def __init__(self, num_blocks: int, block_size: int):
+        assert num_blocks > 0 and block_size > 0
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.ref_counts = [0] * num_blocks
+        self._free: deque[int] = deque(range(num_blocks))
+        self.on_free: list[Callable[[int], None]] = []
+
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self._free)
+
+    def allocate(self, n: int) -> list[int]:
+        """n fresh blocks, each with ref 1. The caller checks num_free_blocks first."""
+        assert n <= len(self._free), f"allocate({n}) with {len(self._free)} free"
+        block_ids = [self._free.popleft() for _ in range(n)]
+        for b in block_ids:
+            self.ref_counts[b] = 1
+        return block_ids
+
+    def retain(self, block_ids: Iterable[int]) -> None:
+        for b in block_ids:
+            assert self.ref_counts[b] > 0, f"retain of free block {b}"
+            self.ref_counts[b] += 1
+
+    def release(self, block_ids: Iterable[int]) -> None:
+        for b in block_ids:
+            assert self.ref_counts[b] > 0, f"double free of block {b}"
+            self.ref_counts[b] -= 1
+            if self.ref_counts[b] == 0:
+                self._free.append(b)
+                for hook in self.on_free:
+                    hook(b)
+
+    def check_integrity(self) -> None:
+        free = set(self._free)
+        assert len(free) == len(self._free), "a block is on the free list twice"
+        for b, rc in enumerate(self.ref_counts):
+            assert rc >= 0, f"block {b} has negative ref count"
+            assert (rc == 0) == (b in free), f"block {b}: ref {rc} but free={b in free}"

