@@ -52,7 +52,8 @@ class Engine:
         self.num_steps = 0
         self.num_prompt_tokens_computed = 0
         self.num_generated_tokens = 0
-        self.check_integrity_each_step = False
+        self.check_integrity_each_step = False  # tests: verify pool ownership after every step
+        self.logits_sink: dict[str, list[torch.Tensor]] | None = None  # tests: raw logits per request
 
     # --- intake ------------------------------------------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -159,6 +160,8 @@ class Engine:
                 token, logprob = sample_one(
                     logits[row], params, seq.request.prompt_token_ids, seq.output_token_ids, seq.generator
                 )
+                if self.logits_sink is not None:
+                    self.logits_sink.setdefault(seq.request_id, []).append(logits[row].clone())
                 row += 1
                 self._append_token(seq, token, logprob)
             touched.append(seq)

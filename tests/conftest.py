@@ -1,0 +1,27 @@
+"""Shared fixtures. Engines are module-scoped: building one takes seconds."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+# One intra-op thread: tests share 2 cores with server subprocesses, and oversubscribed OpenMP
+# threads make small ops 30x slower. (Benchmarks under scripts/ use the machine's default.)
+torch.set_num_threads(1)
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    has_gpu = torch.cuda.is_available()
+    ext = False
+    if has_gpu:
+        try:
+            from kvserve.kernels import cuda_ext
+
+            ext = bool(cuda_ext.is_available()[0])
+        except Exception:
+            ext = False
+    for item in items:
+        if "gpu" in item.keywords and not has_gpu:
+            item.add_marker(pytest.mark.skip(reason="needs a CUDA GPU"))
+        if "cuda_ext" in item.keywords and not ext:
+            item.add_marker(pytest.mark.skip(reason="needs the compiled kvserve CUDA extension"))

@@ -1,0 +1,58 @@
+"""Invariant 1: prefix reuse is exact (tokens equal; fp32 reference logits within 1e-4)."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvserve import LLM, SamplingParams
+from tests.integration.helpers import corpus_token_ids, generate_with_logits
+
+GREEDY = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+CHUNK = 32
+
+
+def _engines(model: str) -> tuple[LLM, LLM]:
+    common = dict(model=model, attention_backend="reference", chunk_size=CHUNK, block_size=16,
+                  max_cache_bytes=200_000_000)
+    return LLM(enable_prefix_caching=True, **common), LLM(enable_prefix_caching=False, **common)
+
+
+@pytest.fixture(scope="module", params=["tiny-random-llama", "smollm2-135m"])
+def engines(request: pytest.FixtureRequest) -> tuple[LLM, LLM]:
+    return _engines(request.param)
+
+
+def test_prefix_reuse_is_exact_for_0_1_several_and_all_shared_chunks(engines: tuple[LLM, LLM]):
+    cached, cold = engines
+    base = corpus_token_ids(cached, 5 * CHUNK + 7, seed=1)  # 5 full chunks + a tail
+    cached.generate([base], GREEDY)  # registers 5 chunks
+    cases = {
+        "0 shared": corpus_token_ids(cached, 3 * CHUNK + 3, seed=2),
+        "1 shared": base[:CHUNK] + corpus_token_ids(cached, 2 * CHUNK, seed=3),
+        "several": base[: 3 * CHUNK] + corpus_token_ids(cached, 40, seed=4),
+        "all chunks, new tail": base[: 5 * CHUNK] + corpus_token_ids(cached, 5, seed=5),
+        "identical prompt": list(base),
+        "prompt == whole chunks": base[: 4 * CHUNK],  # full hit: the last token is recomputed
+    }
+    expected_cached = {"0 shared": 0, "1 shared": CHUNK, "several": 3 * CHUNK,
+                       "all chunks, new tail": 5 * CHUNK, "identical prompt": 5 * CHUNK,
+                       "prompt == whole chunks": 3 * CHUNK}
+    for name, prompt in cases.items():
+        (warm,), (warm_logits,) = generate_with_logits(cached, [prompt], GREEDY)
+        (ref,), (ref_logits,) = generate_with_logits(cold, [prompt], GREEDY)
+        assert warm.num_cached_tokens == expected_cached[name], name
+        assert ref.num_cached_tokens == 0
+        assert warm.token_ids == ref.token_ids, name
+        diff = (warm_logits - ref_logits).abs().max().item()
+        assert diff <= 1e-4, f"{name}: logits differ by {diff}"
+
+
+def test_cache_salt_isolates_tenants(engines: tuple[LLM, LLM]):
+    cached, _ = engines
+    prompt = corpus_token_ids(cached, 3 * CHUNK + 1, seed=11)
+    cached.generate([prompt], GREEDY, cache_salt="tenant-a")
+    (other,) = cached.generate([prompt], GREEDY, cache_salt="tenant-b")
+    (same,) = cached.generate([prompt], GREEDY, cache_salt="tenant-a")
+    assert other.num_cached_tokens == 0
+    assert same.num_cached_tokens == 3 * CHUNK
+    assert same.token_ids == other.token_ids

@@ -1,0 +1,96 @@
+"""Sampling parameters are honoured."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from kvserve import LLM, SamplingParams
+from kvserve.request import FinishReason
+
+
+@pytest.fixture(scope="module")
+def llm() -> LLM:
+    return LLM(model="smollm2-135m", max_cache_bytes=300_000_000)
+
+
+def chat(llm: LLM, text: str) -> list[int]:
+    return llm.to_token_ids([{"role": "user", "content": text}])
+
+
+def test_greedy_answers_and_stops_at_eos(llm: LLM):
+    (out,) = llm.generate([chat(llm, "What is the capital of France?")], SamplingParams(max_tokens=30, temperature=0))
+    assert "Paris" in out.text and out.finish_reason == FinishReason.STOP
+
+
+def test_seed_reproducible_and_different_seeds_differ(llm: LLM):
+    p = chat(llm, "Write a short poem about the sea.")
+    a, b, c = llm.generate([p, p, p], [SamplingParams(max_tokens=20, temperature=1.0, seed=s) for s in (1, 1, 2)])
+    assert a.token_ids == b.token_ids and a.token_ids != c.token_ids
+
+
+def test_stop_strings_and_stop_token_ids(llm: LLM):
+    p = chat(llm, "Count from 1 to 20 separated by commas.")
+    (full,) = llm.generate([p], SamplingParams(max_tokens=40, temperature=0))
+    assert "5" in full.text
+    (cut,) = llm.generate([p], SamplingParams(max_tokens=40, temperature=0, stop=["5"]))
+    assert cut.finish_reason == FinishReason.STOP and cut.stop_reason == "5"
+    assert cut.text == full.text[: full.text.index("5")]
+    (kept,) = llm.generate([p], SamplingParams(max_tokens=40, temperature=0, stop=["5"], include_stop_str_in_output=True))
+    assert kept.text.endswith("5")
+    stop_id = full.token_ids[3]
+    (tok,) = llm.generate([p], SamplingParams(max_tokens=40, temperature=0, stop_token_ids=[stop_id]))
+    first = full.token_ids.index(stop_id)
+    assert tok.token_ids == full.token_ids[: first + 1] and tok.stop_reason == stop_id
+
+
+def test_max_tokens_and_ignore_eos(llm: LLM):
+    p = chat(llm, "Say hi.")
+    (out,) = llm.generate([p], SamplingParams(max_tokens=40, temperature=0, ignore_eos=True))
+    assert len(out.token_ids) == 40 and out.finish_reason == FinishReason.LENGTH
+
+
+def test_logprobs_are_log_softmax_of_the_model(llm: LLM):
+    p = chat(llm, "Name a color.")
+    (out,) = llm.generate([p], SamplingParams(max_tokens=5, temperature=0, logprobs=3))
+    assert out.logprobs is not None and len(out.logprobs) == len(out.token_ids)
+    for lp, tok in zip(out.logprobs, out.token_ids):
+        assert lp.token_id == tok and lp.logprob <= 0 and len(lp.top) == 3
+        assert lp.top[0][0] == tok and math.isclose(lp.top[0][1], lp.logprob, abs_tol=1e-6)  # greedy = top-1
+
+
+def test_top_k_1_equals_greedy_and_logit_bias_forces_a_token(llm: LLM):
+    p = chat(llm, "What is 2 + 2?")
+    (greedy,) = llm.generate([p], SamplingParams(max_tokens=8, temperature=0))
+    (topk,) = llm.generate([p], SamplingParams(max_tokens=8, temperature=1.5, top_k=1, seed=3))
+    assert topk.token_ids == greedy.token_ids
+    forced = llm.tokenizer.encode(" banana")[0]
+    (biased,) = llm.generate([p], SamplingParams(max_tokens=3, temperature=0, logit_bias={forced: 100.0}))
+    assert biased.token_ids == [forced] * 3
+
+
+def test_repetition_penalties_change_repetitive_output(llm: LLM):
+    p = chat(llm, "Repeat the word 'cat' ten times.")
+    (plain,) = llm.generate([p], SamplingParams(max_tokens=20, temperature=0))
+    (penalized,) = llm.generate([p], SamplingParams(max_tokens=20, temperature=0, frequency_penalty=2.0))
+    assert plain.token_ids != penalized.token_ids
+    assert max(penalized.token_ids.count(t) for t in set(penalized.token_ids)) <= max(
+        plain.token_ids.count(t) for t in set(plain.token_ids)
+    )
+
+
+def test_streaming_deltas_concatenate_to_the_text(llm: LLM):
+    from kvserve.request import Request
+
+    engine = llm.engine
+    engine.add_request(Request("s1", chat(llm, "Tell me about café culture in Paris."),
+                               SamplingParams(max_tokens=30, temperature=0, stop=["Paris is"])))
+    deltas, final = [], None
+    while final is None:
+        for out in engine.step():
+            deltas.append(out.new_text)
+            if out.finished:
+                final = out
+    assert "".join(deltas) == final.text
+    assert "\ufffd" not in final.text
