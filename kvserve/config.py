@@ -20,7 +20,9 @@ class ServeConfig:
     # --- model -------------------------------------------------------------------------------
     model: str = field(
         default="smollm2-135m",
-        metadata={"help": "builtin name (smollm2-135m, tiny-random-llama), a local HF directory or a .gguf file"},
+        metadata={
+            "help": "builtin name (smollm2-135m, tiny-random-llama), a local HF directory or a .gguf file"
+        },
     )
     device: str = field(default="auto", metadata={"help": "auto, cpu or cuda"})
     dtype: str = field(
@@ -47,7 +49,8 @@ class ServeConfig:
         default="auto", metadata={"help": "KV storage codec by name (auto = the model dtype)"}
     )
     kv_cache_bits: int = field(
-        default=0, metadata={"help": "pick the best measured codec for 16, 8, 4 or 3 bits (0 = use kv_cache_dtype)"}
+        default=0,
+        metadata={"help": "pick the best measured codec for 16, 8, 4 or 3 bits (0 = use kv_cache_dtype)"},
     )
     eviction_policy: str = field(
         default="lru_freq", metadata={"help": "lru_freq (LRU with frequency awareness) or lru"}
@@ -56,7 +59,9 @@ class ServeConfig:
         default="auto", metadata={"help": "auto, reference, cpu_paged, triton or cuda"}
     )
     # --- position-independent reuse (approximate) --------------------------------------------
-    reuse: str = field(default="prefix", metadata={"help": "prefix (exact only) or any (also content matches)"})
+    reuse: str = field(
+        default="prefix", metadata={"help": "prefix (exact only) or any (also content matches)"}
+    )
     recompute_strategy: str = field(
         default="selective", metadata={"help": "repair for content matches: none, selective or cacheblend"}
     )
@@ -77,8 +82,12 @@ class ServeConfig:
     )
     request_timeout_s: float = field(default=600.0, metadata={"help": "abort requests older than this (504)"})
     api_key: str = field(default="", metadata={"help": "require 'Authorization: Bearer KEY' (empty = open)"})
-    warm: tuple[str, ...] = field(default=(), metadata={"help": "text to pre-warm and pin at start-up (repeatable)"})
-    served_model_name: str = field(default="", metadata={"help": "model id reported by the API (default: --model)"})
+    warm: tuple[str, ...] = field(
+        default=(), metadata={"help": "text to pre-warm and pin at start-up (repeatable)"}
+    )
+    served_model_name: str = field(
+        default="", metadata={"help": "model id reported by the API (default: --model)"}
+    )
 
     def __post_init__(self) -> None:
         validate(self)
@@ -136,7 +145,9 @@ def from_dict(values: dict[str, Any]) -> ServeConfig:
     known = set(field_names())
     unknown = sorted(set(values) - known)
     if unknown:
-        raise ConfigError(f"unknown config key(s): {', '.join(unknown)}; known keys: {', '.join(sorted(known))}")
+        raise ConfigError(
+            f"unknown config key(s): {', '.join(unknown)}; known keys: {', '.join(sorted(known))}"
+        )
     values = dict(values)
     if "warm" in values:
         warm = values["warm"]

@@ -5,7 +5,7 @@ from __future__ import annotations
 import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Union
+from typing import Any
 
 from kvserve.config import ServeConfig, make_config
 from kvserve.engine.engine import Engine
@@ -13,7 +13,7 @@ from kvserve.errors import InvalidRequestError
 from kvserve.request import Request, RequestOutput, SamplingParams
 
 Messages = list[dict[str, Any]]
-PromptLike = Union[str, list[int], Messages]
+PromptLike = str | list[int] | Messages
 
 
 @dataclass(frozen=True)
@@ -51,7 +51,11 @@ class LLM:
     def _normalize(self, prompts: PromptLike | Sequence[PromptLike]) -> list[PromptLike]:
         if isinstance(prompts, str):
             return [prompts]
-        if isinstance(prompts, list) and prompts and (isinstance(prompts[0], int) or isinstance(prompts[0], dict)):
+        if (
+            isinstance(prompts, list)
+            and prompts
+            and (isinstance(prompts[0], int) or isinstance(prompts[0], dict))
+        ):
             return [prompts]  # type: ignore[list-item]
         return list(prompts)  # type: ignore[arg-type]
 
@@ -97,8 +101,9 @@ class LLM:
         num_chunks = len(token_ids) // chunk
         before = self.engine.stats()["store"]["num_chunks"]
         rid = f"warm-{next(self._ids)}"
-        request = Request(rid, list(token_ids), SamplingParams(max_tokens=1), cache_salt=cache_salt,
-                          warm_only=True, pin=pin)
+        request = Request(
+            rid, list(token_ids), SamplingParams(max_tokens=1), cache_salt=cache_salt, warm_only=True, pin=pin
+        )
         self.engine.add_request(request)
         out = self._run({rid})[rid]
         if out.error:
@@ -107,12 +112,7 @@ class LLM:
         return WarmResult(len(token_ids), num_chunks * chunk, added, num_chunks - added, pin)
 
     def unpin(self, prompt: PromptLike, cache_salt: str | None = None) -> int:
-        from kvserve.kvcache.hashing import chunk_prefix_hashes, root_hash
-
-        token_ids = self.to_token_ids(prompt, add_generation_prompt=False)
-        root = root_hash(self.engine.info.namespace, cache_salt)
-        hashes = chunk_prefix_hashes(token_ids, self.config.chunk_size, root)
-        return sum(self.engine.store.set_pinned(h, False) for h in hashes)
+        return self.engine.unpin(self.to_token_ids(prompt, add_generation_prompt=False), cache_salt)
 
     def stats(self) -> dict[str, Any]:
         return self.engine.stats()

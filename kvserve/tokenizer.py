@@ -28,7 +28,9 @@ class Tokenizer:
     def token_str(self, token_id: int) -> str:
         return str(self.hf.decode([token_id]))
 
-    def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> list[int]:
+    def apply_chat_template(
+        self, messages: list[dict[str, Any]], add_generation_prompt: bool = True
+    ) -> list[int]:
         """Render messages with the model's chat template. Content may be a string or a list of
         text parts; `developer` is rendered as `system`."""
         if not messages:
@@ -38,13 +40,16 @@ class Tokenizer:
             role = m.get("role")
             if role not in VALID_ROLES:
                 raise InvalidRequestError(
-                    f"messages[{i}].role must be one of {', '.join(VALID_ROLES)} (got {role!r})", param="messages"
+                    f"messages[{i}].role must be one of {', '.join(VALID_ROLES)} (got {role!r})",
+                    param="messages",
                 )
             rendered.append({"role": "system" if role == "developer" else role, "content": _text_of(m, i)})
         if self.hf.chat_template is None:
             text = "".join(f"{m['role']}: {m['content']}\n" for m in rendered)
             return self.encode(text + ("assistant: " if add_generation_prompt else ""))
-        ids = self.hf.apply_chat_template(rendered, add_generation_prompt=add_generation_prompt, tokenize=True)
+        ids = self.hf.apply_chat_template(
+            rendered, add_generation_prompt=add_generation_prompt, tokenize=True
+        )
         if isinstance(ids, dict) or hasattr(ids, "input_ids"):
             ids = ids["input_ids"]
         return list(ids)
@@ -57,7 +62,11 @@ def _text_of(message: dict[str, Any], index: int) -> str:
     if isinstance(content, list):
         parts = []
         for part in content:
-            if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+            if (
+                not isinstance(part, dict)
+                or part.get("type") != "text"
+                or not isinstance(part.get("text"), str)
+            ):
                 raise InvalidRequestError(
                     f"messages[{index}].content: only text parts are supported", param="messages"
                 )
@@ -65,7 +74,9 @@ def _text_of(message: dict[str, Any], index: int) -> str:
         return "".join(parts)
     if content is None and message.get("role") == "assistant":
         return ""
-    raise InvalidRequestError(f"messages[{index}].content must be a string or a list of text parts", param="messages")
+    raise InvalidRequestError(
+        f"messages[{index}].content must be a string or a list of text parts", param="messages"
+    )
 
 
 class IncrementalDetokenizer:

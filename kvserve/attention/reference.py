@@ -35,7 +35,9 @@ def attention_one_sequence(
 class ReferenceBackend(AttentionBackend):
     name = "reference"
 
-    def forward(self, query: torch.Tensor, kv: LayerKV, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    def forward(
+        self, query: torch.Tensor, kv: LayerKV, meta: AttentionMetadata, scale: float
+    ) -> torch.Tensor:
         out = torch.empty_like(query)
         start = 0
         for i, (q_len, seq_len) in enumerate(zip(meta.query_lens_list, meta.seq_lens_list)):

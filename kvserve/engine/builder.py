@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -72,8 +73,13 @@ def resolve_codec_name(config: ServeConfig, dtype: torch.dtype) -> str:
 
 
 def make_layer_kv(
-    codec: str, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
-    dtype: torch.dtype, device: torch.device,
+    codec: str,
+    num_blocks: int,
+    block_size: int,
+    num_kv_heads: int,
+    head_dim: int,
+    dtype: torch.dtype,
+    device: torch.device,
 ) -> LayerKV:
     passthrough = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
     if codec in passthrough:
@@ -89,9 +95,11 @@ def load_model(config: ServeConfig, device: torch.device, dtype: torch.dtype) ->
     from transformers import AutoModelForCausalLM
 
     path = resolve_model_path(config.model)
-    model = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype, attn_implementation=ATTN_IMPLEMENTATION)
+    model = AutoModelForCausalLM.from_pretrained(
+        str(path), dtype=dtype, attn_implementation=ATTN_IMPLEMENTATION
+    )
     check_supported(model)
-    model.to(device).eval()
+    model.to(device).eval()  # type: ignore[arg-type]
     return model, path
 
 
@@ -109,7 +117,7 @@ def build_parts(config: ServeConfig) -> EngineParts:
     dtype = resolve_dtype(config.dtype, device)
     model, path = load_model(config, device, dtype)
     tokenizer = Tokenizer(path)
-    mc = model.config
+    mc: Any = model.config
     num_layers = mc.num_hidden_layers
     num_kv_heads = getattr(mc, "num_key_value_heads", None) or mc.num_attention_heads
     head_dim = getattr(mc, "head_dim", None) or mc.hidden_size // mc.num_attention_heads
@@ -130,15 +138,31 @@ def build_parts(config: ServeConfig) -> EngineParts:
     max_model_len = config.max_model_len or int(getattr(mc, "max_position_embeddings", 2048))
     eos = _eos_ids(model, tokenizer)
     namespace = "|".join(
-        [model_fingerprint(path), type(tokenizer.hf).__name__, str(tokenizer.vocab_size), str(dtype), codec,
-         f"chunk={config.chunk_size}", f"block={config.block_size}"]
+        [
+            model_fingerprint(path),
+            type(tokenizer.hf).__name__,
+            str(tokenizer.vocab_size),
+            str(dtype),
+            codec,
+            f"chunk={config.chunk_size}",
+            f"block={config.block_size}",
+        ]
     )
     info = RuntimeInfo(
-        model_path=str(path), device=str(device), dtype=str(dtype).replace("torch.", ""), kv_codec=codec,
-        attention_backend=backend.name, num_layers=num_layers, num_kv_heads=num_kv_heads, head_dim=head_dim,
-        num_blocks=num_blocks, block_size=config.block_size,
-        bytes_per_token=bytes_per_block / config.block_size, max_model_len=max_model_len,
-        eos_token_ids=eos, namespace=namespace,
+        model_path=str(path),
+        device=str(device),
+        dtype=str(dtype).replace("torch.", ""),
+        kv_codec=codec,
+        attention_backend=backend.name,
+        num_layers=num_layers,
+        num_kv_heads=num_kv_heads,
+        head_dim=head_dim,
+        num_blocks=num_blocks,
+        block_size=config.block_size,
+        bytes_per_token=bytes_per_block / config.block_size,
+        max_model_len=max_model_len,
+        eos_token_ids=eos,
+        namespace=namespace,
     )
     return EngineParts(model, tokenizer, layers, backend, info)
 

@@ -20,11 +20,11 @@ from kvserve.engine.sampler import sample_one
 from kvserve.errors import InvalidRequestError
 from kvserve.kvcache.block_pool import BlockPool
 from kvserve.kvcache.chunk_store import ChunkStore
-from kvserve.kvcache.hashing import root_hash
+from kvserve.kvcache.hashing import chunk_prefix_hashes, root_hash
 from kvserve.request import FinishReason, Request, RequestOutput, TokenLogprob
 from kvserve.scheduler.batch import ScheduledBatch
 from kvserve.scheduler.scheduler import Scheduler
-from kvserve.scheduler.sequence import Sequence, SeqStatus
+from kvserve.scheduler.sequence import SeqStatus, Sequence
 from kvserve.tokenizer import IncrementalDetokenizer
 
 log = logging.getLogger("kvserve.engine")
@@ -41,8 +41,13 @@ class Engine:
             self.pool.on_free.append(layer.on_block_freed)
         self.store = ChunkStore(self.pool, config.chunk_size, config.eviction_policy)
         self.scheduler = Scheduler(
-            self.pool, self.store, self.info.namespace, config.max_num_seqs, config.max_num_batched_tokens,
-            config.batch_window_ms / 1000.0, config.enable_prefix_caching,
+            self.pool,
+            self.store,
+            self.info.namespace,
+            config.max_num_seqs,
+            config.max_num_batched_tokens,
+            config.batch_window_ms / 1000.0,
+            config.enable_prefix_caching,
         )
         self.runner = ModelRunner(self.model, self.layers, parts.backend, torch.device(self.info.device))
         self.outputs = OutputBuilder()
@@ -67,7 +72,9 @@ class Engine:
         seq = Sequence(
             request=request,
             generator=torch.Generator().manual_seed(seed),
-            detokenizer=None if request.warm_only else IncrementalDetokenizer(self.tokenizer, request.prompt_token_ids),
+            detokenizer=None
+            if request.warm_only
+            else IncrementalDetokenizer(self.tokenizer, request.prompt_token_ids),
             root_hash=root_hash(self.info.namespace, request.cache_salt),
         )
         self._seqs[request.request_id] = seq
@@ -89,11 +96,15 @@ class Engine:
                 param="prompt",
             )
         if n > limit:
-            raise InvalidRequestError(f"the text has {n} tokens; at most {limit} can be warmed", param="prompt")
+            raise InvalidRequestError(
+                f"the text has {n} tokens; at most {limit} can be warmed", param="prompt"
+            )
         bad = [t for t in request.prompt_token_ids if not 0 <= t < self.tokenizer.vocab_size]
         if bad:
-            raise InvalidRequestError(f"token id {bad[0]} is outside the vocabulary (0..{self.tokenizer.vocab_size - 1})",
-                                      param="prompt")
+            raise InvalidRequestError(
+                f"token id {bad[0]} is outside the vocabulary (0..{self.tokenizer.vocab_size - 1})",
+                param="prompt",
+            )
         need_tokens = min(n + request.sampling_params.max_tokens, limit)
         if -(-need_tokens // self.config.block_size) > self.pool.num_blocks:
             raise InvalidRequestError(
@@ -108,6 +119,12 @@ class Engine:
             return False
         self._finish(seq, FinishReason.ABORT, error=reason)
         return True
+
+    def unpin(self, token_ids: list[int], cache_salt: str | None = None) -> int:
+        """Unpin the cached chunks of this prompt prefix; returns how many were pinned."""
+        root = root_hash(self.info.namespace, cache_salt)
+        hashes = chunk_prefix_hashes(token_ids, self.config.chunk_size, root)
+        return sum(self.store.set_pinned(h, False) for h in hashes)
 
     def has_unfinished_requests(self) -> bool:
         return bool(self._seqs) or bool(self._pending)
@@ -151,7 +168,9 @@ class Engine:
         for item in batch.items:
             seq = item.seq
             start = seq.num_computed_tokens
-            self.num_prompt_tokens_computed += max(0, min(start + item.num_new_tokens, seq.num_prompt_tokens) - start)
+            self.num_prompt_tokens_computed += max(
+                0, min(start + item.num_new_tokens, seq.num_prompt_tokens) - start
+            )
             self.scheduler.on_computed(item)
             if seq.request.metrics.first_scheduled_time is None:
                 seq.request.metrics.first_scheduled_time = time.monotonic()
@@ -219,7 +238,11 @@ class Engine:
         self._finish(seq, FinishReason.STOP)
 
     def _finish(
-        self, seq: Sequence, reason: FinishReason, stop_reason: str | int | None = None, error: str | None = None
+        self,
+        seq: Sequence,
+        reason: FinishReason,
+        stop_reason: str | int | None = None,
+        error: str | None = None,
     ) -> None:
         if seq.finished:
             return

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -22,7 +23,7 @@ class StepInputs:
 
 
 class ModelRunner:
-    def __init__(self, model: torch.nn.Module, layers: list[LayerKV], backend: AttentionBackend, device: torch.device):
+    def __init__(self, model: Any, layers: list[LayerKV], backend: AttentionBackend, device: torch.device):
         self.model = model
         self.decoder = model.model
         self.lm_head = model.get_output_embeddings()

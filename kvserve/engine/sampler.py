@@ -27,7 +27,9 @@ def apply_penalties(
         seen = torch.tensor(sorted(set(prompt_token_ids) | set(output_token_ids)), dtype=torch.long)
         if len(seen):
             vals = logits[seen]
-            logits[seen] = torch.where(vals > 0, vals / params.repetition_penalty, vals * params.repetition_penalty)
+            logits[seen] = torch.where(
+                vals > 0, vals / params.repetition_penalty, vals * params.repetition_penalty
+            )
     if (params.presence_penalty or params.frequency_penalty) and output_token_ids:
         counts = Counter(output_token_ids)
         ids = torch.tensor(list(counts.keys()), dtype=torch.long)

@@ -78,7 +78,9 @@ class ChunkStore:
         chunk.num_users -= 1
         self._maybe_evictable(chunk)
 
-    def insert(self, prefix_hash: bytes, content_hash: bytes, block_ids: list[int], depth: int) -> CachedChunk:
+    def insert(
+        self, prefix_hash: bytes, content_hash: bytes, block_ids: list[int], depth: int
+    ) -> CachedChunk:
         """Register a chunk computed by a running request, which becomes its first user."""
         assert prefix_hash not in self._chunks and len(block_ids) == self.blocks_per_chunk
         self.pool.retain(block_ids)
@@ -144,9 +146,7 @@ class ChunkStore:
 
     @property
     def num_evictable_blocks(self) -> int:
-        return sum(
-            self.blocks_per_chunk for c in self._chunks.values() if c.num_users == 0 and not c.pinned
-        )
+        return sum(self.blocks_per_chunk for c in self._chunks.values() if c.num_users == 0 and not c.pinned)
 
     def chunks(self) -> list[CachedChunk]:
         return list(self._chunks.values())

@@ -31,7 +31,9 @@ def chunk_prefix_hashes(
     hashes: list[bytes] = []
     num_full = len(token_ids) // chunk_size
     for i in range(start_chunk, num_full):
-        parent = hashlib.sha256(parent + _token_bytes(token_ids[i * chunk_size : (i + 1) * chunk_size])).digest()
+        parent = hashlib.sha256(
+            parent + _token_bytes(token_ids[i * chunk_size : (i + 1) * chunk_size])
+        ).digest()
         hashes.append(parent)
     return hashes
 

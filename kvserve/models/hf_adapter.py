@@ -48,7 +48,12 @@ class PoolCache(Cache):
         super().__init__(layers=[])
 
     def update(  # type: ignore[override]
-        self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args: object, **kwargs: object
+        self,
+        key_states: torch.Tensor,
+        value_states: torch.Tensor,
+        layer_idx: int,
+        *args: object,
+        **kwargs: object,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         ctx = get_forward_context()
         k = key_states[0].transpose(0, 1)  # [num_tokens, num_kv_heads, head_dim]
@@ -67,7 +72,9 @@ def check_supported(model: torch.nn.Module) -> None:
     config = model.config
     name = type(model).__name__
     if not getattr(model, "_supports_attention_backend", False):
-        raise UnsupportedModelError(f"{name} does not route attention through transformers' attention interface")
+        raise UnsupportedModelError(
+            f"{name} does not route attention through transformers' attention interface"
+        )
     decoder = getattr(model, "model", None)
     if decoder is None or not hasattr(decoder, "layers") or not hasattr(decoder, "rotary_emb"):
         raise UnsupportedModelError(
@@ -77,6 +84,8 @@ def check_supported(model: torch.nn.Module) -> None:
     if getattr(config, "sliding_window", None) and getattr(config, "use_sliding_window", True):
         layer_types = getattr(config, "layer_types", None) or []
         if not layer_types or any(t != "full_attention" for t in layer_types):
-            raise UnsupportedModelError(f"{name} uses sliding-window attention, which kvserve does not support yet")
+            raise UnsupportedModelError(
+                f"{name} uses sliding-window attention, which kvserve does not support yet"
+            )
     if getattr(config, "is_encoder_decoder", False):
         raise UnsupportedModelError(f"{name} is an encoder-decoder model")

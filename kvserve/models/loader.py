@@ -57,9 +57,19 @@ def _build_tiny_random_llama() -> Path:
 
     tokenizer = AutoTokenizer.from_pretrained(_build_smollm2())
     config = LlamaConfig(
-        vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=4,
-        num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=4096,
-        rope_theta=10000.0, bos_token_id=1, eos_token_id=2, pad_token_id=2, tie_word_embeddings=True,
+        vocab_size=len(tokenizer),
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        max_position_embeddings=4096,
+        rope_theta=10000.0,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=2,
+        tie_word_embeddings=True,
     )
     torch.manual_seed(0)
     model = LlamaForCausalLM(config)
@@ -96,7 +106,9 @@ def _save_atomically(target: Path, write: Callable[[Path], object]) -> Path:
 def convert_gguf(gguf_path: Path, name: str | None = None) -> Path:
     """GGUF -> safetensors directory (dequantized), cached by file name, size and mtime."""
     stat = gguf_path.stat()
-    key = hashlib.sha256(f"{gguf_path.resolve()}:{stat.st_size}:{int(stat.st_mtime)}".encode()).hexdigest()[:12]
+    key = hashlib.sha256(f"{gguf_path.resolve()}:{stat.st_size}:{int(stat.st_mtime)}".encode()).hexdigest()[
+        :12
+    ]
     target = cache_dir() / "models" / f"{name or gguf_path.stem}-{key}"
     if (target / "config.json").exists():
         return target

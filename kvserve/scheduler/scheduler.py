@@ -20,7 +20,7 @@ from kvserve.kvcache.hashing import chunk_prefix_hashes, content_hash
 from kvserve.request import FinishReason
 from kvserve.scheduler.batch import ScheduledBatch, ScheduledSeq
 from kvserve.scheduler.queue import AdmissionQueue
-from kvserve.scheduler.sequence import Sequence, SeqStatus
+from kvserve.scheduler.sequence import SeqStatus, Sequence
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -182,7 +182,9 @@ class Scheduler:
             h = seq.prefix_hashes[i]
             if h not in self.store:
                 tokens = seq.token_ids[i * self.chunk_size : (i + 1) * self.chunk_size]
-                self.store.insert(h, content_hash(self.namespace, tokens), seq.block_ids[i * bpc : (i + 1) * bpc], i)
+                self.store.insert(
+                    h, content_hash(self.namespace, tokens), seq.block_ids[i * bpc : (i + 1) * bpc], i
+                )
                 seq.used_chunks.append(h)
             # else: computed concurrently by another sequence; ours stays private and is freed at the end
             self._drop_in_flight(seq, h)

@@ -14,15 +14,22 @@ PARAMS = [
     SamplingParams(max_tokens=4, temperature=0, repetition_penalty=1.3, ignore_eos=True),
     SamplingParams(max_tokens=9, temperature=0.7, top_k=20, seed=3, ignore_eos=True),
     SamplingParams(max_tokens=7, temperature=1.2, min_p=0.05, seed=4, ignore_eos=True),
-    SamplingParams(max_tokens=11, temperature=0, presence_penalty=0.5, frequency_penalty=0.5, ignore_eos=True),
+    SamplingParams(
+        max_tokens=11, temperature=0, presence_penalty=0.5, frequency_penalty=0.5, ignore_eos=True
+    ),
     SamplingParams(max_tokens=5, temperature=0.9, seed=5, logprobs=3, ignore_eos=True),
 ]
 
 
 @pytest.fixture(scope="module", params=["tiny-random-llama", "smollm2-135m"])
 def llm(request: pytest.FixtureRequest) -> LLM:
-    return LLM(model=request.param, attention_backend="reference", chunk_size=32, max_cache_bytes=200_000_000,
-               enable_prefix_caching=False)
+    return LLM(
+        model=request.param,
+        attention_backend="reference",
+        chunk_size=32,
+        max_cache_bytes=200_000_000,
+        enable_prefix_caching=False,
+    )
 
 
 def test_eight_requests_together_equal_each_alone(llm: LLM):
@@ -37,7 +44,9 @@ def test_eight_requests_together_equal_each_alone(llm: LLM):
 
 def test_chunked_prefill_and_tiny_step_budget_give_the_same_tokens():
     big = LLM(model="tiny-random-llama", chunk_size=32, max_cache_bytes=50_000_000)
-    small = LLM(model="tiny-random-llama", chunk_size=32, max_cache_bytes=50_000_000, max_num_batched_tokens=16)
+    small = LLM(
+        model="tiny-random-llama", chunk_size=32, max_cache_bytes=50_000_000, max_num_batched_tokens=16
+    )
     prompts = [corpus_token_ids(big, n, seed=20 + n) for n in (150, 33, 70)]
     a = big.generate(prompts, PARAMS[:3])
     small.engine.check_integrity_each_step = True

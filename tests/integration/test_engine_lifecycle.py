@@ -47,7 +47,10 @@ def test_aborts_leave_no_leaks(llm: LLM):
         for out in engine.step():
             if out.finished:
                 finished[out.request_id] = out
-    assert finished["r0"].finish_reason == FinishReason.ABORT and finished["r3"].finish_reason == FinishReason.ABORT
+    assert (
+        finished["r0"].finish_reason == FinishReason.ABORT
+        and finished["r3"].finish_reason == FinishReason.ABORT
+    )
     assert finished["r1"].finish_reason == FinishReason.LENGTH
     _all_used_blocks_are_cached(llm)
 

@@ -12,8 +12,13 @@ CHUNK = 32
 
 
 def _engines(model: str) -> tuple[LLM, LLM]:
-    common = dict(model=model, attention_backend="reference", chunk_size=CHUNK, block_size=16,
-                  max_cache_bytes=200_000_000)
+    common = dict(
+        model=model,
+        attention_backend="reference",
+        chunk_size=CHUNK,
+        block_size=16,
+        max_cache_bytes=200_000_000,
+    )
     return LLM(enable_prefix_caching=True, **common), LLM(enable_prefix_caching=False, **common)
 
 
@@ -34,9 +39,14 @@ def test_prefix_reuse_is_exact_for_0_1_several_and_all_shared_chunks(engines: tu
         "identical prompt": list(base),
         "prompt == whole chunks": base[: 4 * CHUNK],  # full hit: the last token is recomputed
     }
-    expected_cached = {"0 shared": 0, "1 shared": CHUNK, "several": 3 * CHUNK,
-                       "all chunks, new tail": 5 * CHUNK, "identical prompt": 5 * CHUNK,
-                       "prompt == whole chunks": 3 * CHUNK}
+    expected_cached = {
+        "0 shared": 0,
+        "1 shared": CHUNK,
+        "several": 3 * CHUNK,
+        "all chunks, new tail": 5 * CHUNK,
+        "identical prompt": 5 * CHUNK,
+        "prompt == whole chunks": 3 * CHUNK,
+    }
     for name, prompt in cases.items():
         (warm,), (warm_logits,) = generate_with_logits(cached, [prompt], GREEDY)
         (ref,), (ref_logits,) = generate_with_logits(cold, [prompt], GREEDY)

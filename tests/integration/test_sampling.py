@@ -20,13 +20,17 @@ def chat(llm: LLM, text: str) -> list[int]:
 
 
 def test_greedy_answers_and_stops_at_eos(llm: LLM):
-    (out,) = llm.generate([chat(llm, "What is the capital of France?")], SamplingParams(max_tokens=30, temperature=0))
+    (out,) = llm.generate(
+        [chat(llm, "What is the capital of France?")], SamplingParams(max_tokens=30, temperature=0)
+    )
     assert "Paris" in out.text and out.finish_reason == FinishReason.STOP
 
 
 def test_seed_reproducible_and_different_seeds_differ(llm: LLM):
     p = chat(llm, "Write a short poem about the sea.")
-    a, b, c = llm.generate([p, p, p], [SamplingParams(max_tokens=20, temperature=1.0, seed=s) for s in (1, 1, 2)])
+    a, b, c = llm.generate(
+        [p, p, p], [SamplingParams(max_tokens=20, temperature=1.0, seed=s) for s in (1, 1, 2)]
+    )
     assert a.token_ids == b.token_ids and a.token_ids != c.token_ids
 
 
@@ -37,7 +41,9 @@ def test_stop_strings_and_stop_token_ids(llm: LLM):
     (cut,) = llm.generate([p], SamplingParams(max_tokens=40, temperature=0, stop=["5"]))
     assert cut.finish_reason == FinishReason.STOP and cut.stop_reason == "5"
     assert cut.text == full.text[: full.text.index("5")]
-    (kept,) = llm.generate([p], SamplingParams(max_tokens=40, temperature=0, stop=["5"], include_stop_str_in_output=True))
+    (kept,) = llm.generate(
+        [p], SamplingParams(max_tokens=40, temperature=0, stop=["5"], include_stop_str_in_output=True)
+    )
     assert kept.text.endswith("5")
     stop_id = full.token_ids[3]
     (tok,) = llm.generate([p], SamplingParams(max_tokens=40, temperature=0, stop_token_ids=[stop_id]))
@@ -84,8 +90,13 @@ def test_streaming_deltas_concatenate_to_the_text(llm: LLM):
     from kvserve.request import Request
 
     engine = llm.engine
-    engine.add_request(Request("s1", chat(llm, "Tell me about café culture in Paris."),
-                               SamplingParams(max_tokens=30, temperature=0, stop=["Paris is"])))
+    engine.add_request(
+        Request(
+            "s1",
+            chat(llm, "Tell me about café culture in Paris."),
+            SamplingParams(max_tokens=30, temperature=0, stop=["Paris is"]),
+        )
+    )
     deltas, final = [], None
     while final is None:
         for out in engine.step():

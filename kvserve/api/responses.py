@@ -1,0 +1,174 @@
+"""OpenAI response bodies (whole and streamed chunks) built from RequestOutputs."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from kvserve.errors import KVServeError, RequestTimeoutError
+from kvserve.request import FinishReason, RequestOutput, TokenLogprob
+from kvserve.tokenizer import Tokenizer
+
+
+@dataclass
+class Choice:
+    index: int
+    request_id: str
+    prompt_index: int
+    echo_text: str = ""  # the prompt's text when echo=true (completions)
+
+
+@dataclass
+class Job:
+    """One API call: its choices (prompt x n engine requests) and what its bodies need."""
+
+    kind: Literal["completion", "chat"]
+    model: str
+    prompts: list[list[int]]
+    choices: list[Choice]
+    logprobs: bool
+    id: str
+    created: int = field(default_factory=lambda: int(time.time()))
+
+    def choice_of(self, request_id: str) -> Choice:
+        return next(c for c in self.choices if c.request_id == request_id)
+
+    @property
+    def object(self) -> str:
+        return "text_completion" if self.kind == "completion" else "chat.completion"
+
+    def head(self, object_name: str | None = None) -> dict[str, Any]:
+        return {
+            "id": self.id,
+            "object": object_name or self.object,
+            "created": self.created,
+            "model": self.model,
+        }
+
+
+def raise_for_failure(out: RequestOutput) -> None:
+    """A finished output that is not stop/length becomes the matching KVServeError."""
+    if out.finish_reason in (FinishReason.STOP, FinishReason.LENGTH):
+        return
+    if out.error == "timeout":
+        raise RequestTimeoutError(
+            "the request took longer than the server's request_timeout_s", code="timeout"
+        )
+    raise KVServeError(f"the request did not complete: {out.error or 'aborted'}")
+
+
+def usage(job: Job, finals: dict[str, RequestOutput]) -> dict[str, Any]:
+    """Prompt tokens count once per prompt (n samples share it); cached tokens from its first sample."""
+    first_of_prompt: dict[int, RequestOutput] = {}
+    for c in job.choices:
+        if c.request_id in finals:
+            first_of_prompt.setdefault(c.prompt_index, finals[c.request_id])
+    prompt_tokens = sum(len(p) for p in job.prompts)
+    completion_tokens = sum(len(o.token_ids) for o in finals.values())
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+        "prompt_tokens_details": {
+            "cached_tokens": sum(o.num_cached_tokens for o in first_of_prompt.values())
+        },
+    }
+
+
+def finish_reason(out: RequestOutput) -> str | None:
+    return out.finish_reason.value if out.finished and out.finish_reason else None
+
+
+# --- logprobs ----------------------------------------------------------------------------------------
+def completion_logprobs(tok: Tokenizer, entries: list[TokenLogprob], text_offset: int) -> dict[str, Any]:
+    tokens, token_logprobs, top, offsets = [], [], [], []
+    for e in entries:
+        s = tok.token_str(e.token_id)
+        tokens.append(s)
+        token_logprobs.append(e.logprob)
+        top.append({tok.token_str(t): lp for t, lp in e.top})
+        offsets.append(text_offset)
+        text_offset += len(s)
+    return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top, "text_offset": offsets}
+
+
+def chat_logprobs(tok: Tokenizer, entries: list[TokenLogprob]) -> dict[str, Any]:
+    def one(token_id: int, logprob: float) -> dict[str, Any]:
+        s = tok.token_str(token_id)
+        return {"token": s, "logprob": logprob, "bytes": list(s.encode("utf-8"))}
+
+    return {
+        "content": [
+            {**one(e.token_id, e.logprob), "top_logprobs": [one(t, lp) for t, lp in e.top]} for e in entries
+        ]
+    }
+
+
+def _logprobs_of(job: Job, tok: Tokenizer, entries: list[TokenLogprob] | None, text_offset: int) -> Any:
+    if not job.logprobs or entries is None:
+        return None
+    if job.kind == "completion":
+        return completion_logprobs(tok, entries, text_offset)
+    return chat_logprobs(tok, entries)
+
+
+# --- whole responses ---------------------------------------------------------------------------------
+def full_response(job: Job, tok: Tokenizer, finals: dict[str, RequestOutput]) -> dict[str, Any]:
+    choices = []
+    for c in job.choices:
+        out = finals[c.request_id]
+        logprobs = _logprobs_of(job, tok, out.logprobs, len(c.echo_text))
+        if job.kind == "completion":
+            choices.append(
+                {
+                    "index": c.index,
+                    "text": c.echo_text + out.text,
+                    "logprobs": logprobs,
+                    "finish_reason": finish_reason(out),
+                }
+            )
+        else:
+            choices.append(
+                {
+                    "index": c.index,
+                    "message": {"role": "assistant", "content": out.text},
+                    "logprobs": logprobs,
+                    "finish_reason": finish_reason(out),
+                }
+            )
+    return {**job.head(), "choices": choices, "usage": usage(job, finals)}
+
+
+# --- streamed chunks ---------------------------------------------------------------------------------
+def chunk_object(job: Job) -> str:
+    return "text_completion" if job.kind == "completion" else "chat.completion.chunk"
+
+
+def role_chunk(job: Job, choice: Choice) -> dict[str, Any]:
+    delta = {"role": "assistant", "content": ""}
+    return {
+        **job.head(chunk_object(job)),
+        "choices": [{"index": choice.index, "delta": delta, "logprobs": None, "finish_reason": None}],
+    }
+
+
+def delta_chunk(job: Job, tok: Tokenizer, out: RequestOutput, prefix: str = "") -> dict[str, Any]:
+    """The text (and logprobs) that `out` adds; `prefix` is echoed prompt text on the first chunk."""
+    choice = job.choice_of(out.request_id)
+    entries = None
+    if out.logprobs is not None and out.new_token_ids:
+        entries = out.logprobs[len(out.logprobs) - len(out.new_token_ids) :]
+    offset = len(choice.echo_text) + len(out.text) - len(out.new_text)
+    logprobs = _logprobs_of(job, tok, entries, offset) if entries else None
+    text = prefix + out.new_text
+    body: dict[str, Any] = {"index": choice.index, "logprobs": logprobs, "finish_reason": finish_reason(out)}
+    if job.kind == "completion":
+        body["text"] = text
+    else:
+        body["delta"] = {"content": text} if text else {}
+    return {**job.head(chunk_object(job)), "choices": [body]}
+
+
+def usage_chunk(job: Job, finals: dict[str, RequestOutput]) -> dict[str, Any]:
+    return {**job.head(chunk_object(job)), "choices": [], "usage": usage(job, finals)}

@@ -1,0 +1,72 @@
+"""The GET /v1/stats body, built on engine.stats()."""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from typing import Any
+
+from kvserve.config import ServeConfig
+from kvserve.engine.async_engine import QueueCounters
+from kvserve.metrics import Metrics
+
+
+def stats_body(
+    engine_stats: dict[str, Any],
+    counters: QueueCounters,
+    metrics: Metrics,
+    config: ServeConfig,
+    info: Any,
+    model_name: str,
+) -> dict[str, Any]:
+    s = engine_stats
+    snapshot = dataclasses.asdict(config)
+    snapshot["api_key"] = "***" if config.api_key else ""
+    snapshot["warm"] = [f"<{len(t)} chars>" for t in config.warm]  # prompts are not echoed
+    return {
+        "queue": {
+            "waiting": s["num_waiting"],
+            "running": s["num_running"],
+            "in_system": s.get("num_in_system", 0),
+            "max_queue_size": config.max_queue_size,
+            **dataclasses.asdict(counters),
+            "preemptions": s["num_preemptions"],
+        },
+        "cache": _cache(s),
+        "throughput": metrics.throughput(time.monotonic()),
+        "tokens": {
+            "prompt_tokens_computed": s["num_prompt_tokens_computed"],
+            "generated_tokens": s["num_generated_tokens"],
+        },
+        "latency": metrics.latency(),
+        "model": {
+            "id": model_name,
+            "device": info.device,
+            "dtype": info.dtype,
+            "attention_backend": info.attention_backend,
+            "max_model_len": info.max_model_len,
+            "pool_tokens": info.pool_tokens,
+        },
+        "config": snapshot,
+    }
+
+
+def _cache(s: dict[str, Any]) -> dict[str, Any]:
+    pool, store = s["pool"], s["store"]
+    blocks_used = pool["num_blocks"] - pool["num_free_blocks"]
+    return {
+        "chunks": store["num_chunks"],
+        "pinned_chunks": store["num_pinned_chunks"],
+        "blocks_used": blocks_used,
+        "blocks_total": pool["num_blocks"],
+        "cached_blocks": store["num_cached_blocks"],
+        "bytes_used": int(blocks_used * s["bytes_per_token"] * pool["block_size"]),
+        "cached_bytes": store["cached_bytes"],
+        "bytes_budget": store["max_cache_bytes"],
+        "bytes_per_token": s["bytes_per_token"],
+        "codec": s["kv_codec"],
+        "hit_tokens": s["num_hit_tokens"],
+        "query_tokens": s["num_query_tokens"],
+        "hit_rate": s["hit_rate"],
+        "evictions": s["num_evictions"],
+    }

@@ -1,0 +1,155 @@
+"""`kvserve [serve] [--config FILE.yaml] [--FIELD VALUE ...]`: flags generated from ServeConfig.
+
+Field name == flag with dashes == YAML key; precedence defaults < --config preset < flags.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import logging
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+from kvserve.config import ServeConfig, make_config
+from kvserve.errors import KVServeError
+
+log = logging.getLogger("kvserve")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="kvserve",
+        description="OpenAI-compatible LLM inference server that makes repeated context cheap.",
+    )
+    parser.add_argument(
+        "action", nargs="?", choices=["serve"], default="serve", help="what to do (default: serve)"
+    )
+    parser.add_argument(
+        "--config", metavar="FILE.yaml", help="YAML preset of config fields (flags override it)"
+    )
+    parser.add_argument(
+        "--log-level",
+        default="info",
+        choices=["debug", "info", "warning", "error"],
+        help="logging level (default: info)",
+    )
+    for f in dataclasses.fields(ServeConfig):
+        _add_field(parser, f)
+    return parser
+
+
+def _add_field(parser: argparse.ArgumentParser, f: dataclasses.Field[Any]) -> None:
+    flag = "--" + f.name.replace("_", "-")
+    default = f.default
+    help_text = f"{f.metadata.get('help', '')} (default: {default!r})"
+    # default None: only flags given on the command line override the preset
+    if isinstance(default, bool):
+        parser.add_argument(
+            flag, dest=f.name, action=argparse.BooleanOptionalAction, default=None, help=help_text
+        )
+    elif isinstance(default, tuple):
+        parser.add_argument(
+            flag,
+            dest=f.name,
+            action="append",
+            metavar="TEXT",
+            default=None,
+            help=help_text,
+        )
+    else:
+        parser.add_argument(
+            flag,
+            dest=f.name,
+            type=type(default),
+            metavar=type(default).__name__.upper(),
+            default=None,
+            help=help_text,
+        )
+
+
+def config_from_args(args: argparse.Namespace) -> ServeConfig:
+    overrides = {f.name: getattr(args, f.name) for f in dataclasses.fields(ServeConfig)}
+    if overrides.get("warm") is not None:
+        overrides["warm"] = tuple(overrides["warm"])
+    return make_config(args.config, **overrides)
+
+
+def describe(config: ServeConfig, info: Any) -> str:
+    """The start-up summary: what was chosen."""
+    pool_bytes = int(info.pool_tokens * info.bytes_per_token)
+    return "\n".join(
+        [
+            f"kvserve: model {config.model} ({info.model_path})",
+            f"  device {info.device}, dtype {info.dtype}, attention backend {info.attention_backend}",
+            f"  KV codec {info.kv_codec}: {info.bytes_per_token:g} bytes/token "
+            f"({info.num_layers} layers x {info.num_kv_heads} KV heads x {info.head_dim})",
+            f"  KV pool {info.num_blocks} blocks x {info.block_size} = {info.pool_tokens} tokens, "
+            f"{pool_bytes / 2**20:.1f} MiB (budget {config.max_cache_bytes / 2**20:.1f} MiB)",
+            f"  context {info.max_model_len} tokens, chunk {config.chunk_size} tokens, "
+            f"prefix caching {'on' if config.enable_prefix_caching else 'off'}",
+        ]
+    )
+
+
+def warm_up(engine: Any, texts: Sequence[str]) -> None:
+    """Compute and pin `texts` before serving (drives the engine directly: the worker is not started)."""
+    from tqdm import tqdm
+
+    from kvserve.request import Request, SamplingParams
+
+    for i, text in enumerate(tqdm(texts, desc="warm-up", unit="prefix", disable=not texts)):
+        rid = f"startup-warm-{i}"
+        engine.add_request(
+            Request(
+                rid, engine.tokenizer.encode(text), SamplingParams(max_tokens=1), warm_only=True, pin=True
+            )
+        )
+        done = False
+        while not done:
+            done = any(out.finished and out.request_id == rid for out in engine.step())
+
+
+def serve(config: ServeConfig, log_level: str) -> None:
+    import uvicorn
+
+    from kvserve.api.server import create_app
+    from kvserve.engine.async_engine import AsyncEngine
+    from kvserve.engine.engine import Engine
+    from kvserve.metrics import Metrics
+
+    engine = Engine(config)
+    print(describe(config, engine.info), flush=True)
+    warm_up(engine, config.warm)
+    metrics = Metrics(config.served_model_name or config.model)
+    async_engine = AsyncEngine(engine, config.max_queue_size, observer=metrics.observe)
+    async_engine.start()
+    app = create_app(config, async_engine, metrics)
+    print(
+        f"kvserve: serving {config.served_model_name or config.model} on http://{config.host}:{config.port}",
+        flush=True,
+    )
+    uvicorn.run(app, host=config.host, port=config.port, log_level=log_level, timeout_graceful_shutdown=5)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(
+        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    try:
+        config = config_from_args(args)
+    except KVServeError as e:
+        print(f"kvserve: error: {e.message}", file=sys.stderr)
+        return 2
+    try:
+        serve(config, args.log_level)
+    except KVServeError as e:
+        print(f"kvserve: error: {e.message}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

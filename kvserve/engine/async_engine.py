@@ -1,0 +1,288 @@
+"""AsyncEngine: the asyncio facade over an Engine that runs on one worker thread.
+
+Every engine call happens on the worker thread: the asyncio side posts commands to a thread-safe
+queue and receives outputs through per-submission asyncio queues fed with call_soon_threadsafe.
+A submitted request always ends with a finished output (invariant 5): on engine errors, on
+shutdown and when its client goes away.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from kvserve.engine.engine import Engine
+from kvserve.errors import InvalidRequestError, OverloadedError
+from kvserve.request import FinishReason, Request, RequestOutput
+
+log = logging.getLogger("kvserve.async_engine")
+
+Command = Callable[[Engine], Any]
+OutputObserver = Callable[[RequestOutput, float], None]
+
+
+class RequestStream:
+    """The outputs of one submission (one or more Requests), in engine order.
+
+    `async for out in stream` yields RequestOutput deltas and ends after every request finished."""
+
+    def __init__(self, request_ids: list[str], loop: asyncio.AbstractEventLoop, engine: AsyncEngine):
+        self.request_ids = list(request_ids)
+        self._unfinished = set(request_ids)
+        self._queue: asyncio.Queue[RequestOutput] = asyncio.Queue()
+        self._loop = loop
+        self._engine = engine
+
+    @property
+    def finished(self) -> bool:
+        return not self._unfinished
+
+    def put_threadsafe(self, out: RequestOutput) -> None:
+        _call_soon(self._loop, self._queue.put_nowait, out)
+
+    def __aiter__(self) -> RequestStream:
+        return self
+
+    async def __anext__(self) -> RequestOutput:
+        if not self._unfinished:
+            raise StopAsyncIteration
+        out = await self._queue.get()
+        if out.finished:
+            self._unfinished.discard(out.request_id)
+        return out
+
+    def abort(self, reason: str = "aborted") -> None:
+        """Abort the unfinished requests (non-blocking; takes effect before the next engine step)."""
+        if self._unfinished:
+            self._engine.abort(list(self._unfinished), reason)
+
+
+@dataclass
+class QueueCounters:
+    rejected: int = 0
+    completed: int = 0  # finished with stop or length
+    aborted: int = 0  # client gone or aborted
+    timed_out: int = 0
+    errored: int = 0
+
+
+class AsyncEngine:
+    def __init__(self, engine: Engine, max_queue_size: int, observer: OutputObserver | None = None):
+        self.engine = engine
+        self.max_queue_size = max_queue_size
+        self.counters = QueueCounters()
+        self._observer = observer
+        self._commands: queue.SimpleQueue[tuple[Command, Callable[[Any, BaseException | None], None]]] = (
+            queue.SimpleQueue()
+        )
+        self._wake = threading.Event()
+        self._lock = threading.Lock()
+        self._num_in_system = 0  # requests admitted and not yet finished (any kind)
+        self._routes: dict[str, RequestStream] = {}  # worker thread only
+        self._stopping = False
+        self._thread: threading.Thread | None = None
+
+    # --- lifecycle ---------------------------------------------------------------------------------
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._run, name="kvserve-engine", daemon=True)
+        self._thread.start()
+
+    def shutdown(self, timeout_s: float = 10.0) -> None:
+        self._stopping = True
+        self._wake.set()
+        if self._thread is not None:
+            self._thread.join(timeout_s)
+
+    @property
+    def num_in_system(self) -> int:
+        return self._num_in_system
+
+    # --- asyncio side ------------------------------------------------------------------------------
+    async def submit(self, requests: list[Request]) -> RequestStream:
+        """Admit and queue `requests` together. Raises OverloadedError when the system is full and
+        InvalidRequestError when the engine refuses one (then none of them runs)."""
+        self._reserve(len(requests))
+        stream = RequestStream([r.request_id for r in requests], asyncio.get_running_loop(), self)
+        try:
+            await self.call(lambda engine: self._add_all(engine, requests, stream))
+        except asyncio.CancelledError:  # the add still runs on the worker: undo it there, in order
+            stream.abort("client went away")
+            raise
+        return stream
+
+    async def call(self, fn: Command) -> Any:
+        """Run fn(engine) on the worker thread and return its result (or raise its exception)."""
+        loop = asyncio.get_running_loop()
+        future: asyncio.Future[Any] = loop.create_future()
+
+        def done(result: Any, error: BaseException | None) -> None:
+            _call_soon(loop, _settle, future, result, error)
+
+        self._post(fn, done)
+        return await future
+
+    def abort(self, request_ids: list[str], reason: str = "aborted") -> None:
+        def run(engine: Engine) -> None:
+            for rid in request_ids:
+                engine.abort_request(rid, reason)
+
+        self._post(run, _ignore)
+
+    async def stats(self) -> dict[str, Any]:
+        stats: dict[str, Any] = await self.call(lambda engine: engine.stats())
+        stats["num_in_system"] = self._num_in_system
+        return stats
+
+    async def unpin(self, token_ids: list[int], cache_salt: str | None) -> int:
+        result: int = await self.call(lambda engine: engine.unpin(token_ids, cache_salt))
+        return result
+
+    # --- admission ---------------------------------------------------------------------------------
+    def _reserve(self, n: int) -> None:
+        if n > self.max_queue_size:  # could never be admitted: not an overload
+            raise InvalidRequestError(
+                f"n x prompts = {n} requests exceeds the server's max_queue_size ({self.max_queue_size})",
+                param="n",
+            )
+        with self._lock:
+            if self._stopping or self._num_in_system + n > self.max_queue_size:
+                self.counters.rejected += 1
+                raise OverloadedError(
+                    f"the server is at capacity ({self.max_queue_size} requests in the system); retry shortly",
+                    code="overloaded",
+                )
+            self._num_in_system += n
+
+    def _release(self, n: int) -> None:
+        with self._lock:
+            self._num_in_system -= n
+
+    def _add_all(self, engine: Engine, requests: list[Request], stream: RequestStream) -> None:
+        """All or none: on a refusal the ones already added are aborted and the slots released."""
+        added: list[str] = []
+        try:
+            for request in requests:
+                engine.add_request(request)
+                added.append(request.request_id)
+        except BaseException:
+            for rid in added:  # their final outputs find no route and are dropped
+                engine.abort_request(rid, "rejected")
+            self._release(len(requests))
+            raise
+        for rid in added:
+            self._routes[rid] = stream
+
+    # --- worker thread -----------------------------------------------------------------------------
+    def _post(self, fn: Command, done: Callable[[Any, BaseException | None], None]) -> None:
+        if self._stopping and not (self._thread and self._thread.is_alive()):
+            done(None, OverloadedError("the server is shutting down"))
+            return
+        self._commands.put((fn, done))
+        self._wake.set()
+
+    def _run(self) -> None:
+        while not self._stopping:
+            self._wake.clear()
+            self._run_commands()
+            if not self.engine.has_unfinished_requests():
+                self._wake.wait()
+                continue
+            try:
+                outputs = self.engine.step()
+            except Exception:  # the engine catches model errors; this is a bug: fail loudly, drop nothing
+                log.exception("engine step failed; failing every request in flight")
+                self._fail_all("internal error")
+                continue
+            self._dispatch(outputs)
+            if not outputs:  # e.g. a batch window or a prefill piece: do not spin hot
+                self._wake.wait(0.001)
+        self._run_commands()
+        self._fail_all("server shutting down")
+
+    def _run_commands(self) -> None:
+        while True:
+            try:
+                fn, done = self._commands.get_nowait()
+            except queue.Empty:
+                return
+            try:
+                result = fn(self.engine)
+            except BaseException as e:
+                done(None, e)
+            else:
+                done(result, None)
+
+    def _dispatch(self, outputs: list[RequestOutput]) -> None:
+        now = time.monotonic()
+        for out in outputs:
+            stream = self._routes.get(out.request_id)
+            if stream is None:
+                continue
+            if self._observer is not None:
+                try:
+                    self._observer(out, now)
+                except Exception:
+                    log.exception("metrics observer failed")
+            if out.finished:
+                del self._routes[out.request_id]
+                self._count_finished(out)
+                self._release(1)
+            stream.put_threadsafe(out)
+
+    def _count_finished(self, out: RequestOutput) -> None:
+        c = self.counters
+        if out.finish_reason in (FinishReason.STOP, FinishReason.LENGTH):
+            c.completed += 1
+        elif out.error == "timeout":
+            c.timed_out += 1
+        elif out.finish_reason == FinishReason.ABORT:
+            c.aborted += 1
+        else:
+            c.errored += 1
+
+    def _fail_all(self, reason: str) -> None:
+        """Finish every routed request with an error; the engine's own final outputs for them
+        (queued by abort_request) later find no route and are dropped."""
+        for rid, stream in list(self._routes.items()):
+            try:
+                self.engine.abort_request(rid, reason)
+            except Exception:
+                log.exception("abort failed for a request")
+            self._dispatch_failure(rid, stream, reason)
+
+    def _dispatch_failure(self, rid: str, stream: RequestStream, reason: str) -> None:
+        del self._routes[rid]
+        self.counters.errored += 1
+        self._release(1)
+        stream.put_threadsafe(
+            RequestOutput(
+                rid, [], [], "", [], "", finished=True, finish_reason=FinishReason.ERROR, error=reason
+            )
+        )
+
+
+def _call_soon(loop: asyncio.AbstractEventLoop, fn: Callable[..., Any], *args: Any) -> None:
+    try:
+        loop.call_soon_threadsafe(fn, *args)
+    except RuntimeError:  # the loop is closed: nobody is waiting any more
+        log.debug("event loop closed; dropped a result")
+
+
+def _settle(future: asyncio.Future[Any], result: Any, error: BaseException | None) -> None:
+    if future.done():
+        return
+    if error is not None:
+        future.set_exception(error)
+    else:
+        future.set_result(result)
+
+
+def _ignore(result: Any, error: BaseException | None) -> None:
+    if error is not None:
+        log.warning("engine command failed: %s", error)

@@ -1,0 +1,197 @@
+"""Counters and histograms behind /v1/stats and /metrics.
+
+Latencies and token rates are observed from RequestOutputs on the engine's worker thread; cache and
+queue facts come from an engine.stats() snapshot taken when /metrics or /v1/stats is read.
+Prometheus names follow vLLM's where one exists (with the `kvserve:` prefix).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import deque
+from collections.abc import Iterator
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+
+from kvserve.request import RequestOutput
+
+WINDOW_S = 60.0
+_LATENCY_BUCKETS = (
+    0.001,
+    0.005,
+    0.01,
+    0.02,
+    0.04,
+    0.06,
+    0.08,
+    0.1,
+    0.25,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    10.0,
+    20.0,
+)
+
+
+class Metrics:
+    def __init__(self, model_name: str):
+        self.model_name = model_name
+        self.registry = CollectorRegistry()
+        labels = ["model_name"]
+        self.ttft = Histogram(
+            "kvserve:time_to_first_token_seconds",
+            "Time to first token.",
+            labels,
+            buckets=_LATENCY_BUCKETS,
+            registry=self.registry,
+        )
+        self.itl = Histogram(
+            "kvserve:inter_token_latency_seconds",
+            "Time between generated tokens.",
+            labels,
+            buckets=_LATENCY_BUCKETS,
+            registry=self.registry,
+        )
+        self.e2e = Histogram(
+            "kvserve:e2e_request_latency_seconds",
+            "Request latency from arrival to finish.",
+            labels,
+            buckets=_LATENCY_BUCKETS,
+            registry=self.registry,
+        )
+        self.finished = Counter(
+            "kvserve:request_success",
+            "Finished requests by finish reason.",
+            ["model_name", "finished_reason"],
+            registry=self.registry,
+        )
+        self.rejected = Counter(
+            "kvserve:request_rejected",
+            "Requests refused with 503 (queue full).",
+            labels,
+            registry=self.registry,
+        )
+        self.registry.register(_EngineStatsCollector(self))
+        self._lock = threading.Lock()
+        self._last_token_time: dict[str, float] = {}
+        self._events: deque[tuple[float, int, int]] = deque()  # (time, prompt tokens, generated tokens)
+        self._ttft_s: deque[float] = deque(maxlen=4096)
+        self._itl_s: deque[float] = deque(maxlen=4096)
+        self.engine_stats: dict[str, Any] = {}
+
+    # --- observation (worker thread) -----------------------------------------------------------------
+    def observe(self, out: RequestOutput, now: float) -> None:
+        num_new = len(out.new_token_ids)
+        with self._lock:
+            last = self._last_token_time.get(out.request_id)
+            num_prompt = 0
+            if num_new and last is None:
+                num_prompt = out.num_prompt_tokens - out.num_cached_tokens
+                ttft = out.metrics.ttft_s
+                if ttft is not None:
+                    self._ttft_s.append(ttft)
+                    self.ttft.labels(self.model_name).observe(ttft)
+            elif num_new and last is not None:
+                gap = (now - last) / num_new
+                self._itl_s.append(gap)
+                self.itl.labels(self.model_name).observe(gap)
+            if num_new:
+                self._last_token_time[out.request_id] = now
+            self._events.append((now, num_prompt, num_new))
+            self._trim(now)
+            if out.finished:
+                self._last_token_time.pop(out.request_id, None)
+        if out.finished:
+            reason = out.finish_reason.value if out.finish_reason else "error"
+            self.finished.labels(self.model_name, reason).inc()
+            if out.metrics.e2e_s is not None:
+                self.e2e.labels(self.model_name).observe(out.metrics.e2e_s)
+
+    def on_rejected(self) -> None:
+        self.rejected.labels(self.model_name).inc()
+
+    def _trim(self, now: float) -> None:
+        while self._events and now - self._events[0][0] > WINDOW_S:
+            self._events.popleft()
+
+    # --- reading -----------------------------------------------------------------------------------
+    def throughput(self, now: float) -> dict[str, float]:
+        with self._lock:
+            self._trim(now)
+            prompt = sum(e[1] for e in self._events)
+            generated = sum(e[2] for e in self._events)
+        return {
+            "window_s": WINDOW_S,
+            "prompt_tokens_per_s": prompt / WINDOW_S,
+            "generation_tokens_per_s": generated / WINDOW_S,
+        }
+
+    def latency(self) -> dict[str, dict[str, float | int]]:
+        with self._lock:
+            ttft, itl = sorted(self._ttft_s), sorted(self._itl_s)
+        return {"ttft_s": _percentiles(ttft), "inter_token_s": _percentiles(itl)}
+
+    def prometheus_text(self) -> bytes:
+        return generate_latest(self.registry)
+
+
+def _percentiles(values: list[float]) -> dict[str, float | int]:
+    """p50/p95/p99 of sorted `values` (nearest rank); zeros when there are none."""
+    out: dict[str, float | int] = {"count": len(values)}
+    for p in (50, 95, 99):
+        out[f"p{p}"] = values[min(len(values) - 1, int(p / 100 * len(values)))] if values else 0.0
+    return out
+
+
+class _EngineStatsCollector:
+    """Exposes the latest engine.stats() snapshot as Prometheus gauges and counters."""
+
+    def __init__(self, metrics: Metrics):
+        self.metrics = metrics
+
+    def collect(self) -> Iterator[Metric]:
+        s = self.metrics.engine_stats
+        if not s:
+            return
+        name = self.metrics.model_name
+        pool, store = s["pool"], s["store"]
+        used_frac = 1.0 - pool["num_free_blocks"] / pool["num_blocks"] if pool["num_blocks"] else 0.0
+        gauges = [
+            ("kvserve:num_requests_running", "Requests in the running batch.", s["num_running"]),
+            ("kvserve:num_requests_waiting", "Requests waiting to be scheduled.", s["num_waiting"]),
+            ("kvserve:kv_cache_usage_perc", "Fraction of KV pool blocks in use.", used_frac),
+            ("kvserve:cached_bytes", "Bytes of KV held by cached chunks.", store["cached_bytes"]),
+            ("kvserve:cache_budget_bytes", "KV memory budget (max_cache_bytes).", store["max_cache_bytes"]),
+            ("kvserve:cached_chunks", "Chunks in the prefix cache.", store["num_chunks"]),
+            ("kvserve:pinned_chunks", "Pinned chunks in the prefix cache.", store["num_pinned_chunks"]),
+        ]
+        for metric_name, doc, value in gauges:
+            g = GaugeMetricFamily(metric_name, doc, labels=["model_name"])
+            g.add_metric([name], float(value))
+            yield g
+        counters = [
+            (
+                "kvserve:prefix_cache_queries",
+                "Prompt tokens looked up in the prefix cache.",
+                s["num_query_tokens"],
+            ),
+            ("kvserve:prefix_cache_hits", "Prompt tokens found in the prefix cache.", s["num_hit_tokens"]),
+            ("kvserve:prompt_tokens", "Prompt tokens of admitted requests.", s["num_query_tokens"]),
+            (
+                "kvserve:prompt_tokens_computed",
+                "Prompt tokens computed (not cached).",
+                s["num_prompt_tokens_computed"],
+            ),
+            ("kvserve:generation_tokens", "Generated tokens.", s["num_generated_tokens"]),
+            ("kvserve:cache_evictions", "Chunks evicted from the prefix cache.", s["num_evictions"]),
+            ("kvserve:num_preemptions", "Sequences preempted for memory.", s["num_preemptions"]),
+        ]
+        for metric_name, doc, value in counters:
+            c = CounterMetricFamily(metric_name, doc, labels=["model_name"])
+            c.add_metric([name], float(value))
+            yield c

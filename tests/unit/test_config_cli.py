@@ -1,0 +1,81 @@
+"""kvserve's flags are generated from ServeConfig; precedence defaults < --config < flags."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import pytest
+
+from kvserve.cli import build_parser, config_from_args, describe
+from kvserve.config import ServeConfig
+from kvserve.errors import ConfigError
+
+
+def _config(*argv: str) -> ServeConfig:
+    return config_from_args(build_parser().parse_args(list(argv)))
+
+
+def test_help_documents_every_field_with_its_default() -> None:
+    text = " ".join(build_parser().format_help().split())
+    for f in dataclasses.fields(ServeConfig):
+        flag = "--" + f.name.replace("_", "-")
+        assert flag in text, flag
+        assert f"(default: {f.default!r})" in text, f.name
+
+
+def test_no_flags_gives_the_defaults() -> None:
+    assert _config() == ServeConfig()
+    assert _config("serve") == ServeConfig()
+
+
+def test_flags_are_typed_and_override_the_preset(tmp_path: Path) -> None:
+    preset = tmp_path / "p.yaml"
+    preset.write_text("model: tiny-random-llama\nport: 9000\nmax_queue_size: 7\nwarm: [a]\n")
+    cfg = _config("--config", str(preset), "--port", "9100", "--request-timeout-s", "2.5")
+    assert (cfg.model, cfg.port, cfg.max_queue_size, cfg.request_timeout_s) == (
+        "tiny-random-llama",
+        9100,
+        7,
+        2.5,
+    )
+    assert cfg.warm == ("a",)
+
+
+def test_warm_is_repeatable_and_booleans_have_no_form() -> None:
+    cfg = _config("--warm", "one", "--warm", "two", "--no-enable-prefix-caching")
+    assert cfg.warm == ("one", "two")
+    assert cfg.enable_prefix_caching is False
+
+
+def test_bad_values_are_errors() -> None:
+    with pytest.raises(ConfigError, match="chunk_size"):
+        _config("--chunk-size", "24")
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["--port", "eighty"])
+
+
+def test_describe_names_the_choices() -> None:
+    class Info:
+        model_path, device, dtype, kv_codec, attention_backend = "/m", "cpu", "float32", "fp32", "cpu_paged"
+        num_layers, num_kv_heads, head_dim, num_blocks, block_size = 4, 2, 16, 10, 16
+        bytes_per_token, max_model_len, pool_tokens = 1024.0, 4096, 160
+
+    text = describe(ServeConfig(model="tiny-random-llama"), Info())
+    for word in (
+        "tiny-random-llama",
+        "cpu",
+        "float32",
+        "fp32",
+        "cpu_paged",
+        "160 tokens",
+        "1024 bytes/token",
+    ):
+        assert word in text
+
+
+def test_main_reports_a_bad_config_and_exits_2(capsys: pytest.CaptureFixture[str]) -> None:
+    from kvserve.cli import main
+
+    assert main(["--block-size", "12"]) == 2
+    assert "block_size must be a positive power of two" in capsys.readouterr().err
