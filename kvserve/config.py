@@ -65,6 +65,30 @@ class ServeConfig:
     recompute_strategy: str = field(
         default="selective", metadata={"help": "repair for content matches: none, selective or cacheblend"}
     )
+    recompute_tokens: int = field(
+        default=16, metadata={"help": "selective: recompute the first N tokens of every run of reused pieces"}
+    )
+    sink_tokens: int = field(
+        default=0, metadata={"help": "selective: always recompute the first N prompt tokens"}
+    )
+    overlap_tokens: int = field(
+        default=0, metadata={"help": "selective: also recompute the last N tokens before each seam"}
+    )
+    blend_check_layer: int = field(
+        default=1, metadata={"help": "cacheblend: layers up to this one recompute every reused token"}
+    )
+    recompute_ratio: float = field(
+        default=0.15,
+        metadata={"help": "cacheblend: fraction of reused tokens recomputed after the check layer"},
+    )
+    chunking: str = field(
+        default="fixed",
+        metadata={
+            "help": "pieces for content matching: fixed (chunk_size) or content (content-defined cuts)"
+        },
+    )
+    chunk_min_tokens: int = field(default=32, metadata={"help": "content chunking: shortest piece"})
+    chunk_max_tokens: int = field(default=256, metadata={"help": "content chunking: longest piece"})
     # --- scheduling --------------------------------------------------------------------------
     max_num_seqs: int = field(default=32, metadata={"help": "most sequences in one step"})
     max_num_batched_tokens: int = field(
@@ -103,6 +127,7 @@ _CHOICES: dict[str, tuple[str, ...]] = {
     "attention_backend": ("auto", "reference", "cpu_paged", "triton", "cuda"),
     "reuse": ("prefix", "any"),
     "recompute_strategy": ("none", "selective", "cacheblend"),
+    "chunking": ("fixed", "content"),
 }
 
 
@@ -127,6 +152,16 @@ def validate(cfg: ServeConfig) -> None:
     if cfg.max_num_batched_tokens < cfg.block_size:
         raise ConfigError(
             f"max_num_batched_tokens must be at least block_size (got {cfg.max_num_batched_tokens})"
+        )
+    for name in ("recompute_tokens", "sink_tokens", "overlap_tokens", "blend_check_layer"):
+        if getattr(cfg, name) < 0:
+            raise ConfigError(f"{name} must be >= 0 (got {getattr(cfg, name)})")
+    if not 0.0 <= cfg.recompute_ratio <= 1.0:
+        raise ConfigError(f"recompute_ratio must be in [0, 1] (got {cfg.recompute_ratio})")
+    if not 0 < cfg.chunk_min_tokens <= cfg.chunk_max_tokens:
+        raise ConfigError(
+            f"chunk_min_tokens must be positive and <= chunk_max_tokens (got {cfg.chunk_min_tokens}, "
+            f"{cfg.chunk_max_tokens})"
         )
     if cfg.max_model_len < 0:
         raise ConfigError(f"max_model_len must be >= 0 (got {cfg.max_model_len})")

@@ -10,7 +10,7 @@ from typing import Any
 from kvserve.config import ServeConfig, make_config
 from kvserve.engine.engine import Engine
 from kvserve.errors import InvalidRequestError
-from kvserve.request import Request, RequestOutput, SamplingParams
+from kvserve.request import Request, RequestOutput, ReuseOptions, SamplingParams
 
 Messages = list[dict[str, Any]]
 PromptLike = str | list[int] | Messages
@@ -65,6 +65,7 @@ class LLM:
         prompts: PromptLike | Sequence[PromptLike],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         cache_salt: str | None = None,
+        reuse: ReuseOptions | None = None,
     ) -> list[RequestOutput]:
         """One finished RequestOutput per prompt and sample (n > 1 gives n consecutive outputs)."""
         prompt_list = self._normalize(prompts)
@@ -80,7 +81,9 @@ class LLM:
                 if params.n > 1 and params.seed is not None:
                     sample_params = _replace(params, seed=params.seed + i)
                 rid = f"gen-{next(self._ids)}"
-                self.engine.add_request(Request(rid, list(token_ids), sample_params, cache_salt=cache_salt))
+                self.engine.add_request(
+                    Request(rid, list(token_ids), sample_params, cache_salt=cache_salt, reuse=reuse)
+                )
                 request_ids.append(rid)
         done = self._run(set(request_ids))
         return [done[rid] for rid in request_ids]

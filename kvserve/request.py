@@ -79,6 +79,32 @@ class SamplingParams:
         return self.temperature == 0.0
 
 
+@dataclass(frozen=True)
+class ReuseOptions:
+    """Per-request opt-in to approximate (content) reuse and its repair; None = the server's setting."""
+
+    reuse: str | None = None  # "prefix" (exact only) or "any"
+    recompute_strategy: str | None = None  # none, selective, cacheblend
+    recompute_tokens: int | None = None
+    recompute_ratio: float | None = None
+    blend_check_layer: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.reuse not in (None, "prefix", "any"):
+            raise InvalidRequestError(f"reuse must be 'prefix' or 'any' (got {self.reuse!r})", param="reuse")
+        if self.recompute_strategy not in (None, "none", "selective", "cacheblend"):
+            raise InvalidRequestError(
+                f"recompute_strategy must be none, selective or cacheblend (got {self.recompute_strategy!r})",
+                param="recompute_strategy",
+            )
+        if self.recompute_tokens is not None and self.recompute_tokens < 0:
+            raise InvalidRequestError("recompute_tokens must be >= 0", param="recompute_tokens")
+        if self.recompute_ratio is not None and not 0.0 <= self.recompute_ratio <= 1.0:
+            raise InvalidRequestError("recompute_ratio must be in [0, 1]", param="recompute_ratio")
+        if self.blend_check_layer is not None and self.blend_check_layer < 0:
+            raise InvalidRequestError("blend_check_layer must be >= 0", param="blend_check_layer")
+
+
 @dataclass
 class RequestMetrics:
     arrival_time: float = field(default_factory=time.monotonic)
@@ -110,6 +136,7 @@ class Request:
     # warm-only requests compute (and register) the prompt's KV and generate nothing
     warm_only: bool = False
     pin: bool = False
+    reuse: ReuseOptions | None = None
     metrics: RequestMetrics = field(default_factory=RequestMetrics)
 
 
@@ -133,7 +160,11 @@ class RequestOutput:
     finished: bool
     finish_reason: FinishReason | None = None
     stop_reason: str | int | None = None  # the stop string or token id that ended it
-    num_cached_tokens: int = 0  # prompt tokens whose KV came from the cache
+    num_cached_tokens: int = 0  # prompt tokens whose KV came from the cache (exact + approximate)
+    num_exact_cached_tokens: int = 0  # reused through the exact prefix match
+    num_approx_cached_tokens: int = 0  # reused from content matches (moved and not recomputed)
+    num_recomputed_tokens: int = 0  # reused tokens recomputed by the repair
+    compute_fraction: float | None = None  # repair forwards only: token-layers computed / full prefill's
     logprobs: list[TokenLogprob] | None = None  # one per token in token_ids (cumulative)
     error: str | None = None
     metrics: RequestMetrics = field(default_factory=RequestMetrics)

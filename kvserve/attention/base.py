@@ -32,6 +32,9 @@ class AttentionMetadata:
     query_lens_list: list[int]  # python copies for CPU loops and launch grids
     seq_lens_list: list[int]
     block_size: int
+    # Only for partial forwards (content reuse repair): the absolute position of every query row.
+    # A row at position p sees KV positions [0, p]. None = the bottom-right rule above.
+    query_positions: torch.Tensor | None = None
 
     @property
     def num_seqs(self) -> int:

@@ -178,3 +178,28 @@ def _eos_ids(model: torch.nn.Module, tokenizer: Tokenizer) -> tuple[int, ...]:
     elif isinstance(eos, list):
         ids.update(int(e) for e in eos)
     return tuple(sorted(ids))
+
+
+# model families whose decoder is embed -> layers(hidden, position_embeddings) -> norm, so the
+# repair forward can drive the layers itself
+BLENDABLE_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+
+
+def check_content_reuse(model: Any) -> tuple[Any, str]:
+    """(RopeRotator, "") when approximate reuse is possible on this model, else (None, reason).
+    Runs the start-up self-check: moved K must equal K computed at the new positions."""
+    from kvserve.errors import UnsupportedModelError
+    from kvserve.kvcache.rope import RopeRotator, self_check
+
+    model_type = getattr(model.config, "model_type", "")
+    if model_type not in BLENDABLE_MODEL_TYPES:
+        return None, f"model type {model_type!r} is not supported for approximate reuse"
+    try:
+        rotator = RopeRotator.from_model(model)
+    except UnsupportedModelError as e:
+        return None, e.message
+    ok, detail = self_check(model, rotator)
+    if not ok:
+        return None, f"RoPE self-check failed ({detail})"
+    log.info("RoPE self-check passed: %s", detail)
+    return rotator, ""

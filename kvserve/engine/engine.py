@@ -13,7 +13,8 @@ from typing import Any
 import torch
 
 from kvserve.config import ServeConfig
-from kvserve.engine.builder import build_parts
+from kvserve.engine.blend_runner import BlendRunner
+from kvserve.engine.builder import build_parts, check_content_reuse
 from kvserve.engine.model_runner import ModelRunner
 from kvserve.engine.output import OutputBuilder
 from kvserve.engine.sampler import sample_one
@@ -21,8 +22,10 @@ from kvserve.errors import InvalidRequestError
 from kvserve.kvcache.block_pool import BlockPool
 from kvserve.kvcache.chunk_store import ChunkStore
 from kvserve.kvcache.hashing import chunk_prefix_hashes, root_hash
+from kvserve.kvcache.segment_index import SegmentIndex
 from kvserve.request import FinishReason, Request, RequestOutput, TokenLogprob
-from kvserve.scheduler.batch import ScheduledBatch
+from kvserve.scheduler.batch import BlendPlan, ScheduledBatch
+from kvserve.scheduler.content import ContentMatcher
 from kvserve.scheduler.scheduler import Scheduler
 from kvserve.scheduler.sequence import SeqStatus, Sequence
 from kvserve.tokenizer import IncrementalDetokenizer
@@ -40,6 +43,12 @@ class Engine:
         for layer in self.layers:
             self.pool.on_free.append(layer.on_block_freed)
         self.store = ChunkStore(self.pool, config.chunk_size, config.eviction_policy)
+        device = torch.device(self.info.device)
+        rotator, reason = check_content_reuse(self.model)
+        self.content = ContentMatcher(config, SegmentIndex(self.store), rotator is not None, reason)
+        self.blend_runner = BlendRunner(self.model, self.layers, rotator, device) if rotator else None
+        if config.reuse == "any" and rotator is None:
+            log.warning("approximate reuse disabled: %s", reason)
         self.scheduler = Scheduler(
             self.pool,
             self.store,
@@ -48,8 +57,9 @@ class Engine:
             config.max_num_batched_tokens,
             config.batch_window_ms / 1000.0,
             config.enable_prefix_caching,
+            self.content,
         )
-        self.runner = ModelRunner(self.model, self.layers, parts.backend, torch.device(self.info.device))
+        self.runner = ModelRunner(self.model, self.layers, parts.backend, device)
         self.outputs = OutputBuilder()
         self._seqs: dict[str, Sequence] = {}
         self._pending: list[RequestOutput] = []
@@ -64,7 +74,7 @@ class Engine:
     def add_request(self, request: Request) -> None:
         """Validate and queue. Raises InvalidRequestError (the engine state is unchanged then)."""
         self._validate(request)
-        if request.warm_only:  # only whole chunks can be cached
+        if request.warm_only and self.scheduler.content is None:  # only whole chunks can be prefix-matched
             usable = len(request.prompt_token_ids) // self.config.chunk_size * self.config.chunk_size
             request.prompt_token_ids = request.prompt_token_ids[:usable]
         params = request.sampling_params
@@ -156,6 +166,14 @@ class Engine:
         return outputs
 
     def _execute_and_update(self, batch: ScheduledBatch) -> list[Sequence]:
+        touched = []
+        if batch.items:
+            touched += self._execute_items(batch)
+        for plan in batch.blends:
+            touched += self._execute_blend(plan)
+        return touched
+
+    def _execute_items(self, batch: ScheduledBatch) -> list[Sequence]:
         try:
             logits = self.runner.execute(batch)
         except Exception as e:  # a failing step must not take the engine down (invariant 5)
@@ -175,16 +193,40 @@ class Engine:
             if seq.request.metrics.first_scheduled_time is None:
                 seq.request.metrics.first_scheduled_time = time.monotonic()
             if item.sample:
-                params = seq.request.sampling_params
-                token, logprob = sample_one(
-                    logits[row], params, seq.request.prompt_token_ids, seq.output_token_ids, seq.generator
-                )
-                if self.logits_sink is not None:
-                    self.logits_sink.setdefault(seq.request_id, []).append(logits[row].clone())
+                self._sample(seq, logits[row])
                 row += 1
-                self._append_token(seq, token, logprob)
             touched.append(seq)
         return touched
+
+    def _execute_blend(self, plan: BlendPlan) -> list[Sequence]:
+        seq = plan.seq
+        assert self.blend_runner is not None
+        try:
+            logits, report = self.blend_runner.execute(plan)
+        except Exception as e:
+            log.exception("content-reuse prefill failed")
+            self._finish(seq, FinishReason.ERROR, error=f"internal error: {type(e).__name__}")
+            return []
+        self.scheduler.blend_done(plan)
+        self.num_prompt_tokens_computed += seq.num_prompt_tokens - plan.prefix_len - report.num_reused_tokens
+        seq.num_approx_cached_tokens = report.num_reused_tokens - report.num_recomputed_tokens
+        seq.num_recomputed_tokens = report.num_recomputed_tokens
+        seq.compute_fraction = report.compute_fraction
+        self.content.num_hit_tokens += report.num_reused_tokens
+        self.content.num_recomputed_tokens += report.num_recomputed_tokens
+        if seq.request.metrics.first_scheduled_time is None:
+            seq.request.metrics.first_scheduled_time = time.monotonic()
+        self._sample(seq, logits)
+        return [seq]
+
+    def _sample(self, seq: Sequence, logits: torch.Tensor) -> None:
+        params = seq.request.sampling_params
+        token, logprob = sample_one(
+            logits, params, seq.request.prompt_token_ids, seq.output_token_ids, seq.generator
+        )
+        if self.logits_sink is not None:
+            self.logits_sink.setdefault(seq.request_id, []).append(logits.clone())
+        self._append_token(seq, token, logprob)
 
     # --- update helpers ----------------------------------------------------------------------------
     def _append_token(self, seq: Sequence, token: int, logprob: TokenLogprob | None) -> None:
@@ -233,6 +275,7 @@ class Engine:
         return max((len(s) for s in stop), default=1) - 1 if stop else 0
 
     def _finish_warm(self, seq: Sequence) -> None:
+        self.scheduler.register_tail(seq)
         if seq.request.pin:
             self.scheduler.pin_prefix(seq, True)
         self._finish(seq, FinishReason.STOP)
@@ -291,6 +334,16 @@ class Engine:
             "num_running": len(s.running),
             "num_waiting": len(s.waiting),
             "num_prompt_tokens_computed": self.num_prompt_tokens_computed,
+            "content_reuse": {
+                "available": self.content.enabled,
+                "reason": self.content.disabled_reason,
+                "default_reuse": self.config.reuse,
+                "recompute_strategy": self.config.recompute_strategy,
+                "chunking": self.config.chunking,
+                "num_indexed_pieces": len(self.content.index),
+                "num_approx_hit_tokens": self.content.num_hit_tokens,
+                "num_recomputed_tokens": self.content.num_recomputed_tokens,
+            },
             "num_generated_tokens": self.num_generated_tokens,
         }
 

@@ -19,6 +19,7 @@ class CachedChunk:
     content_hash: bytes
     block_ids: list[int]
     depth: int  # chunk index within the prompt that produced it (0 = first chunk)
+    num_tokens: int = 0  # chunk_size, or fewer for a prompt's tail piece (never prefix-matched)
     num_users: int = 0
     pinned: bool = False
     num_hits: int = 0
@@ -34,6 +35,7 @@ class ChunkStore:
         self._chunks: dict[bytes, CachedChunk] = {}
         self._by_content: dict[bytes, set[bytes]] = {}
         self.num_evicted_chunks = 0
+        self.num_cached_blocks = 0
 
     # --- lookup ----------------------------------------------------------------------------------
     def __contains__(self, prefix_hash: bytes) -> bool:
@@ -79,13 +81,17 @@ class ChunkStore:
         self._maybe_evictable(chunk)
 
     def insert(
-        self, prefix_hash: bytes, content_hash: bytes, block_ids: list[int], depth: int
+        self, prefix_hash: bytes, content_hash: bytes, block_ids: list[int], depth: int, num_tokens: int = 0
     ) -> CachedChunk:
-        """Register a chunk computed by a running request, which becomes its first user."""
-        assert prefix_hash not in self._chunks and len(block_ids) == self.blocks_per_chunk
+        """Register a chunk computed by a running request, which becomes its first user.
+        A tail piece (num_tokens < chunk_size) is held for content matches only."""
+        num_tokens = num_tokens or self.chunk_size
+        assert prefix_hash not in self._chunks and 0 < num_tokens <= self.chunk_size
+        assert len(block_ids) == -(-num_tokens // self.pool.block_size)
         self.pool.retain(block_ids)
-        chunk = CachedChunk(prefix_hash, content_hash, list(block_ids), depth, num_users=1)
+        chunk = CachedChunk(prefix_hash, content_hash, list(block_ids), depth, num_tokens, num_users=1)
         self._chunks[prefix_hash] = chunk
+        self.num_cached_blocks += len(block_ids)
         self._by_content.setdefault(content_hash, set()).add(prefix_hash)
         self.policy.touch(prefix_hash, depth)
         return chunk
@@ -133,13 +139,10 @@ class ChunkStore:
             del self._by_content[chunk.content_hash]
         self.policy.forget(prefix_hash)
         self.pool.release(chunk.block_ids)
+        self.num_cached_blocks -= len(chunk.block_ids)
         return sum(1 for b in chunk.block_ids if self.pool.ref_counts[b] == 0)
 
     # --- facts -----------------------------------------------------------------------------------
-    @property
-    def num_cached_blocks(self) -> int:
-        return len(self._chunks) * self.blocks_per_chunk
-
     @property
     def num_pinned_chunks(self) -> int:
         return sum(1 for c in self._chunks.values() if c.pinned)
@@ -152,9 +155,10 @@ class ChunkStore:
         return list(self._chunks.values())
 
     def check_integrity(self) -> None:
+        assert self.num_cached_blocks == sum(len(c.block_ids) for c in self._chunks.values())
         for h, chunk in self._chunks.items():
             assert chunk.prefix_hash == h
-            assert len(chunk.block_ids) == self.blocks_per_chunk
+            assert len(chunk.block_ids) == -(-chunk.num_tokens // self.pool.block_size)
             assert h in self._by_content[chunk.content_hash]
             for b in chunk.block_ids:
                 assert self.pool.ref_counts[b] >= 1, f"cached chunk holds free block {b}"

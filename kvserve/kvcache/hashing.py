@@ -40,3 +40,8 @@ def chunk_prefix_hashes(
 
 def content_hash(namespace: str, chunk_token_ids: Sequence[int]) -> bytes:
     return hashlib.sha256(b"content\0" + namespace.encode() + b"\0" + _token_bytes(chunk_token_ids)).digest()
+
+
+def tail_hash(parent: bytes, token_ids: Sequence[int]) -> bytes:
+    """Key of a prompt's final piece shorter than a chunk (held for content matches only)."""
+    return hashlib.sha256(b"tail\0" + parent + _token_bytes(token_ids)).digest()

@@ -43,6 +43,15 @@ class LayerKV(ABC):
     def bytes_per_block(self) -> int:
         """Bytes one block of this layer occupies, K and V together, metadata included."""
 
+    def read_slots(self, slot_mapping: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """slot_mapping [T] int64 -> (K, V), each [T, num_kv_heads, head_dim] in compute_dtype."""
+        bs = self.block_size
+        block_ids, inverse = torch.unique(slot_mapping // bs, return_inverse=True)
+        k, v = self.gather(block_ids)  # [n, block_size, H_kv, D]
+        rows = inverse * bs + slot_mapping % bs
+        flat = (-1, self.num_kv_heads, self.head_dim)
+        return k.reshape(flat)[rows], v.reshape(flat)[rows]
+
     def on_block_freed(self, block_id: int) -> None:  # noqa: B027 - optional hook
         """Called by the pool when a block returns to the free list (codecs drop side state)."""
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from kvserve.kvcache.segment_index import SegmentHit
 from kvserve.scheduler.sequence import Sequence
 
 
@@ -15,8 +16,60 @@ class ScheduledSeq:
 
 
 @dataclass
+class ContentHit:
+    dst_start: int  # position of the piece in the new prompt
+    hit: SegmentHit
+
+    @property
+    def num_tokens(self) -> int:
+        return self.hit.segment.num_tokens
+
+    @property
+    def delta(self) -> int:
+        return self.dst_start - self.hit.segment.start_pos
+
+
+@dataclass
+class BlendPlan:
+    """A prompt prefilled with content reuse: [0, prefix_len) exact (shared blocks), the hits' KV
+    copied in and moved, everything else computed, plus the repair the strategy asks for.
+    Runs as one forward of its own (not chunked, not packed with other sequences)."""
+
+    seq: Sequence
+    prefix_len: int
+    hits: list[ContentHit]  # sorted by dst_start, non-overlapping
+    strategy: str  # none, selective, cacheblend
+    recompute_tokens: int
+    sink_tokens: int
+    overlap_tokens: int
+    check_layer: int
+    recompute_ratio: float
+
+    def runs(self) -> list[tuple[int, int]]:
+        """[start, end) ranges of reused tokens; consecutive pieces of one source in their original
+        order form one run (no seam between them, nothing to repair there)."""
+        runs: list[tuple[int, int]] = []
+        prev: ContentHit | None = None
+        for h in self.hits:
+            seg = h.hit.segment
+            joined = (
+                prev is not None
+                and prev.dst_start + prev.num_tokens == h.dst_start
+                and prev.hit.segment.source_id == seg.source_id
+                and prev.hit.segment.start_pos + prev.num_tokens == seg.start_pos
+            )
+            if joined:
+                runs[-1] = (runs[-1][0], h.dst_start + h.num_tokens)
+            else:
+                runs.append((h.dst_start, h.dst_start + h.num_tokens))
+            prev = h
+        return runs
+
+
+@dataclass
 class ScheduledBatch:
     items: list[ScheduledSeq] = field(default_factory=list)
+    blends: list[BlendPlan] = field(default_factory=list)
     preempted: list[Sequence] = field(default_factory=list)
 
     @property
@@ -24,4 +77,4 @@ class ScheduledBatch:
         return sum(i.num_new_tokens for i in self.items)
 
     def __bool__(self) -> bool:
-        return bool(self.items)
+        return bool(self.items) or bool(self.blends)

@@ -12,13 +12,15 @@ chunk holds it; `check_integrity` verifies this after every step in tests.
 
 from __future__ import annotations
 
+import itertools
 from collections import Counter
 
 from kvserve.kvcache.block_pool import BlockPool
-from kvserve.kvcache.chunk_store import ChunkStore
-from kvserve.kvcache.hashing import chunk_prefix_hashes, content_hash
+from kvserve.kvcache.chunk_store import CachedChunk, ChunkStore
+from kvserve.kvcache.hashing import chunk_prefix_hashes, content_hash, tail_hash
 from kvserve.request import FinishReason
-from kvserve.scheduler.batch import ScheduledBatch, ScheduledSeq
+from kvserve.scheduler.batch import BlendPlan, ContentHit, ScheduledBatch, ScheduledSeq
+from kvserve.scheduler.content import ContentMatcher
 from kvserve.scheduler.queue import AdmissionQueue
 from kvserve.scheduler.sequence import SeqStatus, Sequence
 
@@ -37,6 +39,7 @@ class Scheduler:
         max_num_batched_tokens: int,
         batch_window_s: float = 0.0,
         enable_prefix_caching: bool = True,
+        content: ContentMatcher | None = None,
     ):
         self.pool, self.store = pool, store
         self.namespace = namespace
@@ -52,10 +55,15 @@ class Scheduler:
         self.num_query_tokens = 0
         self.num_hit_tokens = 0
         self.num_preemptions = 0
+        self.content = content if enable_prefix_caching else None
+        self._source_ids = itertools.count(1)
 
     # --- entry points ------------------------------------------------------------------------------
     def add(self, seq: Sequence) -> None:
         seq.prefix_hashes = chunk_prefix_hashes(seq.token_ids, self.chunk_size, seq.root_hash)
+        seq.source_id = next(self._source_ids)
+        if self.content is not None:
+            self.content.prepare(seq)
         self.waiting.add(seq)
 
     def find(self, request_id: str) -> Sequence | None:
@@ -92,7 +100,10 @@ class Scheduler:
             item = self._admit(seq, budget)
             if item is None:
                 break  # no memory: admit nothing younger either (FCFS)
-            if item.num_new_tokens:
+            if isinstance(item, BlendPlan):
+                batch.blends.append(item)
+                budget -= min(budget, seq.num_tokens - item.prefix_len)
+            elif item.num_new_tokens:
                 batch.items.append(item)
                 budget -= item.num_new_tokens
         return batch
@@ -127,26 +138,34 @@ class Scheduler:
                 return h in self.in_flight
         return False
 
-    def _admit(self, seq: Sequence, budget: int) -> ScheduledSeq | None:
-        matched = []
+    def _admit(self, seq: Sequence, budget: int) -> ScheduledSeq | BlendPlan | None:
+        matched: list[CachedChunk] = []
         if self.enable_prefix_caching:
             matched = self.store.match_prefix(seq.prefix_hashes[: self._max_match_chunks(seq)])
-        for chunk in matched:  # acquire first: matched chunks cannot be evicted below
-            self.store.acquire(chunk)
-            self.pool.retain(chunk.block_ids)
         num_cached = len(matched) * self.chunk_size
-        n = min(seq.num_tokens - num_cached, budget)
+        hits: list[ContentHit] = []
+        if self.content is not None and self.content.wants(seq):
+            hits = self.content.find_hits(seq, num_cached)
+        # acquire first: matched chunks and hit sources cannot be evicted below
+        sources = {c.prefix_hash: c for h in hits for c in h.hit.chunks}
+        held = matched + list(sources.values())
+        for chunk in held:
+            self.store.acquire(chunk)
+        for chunk in matched:
+            self.pool.retain(chunk.block_ids)
+        n = seq.num_tokens - num_cached if hits else min(seq.num_tokens - num_cached, budget)
         need = _cdiv(num_cached + n, self.block_size) - len(matched) * self.store.blocks_per_chunk
         if need > self.pool.num_free_blocks:
             self.store.evict(need - self.pool.num_free_blocks)
         if need > self.pool.num_free_blocks:
-            for chunk in matched:
+            for chunk in held:
                 self.store.release(chunk.prefix_hash)
+            for chunk in matched:
                 self.pool.release(chunk.block_ids)
             return None
         self.waiting.remove(seq)
         seq.block_ids = [b for chunk in matched for b in chunk.block_ids] + self.pool.allocate(need)
-        seq.used_chunks = [chunk.prefix_hash for chunk in matched]
+        seq.used_chunks = [chunk.prefix_hash for chunk in held]
         seq.num_chunks_in_store = len(matched)
         seq.num_computed_tokens = num_cached
         if not seq.admitted_once:
@@ -159,8 +178,21 @@ class Scheduler:
             self.in_flight.update(seq.in_flight)
         seq.status = SeqStatus.RUNNING
         self.running.append(seq)
+        if hits:
+            assert self.content is not None
+            seq.register_limit = hits[0].dst_start // self.chunk_size  # KV after the first hit is approximate
+            return self.content.plan(seq, num_cached, hits)
         sample = num_cached + n == seq.num_tokens and not seq.request.warm_only
         return ScheduledSeq(seq, n, sample)
+
+    def blend_done(self, plan: BlendPlan) -> None:
+        """The repair forward ran: the prompt's KV is complete; release the hit sources."""
+        seq = plan.seq
+        for h in {c.prefix_hash for hit in plan.hits for c in hit.hit.chunks}:
+            seq.used_chunks.remove(h)
+            self.store.release(h)
+        seq.num_computed_tokens = seq.num_prompt_tokens
+        self._register_chunks(seq)
 
     # --- update ------------------------------------------------------------------------------------
     def on_computed(self, item: ScheduledSeq) -> None:
@@ -172,6 +204,8 @@ class Scheduler:
 
     def _register_chunks(self, seq: Sequence) -> None:
         num_full = seq.num_computed_tokens // self.chunk_size
+        if seq.register_limit is not None:
+            num_full = min(num_full, seq.register_limit)
         if len(seq.prefix_hashes) < num_full:  # chunks made of generated tokens
             parent = seq.prefix_hashes[-1] if seq.prefix_hashes else seq.root_hash
             seq.prefix_hashes += chunk_prefix_hashes(
@@ -189,6 +223,30 @@ class Scheduler:
             # else: computed concurrently by another sequence; ours stays private and is freed at the end
             self._drop_in_flight(seq, h)
         seq.num_chunks_in_store = max(seq.num_chunks_in_store, num_full)
+        if self.content is not None:
+            num_cached = seq.num_chunks_in_store * self.chunk_size
+            self.content.register(seq, num_cached, seq.prefix_hashes[: seq.num_chunks_in_store])
+
+    def register_tail(self, seq: Sequence) -> None:
+        """Cache the prompt's final piece shorter than a chunk (warmed documents), for content matches."""
+        full = seq.num_prompt_tokens // self.chunk_size
+        tail_len = seq.num_prompt_tokens - full * self.chunk_size
+        if (
+            self.content is None
+            or not tail_len
+            or seq.num_chunks_in_store < full
+            or seq.register_limit is not None
+        ):
+            return
+        parent = seq.prefix_hashes[full - 1] if full else seq.root_hash
+        tokens = seq.token_ids[full * self.chunk_size : seq.num_prompt_tokens]
+        h = tail_hash(parent, tokens)
+        if h not in self.store:
+            first = full * self.store.blocks_per_chunk
+            blocks = seq.block_ids[first : first + _cdiv(tail_len, self.block_size)]
+            self.store.insert(h, content_hash(self.namespace, tokens), blocks, full, tail_len)
+            seq.used_chunks.append(h)
+        self.content.register(seq, seq.num_prompt_tokens, seq.prefix_hashes[:full] + [h])
 
     def _drop_in_flight(self, seq: Sequence, h: bytes) -> None:
         if h in seq.in_flight:
@@ -199,7 +257,12 @@ class Scheduler:
 
     def pin_prefix(self, seq: Sequence, pinned: bool = True) -> int:
         """Pin (or unpin) the cached chunks of the sequence's prompt; returns how many."""
-        return sum(self.store.set_pinned(h, pinned) for h in seq.prefix_hashes)
+        hashes = list(seq.prefix_hashes)
+        full = seq.num_prompt_tokens // self.chunk_size
+        if seq.num_prompt_tokens % self.chunk_size:
+            parent = seq.prefix_hashes[full - 1] if full else seq.root_hash
+            hashes.append(tail_hash(parent, seq.token_ids[full * self.chunk_size : seq.num_prompt_tokens]))
+        return sum(self.store.set_pinned(h, pinned) for h in hashes)
 
     # --- leaving -----------------------------------------------------------------------------------
     def _release(self, seq: Sequence) -> None:

@@ -42,6 +42,14 @@ class Sequence:
     logprobs: list[TokenLogprob] = field(default_factory=list)
     num_preemptions: int = 0
     admitted_once: bool = False
+    # content reuse
+    source_id: int = 0  # unique per sequence: identifies runs of pieces from one prompt
+    segments: list[tuple[int, int]] = field(default_factory=list)  # prompt pieces for content matching
+    num_segments_registered: int = 0
+    register_limit: int | None = None  # chunks from this index on hold approximate KV: never registered
+    num_approx_cached_tokens: int = 0
+    num_recomputed_tokens: int = 0
+    compute_fraction: float | None = None
 
     def __post_init__(self) -> None:
         if not self.token_ids:

@@ -1,0 +1,98 @@
+"""ContentMatcher: finds earlier prompts' pieces in a new prompt and plans their reuse.
+
+Pieces are cut by the Segmenter (fixed or content-defined), keyed by a content hash salted with
+the request's cache namespace (so tenants never share), and indexed once the chunks holding their
+KV are cached. Only KV computed with the true preceding context is ever indexed.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from kvserve.config import ServeConfig
+from kvserve.kvcache.chunking import Segmenter
+from kvserve.kvcache.hashing import content_hash
+from kvserve.kvcache.segment_index import Segment, SegmentIndex
+from kvserve.scheduler.batch import BlendPlan, ContentHit
+from kvserve.scheduler.sequence import Sequence
+
+
+class ContentMatcher:
+    def __init__(self, config: ServeConfig, index: SegmentIndex, enabled: bool, disabled_reason: str = ""):
+        self.config = config
+        self.index = index
+        self.segmenter = Segmenter(
+            config.chunking, config.chunk_size, config.chunk_min_tokens, config.chunk_max_tokens
+        )
+        self.enabled = enabled  # the model supports moving KV and the start-up self-check passed
+        self.disabled_reason = disabled_reason
+        self.chunk_size = config.chunk_size
+        self.num_hit_tokens = 0  # reused through content matches (before repair)
+        self.num_recomputed_tokens = 0
+
+    def _key(self, seq: Sequence, start: int, end: int) -> bytes:
+        return content_hash(seq.root_hash.hex(), seq.token_ids[start:end])
+
+    def prepare(self, seq: Sequence) -> None:
+        if self.enabled:
+            seq.segments = self.segmenter.segments(seq.request.prompt_token_ids)
+
+    def wants(self, seq: Sequence) -> bool:
+        if not self.enabled or seq.request.warm_only:
+            return False
+        opts = seq.request.reuse
+        mode = opts.reuse if opts is not None and opts.reuse is not None else self.config.reuse
+        return mode == "any"
+
+    def find_hits(self, seq: Sequence, prefix_len: int) -> list[ContentHit]:
+        """Cached pieces after the exact prefix; the last prompt token is always computed."""
+        hits = []
+        for start, end in seq.segments:
+            if start < prefix_len or end > seq.num_prompt_tokens - 1:
+                continue
+            hit = self.index.lookup(self._key(seq, start, end))
+            if hit is not None:
+                hits.append(ContentHit(start, hit))
+        return hits
+
+    def plan(self, seq: Sequence, prefix_len: int, hits: list[ContentHit]) -> BlendPlan:
+        opts = seq.request.reuse
+        cfg = self.config
+
+        def pick(name: str) -> Any:
+            value = getattr(opts, name, None) if opts is not None else None
+            return getattr(cfg, name) if value is None else value
+
+        return BlendPlan(
+            seq=seq,
+            prefix_len=prefix_len,
+            hits=hits,
+            strategy=str(pick("recompute_strategy")),
+            recompute_tokens=int(pick("recompute_tokens")),
+            sink_tokens=cfg.sink_tokens,
+            overlap_tokens=cfg.overlap_tokens,
+            check_layer=int(pick("blend_check_layer")),
+            recompute_ratio=float(pick("recompute_ratio")),
+        )
+
+    def register(self, seq: Sequence, num_cached_tokens: int, chunk_hashes: list[bytes]) -> None:
+        """Index the prompt pieces whose KV now lies in cached chunks: [0, num_cached_tokens) is held
+        by chunk_hashes (one per chunk_size tokens, the last may be a tail piece)."""
+        if not self.enabled:
+            return
+        while seq.num_segments_registered < len(seq.segments):
+            start, end = seq.segments[seq.num_segments_registered]
+            if end > num_cached_tokens:
+                break
+            first, last = start // self.chunk_size, (end - 1) // self.chunk_size
+            self.index.add(
+                Segment(
+                    content_hash=self._key(seq, start, end),
+                    start_pos=start,
+                    num_tokens=end - start,
+                    chunk_hashes=tuple(chunk_hashes[first : last + 1]),
+                    first_chunk_pos=first * self.chunk_size,
+                    source_id=seq.source_id,
+                )
+            )
+            seq.num_segments_registered += 1

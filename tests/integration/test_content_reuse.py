@@ -1,0 +1,164 @@
+"""Position-independent reuse: content matches, moved KV, selective and CacheBlend repair."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvserve import LLM, SamplingParams
+from kvserve.request import ReuseOptions
+from tests.integration.helpers import corpus_token_ids, generate_with_logits
+
+CHUNK = 32
+GREEDY = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+
+
+def make(model: str = "tiny-random-llama", **kw) -> LLM:
+    return LLM(model=model, chunk_size=CHUNK, max_cache_bytes=50_000_000, **kw)
+
+
+@pytest.fixture(scope="module")
+def llms() -> tuple[LLM, LLM]:
+    return make(), make(enable_prefix_caching=False)
+
+
+def test_content_reuse_is_available_and_self_checked(llms: tuple[LLM, LLM]):
+    stats = llms[0].stats()["content_reuse"]
+    assert stats["available"] and stats["reason"] == ""
+
+
+def test_chunk_moved_back_to_its_original_place_and_context_is_exact(llms: tuple[LLM, LLM]):
+    cached, cold = llms
+    engine = cached.engine
+    base = corpus_token_ids(cached, 4 * CHUNK + 3, seed=1)
+    cached.generate([base], GREEDY)
+    prefix_hashes = _prefix_hashes(cached, base)
+    for h in prefix_hashes[1:]:  # evict only chunk 0: later chunks survive but cannot be prefix-matched
+        engine.store.set_pinned(h, True)
+    engine.store.evict(10**6)
+    for h in prefix_hashes[1:]:
+        engine.store.set_pinned(h, False)
+    assert prefix_hashes[0] not in engine.store and prefix_hashes[1] in engine.store
+    prompt = base[: 4 * CHUNK] + corpus_token_ids(cached, 9, seed=2)
+    none = ReuseOptions(reuse="any", recompute_strategy="none")
+    engine.logits_sink, engine.check_integrity_each_step = {}, True
+    (out,) = cached.generate([prompt], GREEDY, reuse=none)
+    warm_logits = torch.stack(engine.logits_sink[out.request_id])
+    engine.logits_sink = None
+    (_ref,), (ref_logits,) = generate_with_logits(cold, [prompt], GREEDY)
+    assert out.num_exact_cached_tokens == 0 and out.num_approx_cached_tokens == 3 * CHUNK
+    assert out.token_ids == _ref.token_ids
+    assert (warm_logits - ref_logits).abs().max().item() <= 1e-4
+
+
+def _prefix_hashes(llm: LLM, tokens: list[int]) -> list[bytes]:
+    from kvserve.kvcache.hashing import chunk_prefix_hashes, root_hash
+
+    return chunk_prefix_hashes(tokens, CHUNK, root_hash(llm.engine.info.namespace))
+
+
+def _rag_prompt(llm: LLM, docs: list[list[int]], order: list[int], seed: int) -> list[int]:
+    prompt = corpus_token_ids(llm, 2 * CHUNK, seed=100 + seed)  # a header that is not cached
+    for i in order:
+        prompt += docs[i]
+    return prompt + corpus_token_ids(llm, 7, seed=200 + seed)
+
+
+def test_documents_in_new_order_are_reused_and_full_repair_equals_full_prefill():
+    llm, cold = make(), make(enable_prefix_caching=False)
+    docs = [corpus_token_ids(llm, 3 * CHUNK, seed=10 + i) for i in range(3)]
+    for d in docs:
+        llm.warm(d)
+    prompt = _rag_prompt(llm, docs, [2, 0, 1], seed=1)
+    (ref,), (ref_logits,) = generate_with_logits(cold, [prompt], GREEDY)
+    for opts in (
+        ReuseOptions(reuse="any", recompute_strategy="cacheblend", recompute_ratio=1.0),
+        ReuseOptions(reuse="any", recompute_strategy="selective", recompute_tokens=10**6),
+    ):
+        (out,), (logits,) = _gen(llm, prompt, opts)
+        assert out.num_recomputed_tokens == 9 * CHUNK, opts
+        assert out.token_ids == ref.token_ids, opts
+        assert (logits - ref_logits).abs().max().item() <= 1e-4, opts
+    (plain,) = llm.generate([prompt], GREEDY, reuse=ReuseOptions(reuse="any", recompute_strategy="none"))
+    assert plain.num_approx_cached_tokens == 9 * CHUNK and plain.num_recomputed_tokens == 0
+    (exact_only,) = llm.generate([prompt], GREEDY)  # the server default stays prefix-only
+    assert exact_only.num_approx_cached_tokens == 0 and exact_only.token_ids == ref.token_ids
+
+
+def _gen(llm: LLM, prompt: list[int], opts: ReuseOptions):
+    engine = llm.engine
+    engine.logits_sink, engine.check_integrity_each_step = {}, True
+    try:
+        (out,) = llm.generate([prompt], GREEDY, reuse=opts)
+        return (out,), (torch.stack(engine.logits_sink[out.request_id]),)
+    finally:
+        engine.logits_sink = None
+
+
+def test_cacheblend_spends_the_compute_it_reports():
+    llm = make()
+    docs = [corpus_token_ids(llm, 4 * CHUNK, seed=30 + i) for i in range(2)]
+    for d in docs:
+        llm.warm(d)
+    prompt = _rag_prompt(llm, docs, [1, 0], seed=2)
+    n, reused = len(prompt), 8 * CHUNK
+    fresh = n - reused
+    captured = {}
+    runner = llm.engine.blend_runner
+    original = runner.execute
+
+    def spy(plan):
+        logits, report = original(plan)
+        captured["report"] = report
+        return logits, report
+
+    runner.execute = spy  # type: ignore[method-assign]
+    opts = ReuseOptions(
+        reuse="any", recompute_strategy="cacheblend", recompute_ratio=0.25, blend_check_layer=1
+    )
+    (out,) = llm.generate([prompt], GREEDY, reuse=opts)
+    report = captured["report"]
+    selected = round(0.25 * reused)
+    assert report.token_layers == [n, n, fresh + selected, fresh + selected]  # 4 layers, check layer 1
+    assert out.num_recomputed_tokens == selected and out.num_approx_cached_tokens == reused - selected
+    assert out.compute_fraction == pytest.approx(sum(report.token_layers) / (4 * n))
+
+
+def test_selective_repairs_only_run_starts_and_registers_only_exact_chunks():
+    llm = make()
+    docs = [corpus_token_ids(llm, 3 * CHUNK, seed=40 + i) for i in range(2)]
+    for d in docs:
+        llm.warm(d)
+    prompt = _rag_prompt(llm, docs, [1, 0], seed=3)
+    chunks_before = len(llm.engine.store)
+    opts = ReuseOptions(reuse="any", recompute_strategy="selective", recompute_tokens=5)
+    (out,) = llm.generate([prompt], GREEDY, reuse=opts)
+    # each document is one run (its pieces are consecutive in the source): 2 runs x 5 tokens
+    assert out.num_recomputed_tokens == 10 and out.num_approx_cached_tokens == 6 * CHUNK - 10
+    # only the 2 header chunks before the first reused piece hold exact KV and get registered
+    assert len(llm.engine.store) == chunks_before + 2
+    llm.engine.check_integrity()
+
+
+def test_content_defined_chunking_finds_documents_at_any_offset():
+    fixed, content = make(chunking="fixed"), make(chunking="content", chunk_min_tokens=8)
+    hits = {}
+    for name, llm in (("fixed", fixed), ("content", content)):
+        doc = corpus_token_ids(llm, 300, seed=50)
+        llm.warm(doc)
+        prompt = corpus_token_ids(llm, 45, seed=51) + doc + corpus_token_ids(llm, 5, seed=52)
+        (out,) = llm.generate([prompt], GREEDY, reuse=ReuseOptions(reuse="any", recompute_strategy="none"))
+        hits[name] = out.num_approx_cached_tokens
+        llm.engine.check_integrity()
+    assert hits["fixed"] == 0 and hits["content"] >= 150, hits
+
+
+def test_cache_salt_isolates_content_matches():
+    llm = make()
+    doc = corpus_token_ids(llm, 3 * CHUNK, seed=60)
+    llm.warm(doc, cache_salt="a")
+    prompt = corpus_token_ids(llm, CHUNK, seed=61) + doc + [5, 6, 7]
+    opts = ReuseOptions(reuse="any", recompute_strategy="none")
+    (other,) = llm.generate([prompt], GREEDY, cache_salt="b", reuse=opts)
+    (same,) = llm.generate([prompt], GREEDY, cache_salt="a", reuse=opts)
+    assert other.num_approx_cached_tokens == 0 and same.num_approx_cached_tokens == 3 * CHUNK

@@ -1,0 +1,91 @@
+"""RoPE re-rotation: moving post-RoPE K by delta equals computing it at the new position."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from kvserve.errors import UnsupportedModelError
+from kvserve.kvcache.rope import RopeRotator, self_check
+
+ROPE_PARAMETERS = {
+    "default": {"rope_type": "default", "rope_theta": 10000.0},
+    "linear": {"rope_type": "linear", "rope_theta": 10000.0, "factor": 4.0},
+    "llama3": {
+        "rope_type": "llama3",
+        "rope_theta": 500000.0,
+        "factor": 8.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 256,
+    },
+    "yarn": {
+        "rope_type": "yarn",
+        "rope_theta": 10000.0,
+        "factor": 4.0,
+        "original_max_position_embeddings": 256,
+    },
+}
+
+
+def tiny_llama(rope_parameters: dict) -> LlamaForCausalLM:
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=128,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        max_position_embeddings=4096,
+        rope_parameters=rope_parameters,
+    )
+    return LlamaForCausalLM(config).eval()
+
+
+@pytest.mark.parametrize("kind", sorted(ROPE_PARAMETERS))
+def test_rotation_matches_recomputation_for_each_scaling(kind: str):
+    model = tiny_llama(ROPE_PARAMETERS[kind])
+    rotator = RopeRotator.from_model(model)
+    ok, detail = self_check(model, rotator, delta=1234)
+    assert ok, f"{kind}: {detail}"
+    if kind == "yarn":  # the attention factor lives in stored K; it must not be applied again
+        assert model.model.rotary_emb.attention_scaling != 1.0
+
+
+def test_a_wrong_frequency_fails_the_self_check():
+    model = tiny_llama(ROPE_PARAMETERS["default"])
+    good = RopeRotator.from_model(model)
+    ok, _ = self_check(model, RopeRotator(good.inv_freq * 1.01, good.head_dim))
+    assert not ok
+
+
+def test_dynamic_scaling_is_refused():
+    model = tiny_llama({"rope_type": "dynamic", "rope_theta": 10000.0, "factor": 2.0})
+    with pytest.raises(UnsupportedModelError, match="dynamic"):
+        RopeRotator.from_model(model)
+
+
+def _rope(x: torch.Tensor, pos: torch.Tensor, inv_freq: torch.Tensor) -> torch.Tensor:
+    """Reference RoPE on the first 2*len(inv_freq) dims, HF rotate_half pairing. x [T, H, D]."""
+    rd = 2 * inv_freq.numel()
+    ang = pos.double().unsqueeze(1) * inv_freq.double().unsqueeze(0)
+    cos = torch.cat([ang.cos(), ang.cos()], -1).unsqueeze(1)
+    sin = torch.cat([ang.sin(), ang.sin()], -1).unsqueeze(1)
+    r, rest = x[..., :rd].double(), x[..., rd:].double()
+    half = torch.cat([-r[..., rd // 2 :], r[..., : rd // 2]], -1)
+    return torch.cat([r * cos + half * sin, rest], -1)
+
+
+@pytest.mark.parametrize("rotary_dim", [32, 64])
+def test_partial_rotary_turns_only_the_rotary_dims(rotary_dim: int):
+    head_dim = 64
+    inv_freq = 1.0 / (10000 ** (torch.arange(0, rotary_dim, 2).double() / rotary_dim))
+    rotator = RopeRotator(inv_freq, head_dim)
+    x = torch.randn(10, 3, head_dim, dtype=torch.float64)
+    pos = torch.arange(10) * 37
+    delta = torch.arange(10) * 11 - 40
+    moved = rotator.rotate(_rope(x, pos, inv_freq), delta)
+    assert torch.allclose(moved, _rope(x, pos + delta, inv_freq), atol=1e-9)
