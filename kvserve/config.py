@@ -87,7 +87,9 @@ class ServeConfig:
             "help": "pieces for content matching: fixed (chunk_size) or content (content-defined cuts)"
         },
     )
-    chunk_min_tokens: int = field(default=32, metadata={"help": "content chunking: shortest piece"})
+    chunk_min_tokens: int = field(
+        default=16, metadata={"help": "content chunking: shortest piece (pieces average about twice this)"}
+    )
     chunk_max_tokens: int = field(default=256, metadata={"help": "content chunking: longest piece"})
     # --- scheduling --------------------------------------------------------------------------
     max_num_seqs: int = field(default=32, metadata={"help": "most sequences in one step"})

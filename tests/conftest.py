@@ -2,8 +2,16 @@
 
 from __future__ import annotations
 
-import pytest
-import torch
+import os
+import shutil
+
+# Triton kernels run in the interpreter where there is no GPU. This must be set before anything
+# imports triton (torch and transformers may).
+if shutil.which("nvidia-smi") is None:
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
 
 # One intra-op thread: tests share 2 cores with server subprocesses, and oversubscribed OpenMP
 # threads make small ops 30x slower. (Benchmarks under scripts/ use the machine's default.)

@@ -13,7 +13,7 @@ from kvserve.attention.base import AttentionBackend
 from kvserve.attention.registry import create_backend
 from kvserve.config import ServeConfig
 from kvserve.errors import ConfigError
-from kvserve.kvcache.kv_storage import DenseLayerKV, LayerKV
+from kvserve.kvcache.kv_storage import LayerKV
 from kvserve.models.hf_adapter import ATTN_IMPLEMENTATION, check_supported
 from kvserve.models.loader import model_fingerprint, resolve_model_path
 from kvserve.tokenizer import Tokenizer
@@ -62,11 +62,12 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
 
 
 def resolve_codec_name(config: ServeConfig, dtype: torch.dtype) -> str:
-    """kv_cache_bits picks the best measured codec; kv_cache_dtype names one; auto = model dtype."""
-    if config.kv_cache_bits:
-        from kvserve.quant.registry import BEST_CODEC_FOR_BITS
+    """kv_cache_bits picks the best measured codec (docs/kv-quality.md); kv_cache_dtype names one;
+    auto = the model dtype."""
+    from kvserve.quant.registry import codec_for_bits
 
-        return str(BEST_CODEC_FOR_BITS[config.kv_cache_bits])
+    if config.kv_cache_bits:
+        return codec_for_bits(config.kv_cache_bits)
     if config.kv_cache_dtype == "auto":
         return {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}[dtype]
     return config.kv_cache_dtype
@@ -80,15 +81,11 @@ def make_layer_kv(
     head_dim: int,
     dtype: torch.dtype,
     device: torch.device,
+    layer_idx: int = 0,
 ) -> LayerKV:
-    passthrough = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-    if codec in passthrough:
-        return DenseLayerKV(num_blocks, block_size, num_kv_heads, head_dim, passthrough[codec], device)
-    try:
-        from kvserve.quant.storage import create_layer_kv
-    except ImportError as e:  # pragma: no cover - the quant package is part of kvserve
-        raise ConfigError(f"kv_cache_dtype {codec!r} is not available: {e}") from e
-    return create_layer_kv(codec, num_blocks, block_size, num_kv_heads, head_dim, dtype, device)
+    from kvserve.quant.storage import create_layer_kv
+
+    return create_layer_kv(codec, num_blocks, block_size, num_kv_heads, head_dim, dtype, device, layer_idx)
 
 
 def load_model(config: ServeConfig, device: torch.device, dtype: torch.dtype) -> tuple[torch.nn.Module, Path]:
@@ -124,15 +121,21 @@ def build_parts(config: ServeConfig) -> EngineParts:
     codec = resolve_codec_name(config, dtype)
     probe = make_layer_kv(codec, 1, config.block_size, num_kv_heads, head_dim, dtype, torch.device("cpu"))
     bytes_per_block = probe.bytes_per_block() * num_layers
-    num_blocks = config.max_cache_bytes // bytes_per_block
+    # block codecs (KIVI K) keep each sequence's open block in full precision: reserve that first
+    codec_k = getattr(getattr(probe, "codec", None), "k", None)
+    open_block_reserve = 0
+    if codec_k is not None and not codec_k.per_token:
+        elem = torch.empty((), dtype=dtype).element_size()
+        open_block_reserve = config.max_num_seqs * config.block_size * num_kv_heads * head_dim * elem * num_layers
+    num_blocks = max(0, config.max_cache_bytes - open_block_reserve) // bytes_per_block
     if num_blocks < 2:
         raise ConfigError(
             f"max_cache_bytes={config.max_cache_bytes} holds fewer than 2 blocks "
             f"({bytes_per_block} bytes each); raise it"
         )
     layers = [
-        make_layer_kv(codec, num_blocks, config.block_size, num_kv_heads, head_dim, dtype, device)
-        for _ in range(num_layers)
+        make_layer_kv(codec, num_blocks, config.block_size, num_kv_heads, head_dim, dtype, device, i)
+        for i in range(num_layers)
     ]
     backend = create_backend(config.attention_backend, device)
     max_model_len = config.max_model_len or int(getattr(mc, "max_position_embeddings", 2048))

@@ -53,8 +53,10 @@ class Segmenter:
     def __init__(self, kind: str, chunk_size: int, min_tokens: int = 32, max_tokens: int = 256):
         self.kind, self.chunk_size = kind, chunk_size
         self.min_tokens, self.max_tokens = min_tokens, max_tokens
-        # expected piece length ~ min_tokens + 2**mask_bits: aim at chunk_size on average
-        self.mask_bits = max(1, round(math.log2(max(2, chunk_size - min_tokens))))
+        # expected piece length ~ min_tokens + 2**mask_bits ~ 2 * min_tokens. Short pieces lose less of
+        # a document at its edges (the piece that straddles the edge); consecutive pieces of one
+        # source are repaired as one run, so shortness adds no seams.
+        self.mask_bits = max(1, round(math.log2(max(2, min_tokens))))
 
     def segments(self, token_ids: Sequence[int]) -> list[tuple[int, int]]:
         if self.kind == "fixed":

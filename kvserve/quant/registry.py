@@ -1,0 +1,104 @@
+"""KV codecs by config name (`kv_cache_dtype`), with the checks that make a name usable."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from kvserve.errors import ConfigError
+from kvserve.quant.base import KVCodec
+from kvserve.quant.fp4 import Mxfp4Codec, Nvfp4Codec
+from kvserve.quant.fp8 import Fp8Codec
+from kvserve.quant.kivi import KiviKeyCodec, KiviValueCodec
+from kvserve.quant.passthrough import PassthroughCodec
+from kvserve.quant.turbo import TurboCodec
+
+# kv_cache_bits -> codec: the lowest measured perplexity on SmolLM2-135M among codecs whose stored
+# bits per element (metadata included, block size 16) lie in [b, 1.1 b]: capacity first (the point
+# of a bit budget is tokens per byte), then quality. int8 KIVI (9.25 bits at block 16, the best
+# quality) and turbo3.5 stay available by name. Measurements, the command that made them and the
+# rule: docs/kv-quality.md (scripts/bench_kv_quality.py).
+BEST_CODEC_FOR_BITS = {16: "bf16", 8: "fp8_e4m3", 4: "turbo4", 3: "turbo3"}
+
+PASSTHROUGH_DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+KIVI_BITS = {"int8": 8, "int4": 4, "int3": 3, "int2": 2}
+TURBO_SPLITS = {"turbo4": ((1, 4),), "turbo3.5": ((2, 4), (2, 3)), "turbo3": ((1, 3),)}  # (1/share, bits)
+
+
+def head_dim_problem(name: str, head_dim: int) -> str | None:
+    """What `name` needs of head_dim that it does not get, or None when it can pack head_dim."""
+    if name in KIVI_BITS and head_dim % 16:
+        return "head_dim a multiple of 16"
+    if name in ("nvfp4", "mxfp4"):
+        block = Nvfp4Codec.block if name == "nvfp4" else Mxfp4Codec.block
+        if head_dim % block:
+            return f"head_dim a multiple of its {block}-value scale block"
+    if name in TURBO_SPLITS and (head_dim < 16 or head_dim & (head_dim - 1)):
+        return "head_dim a power of two >= 16 (Hadamard rotation)"
+    return None
+
+
+def _passthrough(name: str, h: int, d: int, layer_idx: int) -> KVCodec:
+    dtype = PASSTHROUGH_DTYPES[name]
+    return KVCodec(
+        name, PassthroughCodec(h, d, dtype), PassthroughCodec(h, d, dtype), passthrough_dtype=dtype
+    )
+
+
+def _kivi(name: str, h: int, d: int, layer_idx: int) -> KVCodec:
+    bits = KIVI_BITS[name]
+    group = next(g for g in (64, 32, 16) if d % g == 0)  # V channels sharing one scale and zero
+    return KVCodec(name, KiviKeyCodec(h, d, bits), KiviValueCodec(h, d, bits, group))
+
+
+def _fp8(name: str, h: int, d: int, layer_idx: int) -> KVCodec:
+    return KVCodec(name, Fp8Codec(h, d), Fp8Codec(h, d))
+
+
+def _fp4(name: str, h: int, d: int, layer_idx: int) -> KVCodec:
+    cls = Nvfp4Codec if name == "nvfp4" else Mxfp4Codec
+    return KVCodec(name, cls(h, d), cls(h, d))
+
+
+def _turbo(name: str, h: int, d: int, layer_idx: int) -> KVCodec:
+    splits = tuple((d // share, bits) for share, bits in TURBO_SPLITS[name])
+    return KVCodec(name, TurboCodec(h, d, splits, layer_idx), TurboCodec(h, d, splits, layer_idx))
+
+
+_BUILDERS: dict[str, Callable[[str, int, int, int], KVCodec]] = {
+    **dict.fromkeys(PASSTHROUGH_DTYPES, _passthrough),
+    **dict.fromkeys(KIVI_BITS, _kivi),
+    "fp8_e4m3": _fp8,
+    "nvfp4": _fp4,
+    "mxfp4": _fp4,
+    **dict.fromkeys(TURBO_SPLITS, _turbo),
+}
+CODEC_NAMES = tuple(_BUILDERS)
+
+
+def make_codec(name: str, num_kv_heads: int, head_dim: int, layer_idx: int = 0) -> KVCodec:
+    """The codec `name` for one layer; turbo codecs seed their rotation with `layer_idx`."""
+    if name not in _BUILDERS:
+        raise ConfigError(
+            f"unknown kv_cache_dtype {name!r}; choose one of: auto, {', '.join(CODEC_NAMES)}",
+            param="kv_cache_dtype",
+        )
+    need = head_dim_problem(name, head_dim)
+    if need is not None:
+        works = [n for n in CODEC_NAMES if head_dim_problem(n, head_dim) is None]
+        raise ConfigError(
+            f"kv_cache_dtype={name!r} needs {need} (got head_dim {head_dim}); "
+            f"formats that work with head_dim {head_dim}: {', '.join(works)}",
+            param="kv_cache_dtype",
+        )
+    return _BUILDERS[name](name, num_kv_heads, head_dim, layer_idx)
+
+
+def codec_for_bits(bits: int) -> str:
+    if bits not in BEST_CODEC_FOR_BITS:
+        raise ConfigError(
+            f"kv_cache_bits must be one of {sorted(BEST_CODEC_FOR_BITS)} (or 0), got {bits}",
+            param="kv_cache_bits",
+        )
+    return BEST_CODEC_FOR_BITS[bits]
