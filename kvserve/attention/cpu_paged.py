@@ -1,80 +1,111 @@
 """Paged attention on CPU directly over the block table, without gathering the whole history.
 
-Per sequence (q_len new tokens at the end of seq_len tokens of KV) the KV range is cut into
-segments that never straddle `ctx_len`:
+A sequence's blocks are cut into segments (`plan_segments`): a run of at least MIN_VIEW_BLOCKS
+consecutive block ids is a strided view of a dense pool (no copy); shorter runs are gathered in
+groups of about GATHER_BYTES of K (a copy small enough to stay in cache while it is used).
 
-  [0, ctx_len)         context: every query row sees all of it, no mask
-  [ctx_len, seq_len)   the new tokens: query row j sees [ctx_len, ctx_len + j]
+Decode rows (q_len == 1, dense pool) take two passes: scores of all segments (one GEMM per KV head
+with the GQA group as rows), one softmax, then P V accumulated segment by segment.
 
-ctx_len = seq_len - q_len, or seq_len for a decode row (it sees everything). Once the rows that
-see nothing of a new-token segment are cut off, its mask is top-left causal, so every segment runs
-torch's CPU flash-attention kernel with is_causal in {False, True} and no mask tensor.
-
-Segments are also cut where the block table breaks: a run of consecutive block ids is a strided
-view of a dense pool (no copy). Runs shorter than MIN_VIEW_BLOCKS are gathered in groups of up to
-GATHER_TOKENS tokens (a copy small enough to stay in cache). Partial results are merged exactly
-through their log-sum-exp (the flash-decoding merge).
+Other rows run torch's CPU flash-attention kernel per segment, which returns the log-sum-exp, and
+partial results are merged exactly (the flash-decoding merge). Segments are further cut at ctx_len
+= seq_len - q_len: every query row sees all of [0, ctx_len); of a segment in [ctx_len, seq_len) the
+rows that see nothing are dropped and the rest see it top-left causally. So no mask tensor is built.
+Non-dense pools (kvserve/quant/) are read through `LayerKV.gather`, segment by segment.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator
+from dataclasses import dataclass
 
 import torch
 
 from kvserve.attention.base import AttentionBackend, AttentionMetadata
 from kvserve.kvcache.kv_storage import DenseLayerKV, LayerKV
 
-MIN_VIEW_BLOCKS = 4  # shorter runs of consecutive blocks are gathered instead of viewed
-GATHER_TOKENS = 2048  # at most this many tokens per gathered segment
+MIN_VIEW_BLOCKS = 16  # shorter runs of consecutive blocks are gathered instead of viewed
+GATHER_BYTES = 1 << 20  # K bytes per gathered segment: fits this machine's 2 MiB L2
 
 _flash_cpu = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
 
 
-def block_runs(block_ids: list[int]) -> list[tuple[int, int]]:
-    """Maximal runs of consecutive ids: [(index of the run's first entry, run length)]."""
-    runs: list[tuple[int, int]] = []
-    start = 0
-    for i in range(1, len(block_ids) + 1):
-        if i == len(block_ids) or block_ids[i] != block_ids[i - 1] + 1:
-            runs.append((start, i - start))
-            start = i
-    return runs
+@dataclass(frozen=True)
+class Segment:
+    """Table entries [first_block, first_block + num_blocks) holding token positions [start, end)."""
+
+    first_block: int
+    num_blocks: int
+    start: int
+    end: int
+    is_view: bool  # the blocks are consecutive ids: read as a view of the pool
 
 
-def _segments(
-    kv: LayerKV, block_ids: torch.Tensor, seq_len: int
-) -> Iterator[tuple[int, torch.Tensor, torch.Tensor]]:
-    """Yields (first token position, K, V) covering [0, seq_len) in order; K/V [n, H_kv, D]."""
-    bs, h_kv, d = kv.block_size, kv.num_kv_heads, kv.head_dim
-    dense = isinstance(kv, DenseLayerKV)
-    first, count = 0, 0  # table entries [first, first + count) wait to be gathered together
+def block_runs(block_ids: torch.Tensor) -> list[tuple[int, int]]:
+    """Maximal runs of consecutive ids in a 1-D table: [(index of the run's first entry, length)]."""
+    n = block_ids.numel()
+    if n == 0:
+        return []
+    breaks = ((block_ids[1:] - block_ids[:-1]) != 1).nonzero().flatten().add_(1).tolist()
+    edges = [0, *breaks, n]
+    return [(a, b - a) for a, b in zip(edges[:-1], edges[1:], strict=False)]
 
-    def gathered() -> tuple[int, torch.Tensor, torch.Tensor]:
-        k, v = kv.gather(block_ids[first : first + count].long())  # [count, bs, H_kv, D]
-        n_tok = min(count * bs, seq_len - first * bs)
-        return first * bs, k.view(-1, h_kv, d)[:n_tok], v.view(-1, h_kv, d)[:n_tok]
 
-    for start, length in block_runs(block_ids.tolist()):
-        if dense and length >= MIN_VIEW_BLOCKS:
+def plan_segments(
+    block_ids: torch.Tensor, seq_len: int, block_size: int, gather_blocks: int, can_view: bool
+) -> list[Segment]:
+    """Segments covering [0, seq_len) in order: long runs as views, the rest in gathered groups."""
+    segments: list[Segment] = []
+    first, count = 0, 0  # table entries [first, first + count) waiting to be gathered
+
+    def add(at: int, num: int, is_view: bool) -> None:
+        end = min((at + num) * block_size, seq_len)
+        segments.append(Segment(at, num, at * block_size, end, is_view))
+
+    for run_first, length in block_runs(block_ids):
+        if can_view and length >= MIN_VIEW_BLOCKS:
             if count:
-                yield gathered()
+                add(first, count, False)
                 count = 0
-            b0 = int(block_ids[start])
-            n_tok = min(length * bs, seq_len - start * bs)
-            k = kv.k_cache[b0 : b0 + length].view(-1, h_kv, d)[:n_tok]
-            v = kv.v_cache[b0 : b0 + length].view(-1, h_kv, d)[:n_tok]
-            yield start * bs, k, v
+            add(run_first, length, True)
             continue
-        for index in range(start, start + length):
-            if count == 0:
-                first = index
-            count += 1
-            if count * bs >= GATHER_TOKENS:
-                yield gathered()
-                count = 0
+        if count == 0:
+            first = run_first
+        count += length  # short runs are adjacent in the table: the group stays one range
+        while count >= gather_blocks:
+            add(first, gather_blocks, False)
+            first, count = first + gather_blocks, count - gather_blocks
     if count:
-        yield gathered()
+        add(first, count, False)
+    return segments
+
+
+def _read(cache: torch.Tensor, block_ids: torch.Tensor, seg: Segment) -> torch.Tensor:
+    """One segment of a dense cache [num_blocks, bs, H_kv, D] -> [end - start, H_kv, D]."""
+    h_kv, d = cache.shape[2], cache.shape[3]
+    if seg.is_view:
+        b0 = int(block_ids[seg.first_block])
+        blocks = cache[b0 : b0 + seg.num_blocks]
+    else:
+        blocks = cache.index_select(0, block_ids[seg.first_block : seg.first_block + seg.num_blocks])
+    return blocks.view(-1, h_kv, d)[: seg.end - seg.start]
+
+
+def _kv_segments(
+    kv: LayerKV, block_ids: torch.Tensor, segments: list[Segment]
+) -> Iterator[tuple[int, torch.Tensor, torch.Tensor]]:
+    """(first token position, K, V) per segment; K/V [n, H_kv, D]."""
+    for seg in segments:
+        if isinstance(kv, DenseLayerKV):
+            yield seg.start, _read(kv.k_cache, block_ids, seg), _read(kv.v_cache, block_ids, seg)
+            continue
+        k, v = kv.gather(block_ids[seg.first_block : seg.first_block + seg.num_blocks])
+        n = seg.end - seg.start
+        yield (
+            seg.start,
+            k.view(-1, kv.num_kv_heads, kv.head_dim)[:n],
+            v.view(-1, kv.num_kv_heads, kv.head_dim)[:n],
+        )
 
 
 def _split_at(
@@ -90,10 +121,45 @@ def _split_at(
             yield start, k, v
 
 
-def _merge(o_acc, lse_acc, o_new, lse_new) -> None:
-    """In place: (o_acc, lse_acc) <- softmax-weighted union of the two partial results.
+def decode_dense(
+    q: torch.Tensor,  # [H, D]
+    kv: DenseLayerKV,
+    block_ids: torch.Tensor,  # [num_blocks] int64
+    segments: list[Segment],
+    scale: float,
+) -> torch.Tensor:  # [H, D]
+    """One decode row: scores of every segment, one softmax, then P V segment by segment."""
+    h, d = q.shape
+    h_kv = kv.num_kv_heads
+    qg = (q * scale).view(h_kv, h // h_kv, d)  # [H_kv, G, D]: GQA group as GEMM rows
+    scores = [
+        torch.matmul(qg, _read(kv.k_cache, block_ids, s).to(q.dtype).permute(1, 2, 0)) for s in segments
+    ]
+    all_scores = scores[0] if len(scores) == 1 else torch.cat(scores, dim=-1)  # [H_kv, G, seq_len]
+    probs = torch.softmax(all_scores.float(), dim=-1).to(q.dtype)
+    out = None
+    for seg in segments:
+        v = _read(kv.v_cache, block_ids, seg).to(q.dtype).transpose(0, 1)  # [H_kv, n, D]
+        part = torch.matmul(probs[..., seg.start : seg.end], v)  # [H_kv, G, D]
+        out = part if out is None else out.add_(part)
+    assert out is not None, "seq_len must be >= 1"
+    return out.view(h, d)
 
-    o [H, rows, D] float32, lse [H, rows] float32; lse_acc is finite (first segment covers all rows).
+
+def _partial_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """q [1, H, 1, D] (scaled), k/v [n, H_kv, D] -> (o [1, H, 1, D], lse [1, H, 1]) for the merge."""
+    _, h, _, d = q.shape
+    h_kv = k.shape[1]
+    scores = torch.matmul(q.view(h_kv, h // h_kv, d), k.permute(1, 2, 0)).float()  # [H_kv, G, n]
+    lse = torch.logsumexp(scores, dim=-1)  # [H_kv, G]
+    o = torch.matmul(torch.exp(scores - lse.unsqueeze(-1)).to(v.dtype), v.transpose(0, 1))
+    return o.view(1, h, 1, d), lse.view(1, h, 1)
+
+
+def _merge(o_acc: torch.Tensor, lse_acc: torch.Tensor, o_new: torch.Tensor, lse_new: torch.Tensor) -> None:
+    """In place: (o_acc, lse_acc) <- the union of two partial results over disjoint KV.
+
+    o [H, rows, D] float32, lse [H, rows] float32; lse_acc is finite (the first segment covers all rows).
     """
     lse_max = torch.maximum(lse_acc, lse_new)
     w_acc = torch.exp(lse_acc - lse_max)
@@ -103,45 +169,63 @@ def _merge(o_acc, lse_acc, o_new, lse_new) -> None:
     lse_acc.copy_(lse_max + torch.log(total))
 
 
-def attention_one_sequence(
+def attention_merged(
     q: torch.Tensor,  # [q_len, H, D]
     kv: LayerKV,
-    block_ids: torch.Tensor,  # [num_blocks] int, the sequence's blocks in order
+    block_ids: torch.Tensor,  # [num_blocks] int64
+    segments: list[Segment],
     seq_len: int,
     scale: float,
 ) -> torch.Tensor:  # [q_len, H, D]
+    """Any rows, any LayerKV: per-segment partial attention, merged through the log-sum-exp."""
     q_len = q.shape[0]
     ctx_len = seq_len if q_len == 1 else seq_len - q_len
     qh = q.transpose(0, 1).unsqueeze(0)  # [1, H, q_len, D] view
+    if q_len == 1:
+        qh = qh * scale
     o_acc = lse_acc = None
-    for start, k, v in _split_at(_segments(kv, block_ids, seq_len), ctx_len):
+    for start, k, v in _split_at(_kv_segments(kv, block_ids, segments), ctx_len):
         first_row = max(0, start - ctx_len)  # rows before it see nothing of a new-token segment
-        k4 = k.to(q.dtype).transpose(0, 1).unsqueeze(0)  # [1, H_kv, n, D] view (dense pools)
-        v4 = v.to(q.dtype).transpose(0, 1).unsqueeze(0)
-        o, lse = _flash_cpu(qh[:, :, first_row:], k4, v4, is_causal=start >= ctx_len, scale=scale)
+        k, v = k.to(q.dtype), v.to(q.dtype)
+        if q_len == 1:
+            o, lse = _partial_decode(qh, k, v)
+        else:
+            k4, v4 = k.transpose(0, 1).unsqueeze(0), v.transpose(0, 1).unsqueeze(0)  # [1, H_kv, n, D]
+            o, lse = _flash_cpu(qh[:, :, first_row:], k4, v4, is_causal=start >= ctx_len, scale=scale)
         if o_acc is None:
             if start + k.shape[0] >= seq_len:
                 return o[0].transpose(0, 1)  # one segment: no merge
-            o_acc, lse_acc = o[0].float(), lse[0].clone()  # [H, q_len, D], [H, q_len]
+            o_acc, lse_acc = o[0].float(), lse[0].float()  # [H, q_len, D], [H, q_len]
             continue
-        _merge(o_acc[:, first_row:], lse_acc[:, first_row:], o[0].float(), lse[0])
+        _merge(o_acc[:, first_row:], lse_acc[:, first_row:], o[0].float(), lse[0].float())
     assert o_acc is not None, "seq_len must be >= 1"
     return o_acc.transpose(0, 1).to(q.dtype)
 
 
 class CpuPagedBackend(AttentionBackend):
-    """cpu_paged: CPU flash attention per sequence over views of the paged pool (see module doc)."""
+    """cpu_paged: attention per sequence over views and small gathers of the paged pool (module doc)."""
 
     name = "cpu_paged"
 
-    def forward(self, query: torch.Tensor, kv: LayerKV, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    def forward(
+        self, query: torch.Tensor, kv: LayerKV, meta: AttentionMetadata, scale: float
+    ) -> torch.Tensor:
+        assert getattr(meta, "query_positions", None) is None, (
+            "rows at arbitrary positions: use the positional backend"
+        )
         out = torch.empty_like(query)
+        dense = isinstance(kv, DenseLayerKV)
+        bytes_per_block = kv.block_size * kv.num_kv_heads * kv.head_dim * query.element_size()
+        gather_blocks = max(1, GATHER_BYTES // bytes_per_block)
         start = 0
         for i, (q_len, seq_len) in enumerate(zip(meta.query_lens_list, meta.seq_lens_list, strict=True)):
             num_blocks = -(-seq_len // meta.block_size)
-            block_ids = meta.block_tables[i, :num_blocks]
-            out[start : start + q_len] = attention_one_sequence(
-                query[start : start + q_len], kv, block_ids, seq_len, scale
-            )
+            block_ids = meta.block_tables[i, :num_blocks].long()
+            segments = plan_segments(block_ids, seq_len, meta.block_size, gather_blocks, dense)
+            q = query[start : start + q_len]
+            if q_len == 1 and dense:
+                out[start] = decode_dense(q[0], kv, block_ids, segments, scale)
+            else:
+                out[start : start + q_len] = attention_merged(q, kv, block_ids, segments, seq_len, scale)
             start += q_len
         return out

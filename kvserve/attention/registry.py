@@ -30,9 +30,10 @@ def backend_class(name: str) -> type[AttentionBackend]:
 
 
 def create_backend(name: str, device: torch.device) -> AttentionBackend:
-    """`auto`: cuda extension, then triton on GPUs; cpu_paged on CPU."""
+    """`auto`: triton, then the cuda extension on GPUs; cpu_paged on CPU."""
     if name == "auto":
-        candidates = ["cuda", "triton"] if device.type == "cuda" else ["cpu_paged"]
+        # triton first: both GPU paths still await their first real-GPU run, and cuda JIT-builds (minutes)
+        candidates = ["triton", "cuda"] if device.type == "cuda" else ["cpu_paged"]
         for candidate in candidates:
             try:
                 cls = _load(candidate)

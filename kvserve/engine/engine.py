@@ -21,7 +21,7 @@ from kvserve.engine.sampler import sample_one
 from kvserve.errors import InvalidRequestError
 from kvserve.kvcache.block_pool import BlockPool
 from kvserve.kvcache.chunk_store import ChunkStore
-from kvserve.kvcache.hashing import chunk_prefix_hashes, root_hash
+from kvserve.kvcache.hashing import prompt_chunk_hashes, root_hash
 from kvserve.kvcache.segment_index import SegmentIndex
 from kvserve.request import FinishReason, Request, RequestOutput, TokenLogprob
 from kvserve.scheduler.batch import BlendPlan, ScheduledBatch
@@ -133,7 +133,7 @@ class Engine:
     def unpin(self, token_ids: list[int], cache_salt: str | None = None) -> int:
         """Unpin the cached chunks of this prompt prefix; returns how many were pinned."""
         root = root_hash(self.info.namespace, cache_salt)
-        hashes = chunk_prefix_hashes(token_ids, self.config.chunk_size, root)
+        hashes = prompt_chunk_hashes(token_ids, self.config.chunk_size, root)
         return sum(self.store.set_pinned(h, False) for h in hashes)
 
     def has_unfinished_requests(self) -> bool:

@@ -17,7 +17,7 @@ from collections import Counter
 
 from kvserve.kvcache.block_pool import BlockPool
 from kvserve.kvcache.chunk_store import CachedChunk, ChunkStore
-from kvserve.kvcache.hashing import chunk_prefix_hashes, content_hash, tail_hash
+from kvserve.kvcache.hashing import chunk_prefix_hashes, content_hash, prompt_chunk_hashes, tail_hash
 from kvserve.request import FinishReason
 from kvserve.scheduler.batch import BlendPlan, ContentHit, ScheduledBatch, ScheduledSeq
 from kvserve.scheduler.content import ContentMatcher
@@ -257,11 +257,7 @@ class Scheduler:
 
     def pin_prefix(self, seq: Sequence, pinned: bool = True) -> int:
         """Pin (or unpin) the cached chunks of the sequence's prompt; returns how many."""
-        hashes = list(seq.prefix_hashes)
-        full = seq.num_prompt_tokens // self.chunk_size
-        if seq.num_prompt_tokens % self.chunk_size:
-            parent = seq.prefix_hashes[full - 1] if full else seq.root_hash
-            hashes.append(tail_hash(parent, seq.token_ids[full * self.chunk_size : seq.num_prompt_tokens]))
+        hashes = prompt_chunk_hashes(seq.request.prompt_token_ids, self.chunk_size, seq.root_hash)
         return sum(self.store.set_pinned(h, pinned) for h in hashes)
 
     # --- leaving -----------------------------------------------------------------------------------

@@ -1,0 +1,239 @@
+// FlashAttention-2 forward over a paged KV pool, with GQA row packing and optional split-KV.
+//
+// Grid (row tiles, num_seqs * num_kv_heads, num_splits); NUM_WARPS warps per CTA, 16 packed rows each.
+// GQA packing: for one sequence and one kv head the CTA's rows are (query row, head in group) pairs,
+//   packed row r -> query row r / group, head kv_head * group + r % group,
+// so each K/V tile in shared memory serves every query head that reads it (decode: the whole group
+// in one 16-row warp). Per KV tile of kKvTile tokens: S = Q K^T on tensor cores (mma.sync m16n8k16,
+// fp32 accumulate), bottom-right causal + length mask, online softmax in registers (exp2, scale
+// folded with log2 e), P re-packed from the S accumulators into A fragments, O += P V.
+// Split z covers KV [z * tokens_per_split, (z + 1) * tokens_per_split); with one split the CTA writes
+// the output, else fp32 partials + log2-sum-exp for merge_splits.cu.
+#include <math.h>
+
+#include "mma.cuh"
+#include "paged_attention.h"
+
+namespace kvserve {
+namespace {
+
+constexpr int kPad = 8;  // smem row padding in elements: spreads rows over banks, keeps 16 B alignment
+
+// KV positions [tile_start, tile_start + kKvTile) of one kv head -> smem [kKvTile][HEAD_DIM + kPad].
+// Positions at or past `tile_end` are zero-filled: pool slots past seq_len hold arbitrary bits.
+template <typename T, int HEAD_DIM, int NUM_THREADS>
+__device__ __forceinline__ void load_kv_tile(T* smem, const T* cache, int64_t stride_block,
+                                             int64_t stride_slot, int64_t head_offset,
+                                             const int32_t* table, int block_size, int tile_start,
+                                             int tile_end) {
+  constexpr int kChunks = HEAD_DIM / 8;  // 16-byte chunks per token row
+  for (int i = threadIdx.x; i < kKvTile * kChunks; i += NUM_THREADS) {
+    const int row = i / kChunks, chunk = i % kChunks;
+    const int pos = tile_start + row;
+    uint4 value = make_uint4(0u, 0u, 0u, 0u);
+    if (pos < tile_end) {
+      const int64_t block = table[pos / block_size];
+      const T* src = cache + block * stride_block + (pos % block_size) * stride_slot + head_offset + chunk * 8;
+      value = *reinterpret_cast<const uint4*>(src);
+    }
+    *reinterpret_cast<uint4*>(smem + row * (HEAD_DIM + kPad) + chunk * 8) = value;
+  }
+}
+
+template <typename T, int HEAD_DIM, int NUM_WARPS>
+__global__ void __launch_bounds__(NUM_WARPS * 32) paged_attention_kernel(const PagedAttentionParams p) {
+  using Traits = TypeTraits<T>;
+  constexpr int kRows = NUM_WARPS * 16;
+  constexpr int kStride = HEAD_DIM + kPad;
+  constexpr int kDSteps = HEAD_DIM / 16;  // k-steps of Q K^T
+  constexpr int kNTiles = kKvTile / 8;    // 8-token n-tiles of S
+  constexpr int kDTiles = HEAD_DIM / 8;   // 8-wide n-tiles of O
+  __shared__ __align__(16) T k_smem[kKvTile * kStride];
+  __shared__ __align__(16) T v_smem[kKvTile * kStride];
+
+  const int seq = blockIdx.y / p.num_kv_heads;
+  const int kv_head = blockIdx.y % p.num_kv_heads;
+  const int split = blockIdx.z;
+  const int group = p.num_heads / p.num_kv_heads;
+  const int q_start = p.query_start_loc[seq];
+  const int q_len = p.query_start_loc[seq + 1] - q_start;
+  const int packed_rows = q_len * group;
+  const int row0 = blockIdx.x * kRows;
+  if (row0 >= packed_rows) return;  // uniform over the CTA
+  const int seq_len = p.seq_lens[seq];
+  const int ctx_len = seq_len - q_len;
+  // KV range of this CTA: its split, cut at the horizon of its last query row
+  const int last_q_row = min(q_len - 1, (row0 + kRows - 1) / group);
+  const int kv_start = split * p.tokens_per_split;
+  const int kv_end = min(min(seq_len, ctx_len + last_q_row + 1), kv_start + p.tokens_per_split);
+
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int g = lane / 4, t = lane % 4;
+  int q_row[2], head[2];  // [0]: packed row g of the warp's 16, [1]: row g + 8
+  bool row_ok[2];
+#pragma unroll
+  for (int i = 0; i < 2; ++i) {
+    const int r = row0 + warp * 16 + g + i * 8;
+    row_ok[i] = r < packed_rows;
+    const int rr = row_ok[i] ? r : packed_rows - 1;  // padding rows mirror the last real row
+    q_row[i] = rr / group;
+    head[i] = kv_head * group + rr % group;
+  }
+
+  uint32_t q_frag[kDSteps][4];  // A fragments of Q, loaded once
+  const T* q_ptr = static_cast<const T*>(p.q);
+#pragma unroll
+  for (int ks = 0; ks < kDSteps; ++ks) {
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const int w = i & 1;  // a[0], a[2]: row g; a[1], a[3]: row g + 8
+      const int col = ks * 16 + 2 * t + (i >= 2 ? 8 : 0);
+      const T* src = q_ptr + (int64_t)(q_start + q_row[w]) * p.q_stride_token +
+                     (int64_t)head[w] * p.q_stride_head + col;
+      q_frag[ks][i] = row_ok[w] ? *reinterpret_cast<const uint32_t*>(src) : 0u;
+    }
+  }
+
+  float o_acc[kDTiles][4];
+#pragma unroll
+  for (int dt = 0; dt < kDTiles; ++dt) o_acc[dt][0] = o_acc[dt][1] = o_acc[dt][2] = o_acc[dt][3] = 0.f;
+  float row_max[2] = {-INFINITY, -INFINITY};
+  float row_sum[2] = {0.f, 0.f};  // per-thread partial sums; quad-reduced at the end
+  const int32_t* table = p.block_tables + (int64_t)seq * p.block_table_stride;
+  const T* k_cache = static_cast<const T*>(p.k_cache);
+  const T* v_cache = static_cast<const T*>(p.v_cache);
+
+  for (int tile = kv_start; tile < kv_end; tile += kKvTile) {
+    __syncthreads();  // every warp is done with the previous tile
+    load_kv_tile<T, HEAD_DIM, NUM_WARPS * 32>(k_smem, k_cache, p.k_stride_block, p.k_stride_slot,
+                                              (int64_t)kv_head * p.k_stride_head, table, p.block_size,
+                                              tile, kv_end);
+    load_kv_tile<T, HEAD_DIM, NUM_WARPS * 32>(v_smem, v_cache, p.v_stride_block, p.v_stride_slot,
+                                              (int64_t)kv_head * p.v_stride_head, table, p.block_size,
+                                              tile, kv_end);
+    __syncthreads();
+
+    float s[kNTiles][4];  // S = Q K^T for the warp's 16 rows x kKvTile positions
+#pragma unroll
+    for (int nt = 0; nt < kNTiles; ++nt) {
+      s[nt][0] = s[nt][1] = s[nt][2] = s[nt][3] = 0.f;
+#pragma unroll
+      for (int ks = 0; ks < kDSteps; ++ks) {
+        const T* k_row = k_smem + (nt * 8 + g) * kStride + ks * 16 + 2 * t;
+        const uint32_t b[2] = {*reinterpret_cast<const uint32_t*>(k_row),
+                               *reinterpret_cast<const uint32_t*>(k_row + 8)};
+        Traits::mma(s[nt], q_frag[ks], b);
+      }
+    }
+
+    float tile_max[2] = {-INFINITY, -INFINITY};
+#pragma unroll
+    for (int nt = 0; nt < kNTiles; ++nt) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int w = e / 2;  // c[0], c[1]: row g; c[2], c[3]: row g + 8
+        const int pos = tile + nt * 8 + 2 * t + (e & 1);
+        const bool visible = pos < kv_end && pos <= ctx_len + q_row[w];
+        s[nt][e] = visible ? s[nt][e] * p.scale_log2 : -INFINITY;
+        tile_max[w] = fmaxf(tile_max[w], s[nt][e]);
+      }
+    }
+    float m_use[2];  // row max, or 0 while a row has seen nothing (keeps exp2 free of NaN)
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {
+      const float m_new = fmaxf(row_max[i], quad_max(tile_max[i]));
+      m_use[i] = m_new == -INFINITY ? 0.f : m_new;
+      const float alpha = exp2f(row_max[i] - m_use[i]);
+      row_max[i] = m_new;
+      row_sum[i] *= alpha;
+#pragma unroll
+      for (int dt = 0; dt < kDTiles; ++dt) {
+        o_acc[dt][2 * i] *= alpha;
+        o_acc[dt][2 * i + 1] *= alpha;
+      }
+    }
+
+#pragma unroll
+    for (int kk = 0; kk < kKvTile / 16; ++kk) {
+      uint32_t a[4];  // P for positions [16 kk, 16 kk + 16): the C fragments of n-tiles 2kk, 2kk+1
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const float* sv = s[2 * kk + h];
+        const float p0 = exp2f(sv[0] - m_use[0]), p1 = exp2f(sv[1] - m_use[0]);
+        const float p2 = exp2f(sv[2] - m_use[1]), p3 = exp2f(sv[3] - m_use[1]);
+        row_sum[0] += p0 + p1;
+        row_sum[1] += p2 + p3;
+        a[2 * h] = Traits::pack(p0, p1);
+        a[2 * h + 1] = Traits::pack(p2, p3);
+      }
+#pragma unroll
+      for (int dt = 0; dt < kDTiles; ++dt) {
+        const T* v_col = v_smem + (kk * 16 + 2 * t) * kStride + dt * 8 + g;
+        const uint32_t b[2] = {pack_pair(v_col, v_col + kStride),
+                               pack_pair(v_col + 8 * kStride, v_col + 9 * kStride)};
+        Traits::mma(o_acc[dt], a, b);
+      }
+    }
+  }
+
+#pragma unroll
+  for (int i = 0; i < 2; ++i) {
+    const float sum = quad_sum(row_sum[i]);
+    if (!row_ok[i]) continue;
+    const float inv = sum > 0.f ? 1.f / sum : 0.f;
+    const int64_t token = q_start + q_row[i];
+    if (p.num_splits == 1) {
+      T* dst = static_cast<T*>(p.out) + token * p.o_stride_token + (int64_t)head[i] * p.o_stride_head + 2 * t;
+#pragma unroll
+      for (int dt = 0; dt < kDTiles; ++dt) {
+        *reinterpret_cast<uint32_t*>(dst + dt * 8) = Traits::pack(o_acc[dt][2 * i] * inv, o_acc[dt][2 * i + 1] * inv);
+      }
+    } else {
+      const int64_t part = (token * p.num_heads + head[i]) * p.num_splits + split;
+      if (t == 0) p.lse_part[part] = sum > 0.f ? row_max[i] + log2f(sum) : -INFINITY;
+      float* dst = p.o_part + part * HEAD_DIM + 2 * t;
+#pragma unroll
+      for (int dt = 0; dt < kDTiles; ++dt) {
+        *reinterpret_cast<float2*>(dst + dt * 8) = make_float2(o_acc[dt][2 * i] * inv, o_acc[dt][2 * i + 1] * inv);
+      }
+    }
+  }
+}
+
+template <typename T, int HEAD_DIM, int NUM_WARPS>
+cudaError_t launch(const PagedAttentionParams& p, cudaStream_t stream) {
+  const int group = p.num_heads / p.num_kv_heads;
+  const int rows = NUM_WARPS * 16;
+  const dim3 grid((p.max_query_len * group + rows - 1) / rows, p.num_seqs * p.num_kv_heads, p.num_splits);
+  paged_attention_kernel<T, HEAD_DIM, NUM_WARPS><<<grid, NUM_WARPS * 32, 0, stream>>>(p);
+  return cudaGetLastError();
+}
+
+template <typename T, int HEAD_DIM>
+cudaError_t launch_warps(const PagedAttentionParams& p, bool decode_config, cudaStream_t stream) {
+  return decode_config ? launch<T, HEAD_DIM, 1>(p, stream) : launch<T, HEAD_DIM, 4>(p, stream);
+}
+
+template <typename T>
+cudaError_t launch_head_dim(const PagedAttentionParams& p, bool decode_config, cudaStream_t stream) {
+  switch (p.head_dim) {
+    case 64: return launch_warps<T, 64>(p, decode_config, stream);
+    case 128: return launch_warps<T, 128>(p, decode_config, stream);
+    default: return cudaErrorInvalidValue;
+  }
+}
+
+}  // namespace
+
+cudaError_t launch_paged_attention(const PagedAttentionParams& p, DType dtype, bool decode_config,
+                                   cudaStream_t stream) {
+  if (p.num_seqs == 0 || p.max_query_len == 0) return cudaSuccess;
+  if (p.num_kv_heads <= 0 || p.num_heads % p.num_kv_heads != 0) return cudaErrorInvalidValue;
+  if (p.num_splits < 1 || (p.num_splits > 1 && (p.o_part == nullptr || p.lse_part == nullptr))) {
+    return cudaErrorInvalidValue;
+  }
+  return dtype == DType::kFloat16 ? launch_head_dim<__half>(p, decode_config, stream)
+                                  : launch_head_dim<__nv_bfloat16>(p, decode_config, stream);
+}
+
+}  // namespace kvserve

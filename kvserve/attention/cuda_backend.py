@@ -1,0 +1,47 @@
+"""CUDA-extension paged attention (csrc/): one FlashAttention-2 kernel with GQA row packing for
+prefill, chunked prefill and decode, split-KV (flash-decoding) when the grid is too small.
+
+Dense fp16 / bf16 pools, head_dim 64 or 128, compute capability >= 8.0. The extension is built on
+first use through kvserve/kernels/cuda_ext.py.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kvserve.attention.base import AttentionBackend, AttentionMetadata
+from kvserve.kvcache.kv_storage import DenseLayerKV, LayerKV
+
+
+class CudaBackend(AttentionBackend):
+    name = "cuda"
+
+    def forward(
+        self, query: torch.Tensor, kv: LayerKV, meta: AttentionMetadata, scale: float
+    ) -> torch.Tensor:
+        assert getattr(meta, "query_positions", None) is None, (
+            "rows at arbitrary positions: use the positional backend"
+        )
+        from kvserve.kernels import cuda_ext
+
+        if not isinstance(kv, DenseLayerKV):
+            raise TypeError(f"the cuda backend reads DenseLayerKV pools only, got {type(kv).__name__}")
+        return cuda_ext.paged_attention(
+            query, kv.k_cache, kv.v_cache, meta.block_tables, meta.query_start_loc, meta.seq_lens,
+            max_query_len=meta.max_query_len, max_seq_len=meta.max_seq_len, scale=scale,
+        )  # fmt: skip
+
+    @classmethod
+    def is_available(cls, device: torch.device) -> tuple[bool, str]:
+        if device.type != "cuda":
+            return False, f"the CUDA extension runs on CUDA devices, got {device}"
+        from kvserve.kernels import cuda_ext
+
+        reason = cuda_ext.unavailable_reason()
+        if reason:
+            return False, reason
+        try:
+            cuda_ext.load()
+        except Exception as exc:  # noqa: BLE001 - a failed build makes the backend unavailable
+            return False, f"building the CUDA extension failed: {str(exc)[-500:]}"
+        return True, ""

@@ -1,0 +1,99 @@
+"""Argument checks shared by the kernel launchers (Triton and CUDA): run before every launch."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+@dataclass(frozen=True)
+class PagedShape:
+    num_seqs: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    block_size: int
+
+
+def _require(ok: bool, message: str) -> None:
+    if not ok:
+        raise ValueError(message)
+
+
+def check_paged_args(
+    query: torch.Tensor,  # [T, H, D]
+    k_cache: torch.Tensor,  # [num_blocks, block_size, H_kv, D]
+    v_cache: torch.Tensor,  # [num_blocks, block_size, H_kv, D]
+    block_tables: torch.Tensor,  # [num_seqs, max_blocks] int32
+    query_start_loc: torch.Tensor,  # [num_seqs + 1] int32
+    seq_lens: torch.Tensor,  # [num_seqs] int32
+    dtypes: tuple[torch.dtype, ...] = KERNEL_DTYPES,
+    head_dims: tuple[int, ...] = (64, 128),
+    kv_dtype: torch.dtype | None = None,  # cache dtype when it differs from query's (fp8 codes: uint8)
+) -> PagedShape:
+    """Shapes, dtypes, strides and devices of a paged attention call; ValueError naming the problem."""
+    _require(query.dim() == 3, f"query must be [num_tokens, num_heads, head_dim], got {tuple(query.shape)}")
+    _require(
+        k_cache.dim() == 4,
+        f"k_cache must be [num_blocks, block_size, num_kv_heads, head_dim], got {tuple(k_cache.shape)}",
+    )
+    _require(
+        k_cache.shape == v_cache.shape,
+        f"k_cache {tuple(k_cache.shape)} and v_cache {tuple(v_cache.shape)} differ",
+    )
+    _, num_heads, head_dim = query.shape
+    _, block_size, num_kv_heads, kv_head_dim = k_cache.shape
+    _require(head_dim == kv_head_dim, f"query head_dim {head_dim} != cache head_dim {kv_head_dim}")
+    _require(head_dim in head_dims, f"head_dim must be one of {head_dims}, got {head_dim}")
+    _require(block_size & (block_size - 1) == 0, f"block_size must be a power of two, got {block_size}")
+    _require(
+        num_heads % num_kv_heads == 0,
+        f"num_heads {num_heads} is not a multiple of num_kv_heads {num_kv_heads}",
+    )
+    _require(query.dtype in dtypes, f"query dtype must be one of {dtypes}, got {query.dtype}")
+    _require(
+        k_cache.dtype == (kv_dtype or query.dtype) == v_cache.dtype,
+        f"query, k_cache, v_cache dtypes differ: {query.dtype}, {k_cache.dtype}, {v_cache.dtype}",
+    )
+    for name, t in (("query", query), ("k_cache", k_cache), ("v_cache", v_cache)):
+        _require(t.stride(-1) == 1, f"{name} must be contiguous in head_dim (stride {t.stride(-1)})")
+    for name, t in (
+        ("block_tables", block_tables),
+        ("query_start_loc", query_start_loc),
+        ("seq_lens", seq_lens),
+    ):
+        _require(t.dtype == torch.int32, f"{name} must be int32, got {t.dtype}")
+        _require(t.is_contiguous(), f"{name} must be contiguous")
+    num_seqs = seq_lens.shape[0]
+    _require(
+        block_tables.dim() == 2 and block_tables.shape[0] == num_seqs,
+        f"block_tables must be [num_seqs={num_seqs}, max_blocks], got {tuple(block_tables.shape)}",
+    )
+    _require(
+        query_start_loc.shape == (num_seqs + 1,),
+        f"query_start_loc must be [num_seqs + 1 = {num_seqs + 1}], got {tuple(query_start_loc.shape)}",
+    )
+    devices = {t.device for t in (query, k_cache, v_cache, block_tables, query_start_loc, seq_lens)}
+    _require(len(devices) == 1, f"all tensors must be on one device, got {sorted(map(str, devices))}")
+    return PagedShape(num_seqs, num_heads, num_kv_heads, head_dim, block_size)
+
+
+def check_scales(k_scale: torch.Tensor | None, v_scale: torch.Tensor | None, k_cache: torch.Tensor) -> None:
+    """Per-(slot, kv head) fp32 scales of an 8-bit pool: [num_blocks, block_size, H_kv], slot-major."""
+    for name, t in (("k_scale", k_scale), ("v_scale", v_scale)):
+        _require(t is not None, f"{name} is required with 8-bit caches")
+        assert t is not None
+        _require(t.dtype == torch.float32, f"{name} must be float32, got {t.dtype}")
+        _require(
+            tuple(t.shape) == tuple(k_cache.shape[:3]),
+            f"{name} must be {tuple(k_cache.shape[:3])}, got {tuple(t.shape)}",
+        )
+        _require(
+            t.stride(2) == 1 and t.device == k_cache.device,
+            f"{name} must be contiguous per slot, on {k_cache.device}",
+        )
+    assert k_scale is not None and v_scale is not None
+    _require(k_scale.stride() == v_scale.stride(), "k_scale and v_scale strides differ")

@@ -1,0 +1,79 @@
+"""Random packed batches over a paged dense pool, for the kernel parity tests and scripts/bench_kernels.py."""
+
+from __future__ import annotations
+
+import torch
+
+from kvserve.attention.base import AttentionMetadata
+from kvserve.kvcache.kv_storage import DenseLayerKV
+
+
+def allocate_blocks(num_blocks_per_seq: list[int], layout: str, seed: int = 0) -> list[list[int]]:
+    """Block ids per sequence. layout: contiguous (a fresh pool), shuffled (every block apart),
+    mixed (runs of 1 to 8 consecutive blocks in random order)."""
+    total = sum(num_blocks_per_seq)
+    gen = torch.Generator().manual_seed(seed)
+    if layout == "contiguous":
+        order = list(range(1, total + 1))
+    elif layout == "shuffled":
+        order = (torch.randperm(total, generator=gen) + 1).tolist()
+    elif layout == "mixed":
+        runs, start = [], 1
+        while start <= total:
+            n = int(torch.randint(1, 9, (1,), generator=gen))
+            runs.append(list(range(start, min(start + n, total + 1))))
+            start += n
+        order = [b for i in torch.randperm(len(runs), generator=gen).tolist() for b in runs[i]]
+    else:
+        raise ValueError(layout)
+    tables, at = [], 0
+    for n in num_blocks_per_seq:
+        tables.append(order[at : at + n])
+        at += n
+    return tables
+
+
+def make_batch(
+    lens: list[tuple[int, int]],  # (q_len, seq_len) per sequence
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    block_size: int,
+    dtype: torch.dtype,
+    layout: str = "mixed",
+    seed: int = 0,
+    device: str = "cpu",
+) -> tuple[torch.Tensor, DenseLayerKV, AttentionMetadata]:
+    """query [sum q_len, H, D], a pool holding every sequence's KV (block 0 unused), metadata."""
+    gen = torch.Generator().manual_seed(seed)
+    blocks_per_seq = [-(-s // block_size) for _, s in lens]
+    tables = allocate_blocks(blocks_per_seq, layout, seed)
+    num_blocks = sum(blocks_per_seq) + 1
+    kv = DenseLayerKV(num_blocks, block_size, num_kv_heads, head_dim, dtype, device)
+    # unwritten slots hold garbage on purpose: a kernel reading past seq_len shows up
+    kv.k_cache.copy_(torch.randn(kv.k_cache.shape, generator=gen) * 100)
+    kv.v_cache.copy_(torch.randn(kv.v_cache.shape, generator=gen) * 100)
+    for table, (_, seq_len) in zip(tables, lens, strict=True):
+        slots = torch.tensor([b * block_size + o for b in table for o in range(block_size)][:seq_len])
+        k = torch.randn(seq_len, num_kv_heads, head_dim, generator=gen)
+        v = torch.randn(seq_len, num_kv_heads, head_dim, generator=gen)
+        kv.write(slots.to(device), k.to(device), v.to(device))
+    max_blocks = max(blocks_per_seq)
+    block_tables = torch.zeros(len(lens), max_blocks, dtype=torch.int32)
+    for i, table in enumerate(tables):
+        block_tables[i, : len(table)] = torch.tensor(table, dtype=torch.int32)
+    q_lens = [q for q, _ in lens]
+    seq_lens = [s for _, s in lens]
+    query_start_loc = torch.zeros(len(lens) + 1, dtype=torch.int32)
+    query_start_loc[1:] = torch.tensor(q_lens).cumsum(0)
+    meta = AttentionMetadata(
+        query_start_loc=query_start_loc.to(device),
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=device),
+        block_tables=block_tables.to(device),
+        slot_mapping=torch.full((sum(q_lens),), -1, dtype=torch.int64, device=device),
+        query_lens_list=q_lens,
+        seq_lens_list=seq_lens,
+        block_size=block_size,
+    )
+    query = torch.randn(sum(q_lens), num_heads, head_dim, generator=gen).to(device=device, dtype=dtype)
+    return query, kv, meta

@@ -1,0 +1,1 @@
+"""Triton kernels. Import only through kvserve.attention.triton_backend (lazily)."""

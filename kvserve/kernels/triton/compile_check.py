@@ -1,0 +1,97 @@
+"""Compile every Triton kernel for a CUDA target with no GPU present (CI catches compile errors).
+
+    python -m kvserve.kernels.triton.compile_check [--arch 90] [--quick]
+
+Must run without TRITON_INTERPRET=1 (the interpreter replaces @triton.jit functions at import).
+Prints one line per (kernel, variant) with the shared memory each needs; exits 1 on any failure.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+
+import triton
+from triton.backends.compiler import GPUTarget
+
+from kvserve.kernels.triton.paged_decode import merge_splits_kernel, paged_decode_split_kernel
+from kvserve.kernels.triton.paged_prefill import paged_prefill_kernel
+
+TRITON_TYPES = {"fp16": "*fp16", "bf16": "*bf16"}
+INT32_POINTERS = {"block_tables_ptr", "query_start_loc_ptr", "seq_lens_ptr"}
+FP32_POINTERS = {"o_part_ptr", "lse_part_ptr", "k_scale_ptr", "v_scale_ptr"}
+FP8_CODE_POINTERS = {"k_cache_ptr", "v_cache_ptr"}
+FP32_SCALARS = {"qk_scale"}
+
+
+def signature(kernel, dtype: str, constexprs: dict) -> dict[str, str]:
+    """Triton signature for `kernel`: data pointers in `dtype`, metadata int32, scalars i32/fp32."""
+    sig = {}
+    for name in kernel.arg_names:
+        if name in constexprs:
+            sig[name] = "constexpr"
+        elif name in INT32_POINTERS:
+            sig[name] = "*i32"
+        elif name in FP32_POINTERS:
+            sig[name] = "*fp32"
+        elif name in FP8_CODE_POINTERS and constexprs.get("FP8_KV"):
+            sig[name] = "*u8"
+        elif name.endswith("_ptr"):
+            sig[name] = TRITON_TYPES[dtype]
+        elif name in FP32_SCALARS:
+            sig[name] = "fp32"
+        else:
+            sig[name] = "i32"
+    return sig
+
+
+def variants(quick: bool) -> list[tuple[str, object, str, dict]]:
+    dtypes = ["bf16"] if quick else ["fp16", "bf16"]
+    head_dims = [128] if quick else [64, 128]
+    out = []
+    for dtype in dtypes:
+        for d in head_dims:
+            common = dict(HEAD_DIM=d, BLOCK_SIZE=16, DOT_FP32=False)
+            out.append(
+                ("prefill", paged_prefill_kernel, dtype, dict(common, GROUP=4, BLOCK_M=64, BLOCK_N=64))
+            )
+            decode = dict(common, GROUP=8, GROUP_PAD=16, BLOCK_N=64)
+            out.append(("decode", paged_decode_split_kernel, dtype, dict(decode, FP8_KV=False)))
+            out.append(("decode-fp8kv", paged_decode_split_kernel, dtype, dict(decode, FP8_KV=True)))
+            out.append(("merge", merge_splits_kernel, dtype, dict(HEAD_DIM=d, SPLITS_PAD=16)))
+    return out
+
+
+def compile_all(arch: int, quick: bool) -> list[str]:
+    """Compiles every variant for sm_`arch`; returns the failures (empty when all compiled)."""
+    failures = []
+    target = GPUTarget("cuda", arch, 32)
+    for name, kernel, dtype, constexprs in variants(quick):
+        label = f"{name} {dtype} " + " ".join(f"{k}={v}" for k, v in constexprs.items() if k != "DOT_FP32")
+        t0 = time.perf_counter()
+        try:
+            src = triton.compiler.ASTSource(
+                fn=kernel, signature=signature(kernel, dtype, constexprs), constexprs=constexprs
+            )
+            compiled = triton.compile(src, target=target)
+        except Exception as exc:  # noqa: BLE001 - collect every failure
+            failures.append(f"{label}: {type(exc).__name__}: {exc}")
+            print(f"FAIL sm_{arch} {label}: {exc}", flush=True)
+            continue
+        shared = compiled.metadata.shared
+        print(f"ok   sm_{arch} {label}  shared={shared}B  {time.perf_counter() - t0:.1f}s", flush=True)
+    return failures
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--arch", type=int, nargs="+", default=[90])
+    ap.add_argument("--quick", action="store_true", help="one dtype and head_dim only")
+    args = ap.parse_args()
+    failures = [f for arch in args.arch for f in compile_all(arch, args.quick)]
+    sys.exit(1 if failures else 0)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,89 @@
+"""Fused quantize-and-scatter kernels vs the torch codecs (TRITON_INTERPRET=1 without a GPU)."""
+
+import math
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+pytest.importorskip("triton")
+
+from kvserve.kernels.triton.quant_write import fp8_quant_write, int8_value_quant_write  # noqa: E402
+from kvserve.quant.registry import make_codec  # noqa: E402
+from kvserve.quant.storage import PackedBlocks  # noqa: E402
+
+pytestmark = pytest.mark.triton
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+NUM_BLOCKS, BS, H, D = 4, 4, 2, 64
+
+
+def inputs(dtype=torch.float32):
+    x = torch.randn(7, H, D) * torch.logspace(-4, 4, 7).view(7, 1, 1)
+    x[0, 0, :5] = torch.tensor([1e-9, -0.0, 3.0e-3, 500.0, -1e-12])  # subnormal and out-of-range codes
+    x[1, 1, 3] = math.nan
+    x[2, 0, 9] = math.inf
+    x[3] = torch.tensor([0.5, -0.75]).repeat(D // 2)  # ties
+    slots = torch.tensor([0, 5, -1, 9, 15, 3, 14])
+    return x.to(dtype).to(DEVICE), slots.to(DEVICE)
+
+
+def reference(name: str, which: str, x, slots):
+    blocks = PackedBlocks(getattr(make_codec(name, H, D), which), NUM_BLOCKS, BS, DEVICE)
+    keep = slots >= 0
+    blocks.write_tokens(slots[keep], x[keep])
+    return blocks.fields
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fp8_write_matches_torch_codec(dtype):
+    x, slots = inputs(dtype)
+    ref = reference("fp8_e4m3", "k", x, slots)
+    codes = torch.zeros_like(ref["codes"])
+    scale = torch.zeros_like(ref["scale"])
+    fp8_quant_write(x, slots, codes, scale)
+    assert torch.equal(scale, ref["scale"])
+    nan = ref["codes"].view(torch.float8_e4m3fn).float().isnan()
+    assert torch.equal(codes.view(torch.float8_e4m3fn).float().isnan(), nan)
+    assert torch.equal(codes[~nan], ref["codes"][~nan])
+
+
+def test_int8_value_write_matches_torch_codec():
+    x, slots = inputs()
+    x[x.isnan() | x.isinf()] = 1.0  # min/max quantization has no NaN rule
+    ref = reference("int8", "v", x, slots)
+    fields = {name: torch.zeros_like(field) for name, field in ref.items()}
+    int8_value_quant_write(x, slots, fields["codes"], fields["scale"], fields["zero"], group_size=64)
+    for name in ref:
+        assert torch.equal(fields[name], ref[name]), name
+
+
+def test_launcher_rejects_bad_pool():
+    x, slots = inputs()
+    with pytest.raises(ValueError, match="slot_mapping"):
+        fp8_quant_write(x, slots.int(), torch.zeros(4, 4, H, D, dtype=torch.uint8), torch.zeros(4, 4, H))
+
+
+COMPILE_SM90 = """
+import triton
+from triton.backends.compiler import GPUTarget
+from kvserve.kernels.triton import quant_write as q
+common = {"slot_ptr": "*i64", "codes_ptr": "*u8", "stride_xt": "i32", "stride_xh": "i32", "num_kv_heads": "i32"}
+for fn, sig, consts in [
+    (q._fp8_write_kernel, {"x_ptr": "*bf16", "scale_ptr": "*fp32"}, {"HEAD_DIM": 64}),
+    (q._int8_asym_write_kernel, {"x_ptr": "*fp16", "scale_ptr": "*fp16", "zero_ptr": "*fp16"}, {"HEAD_DIM": 128, "GROUP": 64}),
+]:
+    sig = {**common, **sig, **dict.fromkeys(consts, "constexpr")}
+    source = triton.compiler.ASTSource(fn=fn, signature={n: sig[n] for n in fn.arg_names}, constexprs=consts)
+    assert "ptx" in triton.compile(source, target=GPUTarget("cuda", 90, 32)).asm
+"""
+
+
+def test_kernels_compile_for_sm90():
+    """Compiles without a GPU; runs in a subprocess because TRITON_INTERPRET=1 replaces @jit here."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    done = subprocess.run([sys.executable, "-c", COMPILE_SM90], env=env, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-2000:]
