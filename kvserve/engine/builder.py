@@ -126,7 +126,9 @@ def build_parts(config: ServeConfig) -> EngineParts:
     open_block_reserve = 0
     if codec_k is not None and not codec_k.per_token:
         elem = torch.empty((), dtype=dtype).element_size()
-        open_block_reserve = config.max_num_seqs * config.block_size * num_kv_heads * head_dim * elem * num_layers
+        open_block_reserve = (
+            config.max_num_seqs * config.block_size * num_kv_heads * head_dim * elem * num_layers
+        )
     num_blocks = max(0, config.max_cache_bytes - open_block_reserve) // bytes_per_block
     if num_blocks < 2:
         raise ConfigError(

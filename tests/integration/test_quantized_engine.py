@@ -14,9 +14,9 @@ CODECS = ["bf16", "fp8_e4m3", "int8", "int4", "nvfp4", "mxfp4", "turbo4", "turbo
 
 def test_capacity_at_a_fixed_budget_matches_bits_per_element():
     """SmolLM2's shape (3 KV heads, head_dim 64): tokens held vs bf16 within 3 % of 16 / bits."""
-    from kvserve.engine.builder import make_layer_kv
-
     import torch
+
+    from kvserve.engine.builder import make_layer_kv
 
     def pool_tokens(codec: str) -> int:
         layer = make_layer_kv(codec, 1, 16, 3, 64, torch.float32, torch.device("cpu"))
