@@ -190,6 +190,16 @@ class _EngineStatsCollector:
             ("kvserve:generation_tokens", "Generated tokens.", s["num_generated_tokens"]),
             ("kvserve:cache_evictions", "Chunks evicted from the prefix cache.", s["num_evictions"]),
             ("kvserve:num_preemptions", "Sequences preempted for memory.", s["num_preemptions"]),
+            (
+                "kvserve:approx_reused_tokens",
+                "Prompt tokens reused from content matches (position-independent, before repair).",
+                s["content_reuse"]["num_approx_hit_tokens"],
+            ),
+            (
+                "kvserve:repair_recomputed_tokens",
+                "Reused tokens recomputed by the repair (selective / cacheblend).",
+                s["content_reuse"]["num_recomputed_tokens"],
+            ),
         ]
         for metric_name, doc, value in counters:
             c = CounterMetricFamily(metric_name, doc, labels=["model_name"])

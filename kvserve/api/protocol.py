@@ -8,7 +8,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from kvserve.errors import InvalidRequestError
-from kvserve.request import SamplingParams
+from kvserve.request import ReuseOptions, SamplingParams
 
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 
@@ -59,6 +59,17 @@ class _Sampling(_Strict):
     stream_options: StreamOptions | None = None
     user: str | None = None
     cache_salt: str | None = Field(default=None, min_length=1)
+    # kvserve extensions: opt in to approximate (position-independent) reuse and tune its repair
+    reuse: Literal["prefix", "any"] | None = None
+    recompute_strategy: Literal["none", "selective", "cacheblend"] | None = None
+    recompute_tokens: int | None = Field(default=None, ge=0)
+    recompute_ratio: float | None = Field(default=None, ge=0.0, le=1.0)
+    blend_check_layer: int | None = Field(default=None, ge=0)
+
+    def reuse_options(self) -> ReuseOptions | None:
+        fields = ("reuse", "recompute_strategy", "recompute_tokens", "recompute_ratio", "blend_check_layer")
+        values = {f: getattr(self, f) for f in fields}
+        return ReuseOptions(**values) if any(v is not None for v in values.values()) else None
 
     @property
     def include_usage(self) -> bool:

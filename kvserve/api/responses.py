@@ -73,6 +73,12 @@ def usage(job: Job, finals: dict[str, RequestOutput]) -> dict[str, Any]:
         "prompt_tokens_details": {
             "cached_tokens": sum(o.num_cached_tokens for o in first_of_prompt.values())
         },
+        # kvserve extension: how the cached tokens were reused
+        "kvserve": {
+            "exact_cached_tokens": sum(o.num_exact_cached_tokens for o in first_of_prompt.values()),
+            "approx_cached_tokens": sum(o.num_approx_cached_tokens for o in first_of_prompt.values()),
+            "recomputed_tokens": sum(o.num_recomputed_tokens for o in first_of_prompt.values()),
+        },
     }
 
 

@@ -143,7 +143,7 @@ def _generation_routes(app: FastAPI, state: ServerState) -> None:
         raw = body.prompts()
         prompts = [tok.encode(p) if isinstance(p, str) else list(p) for p in raw]
         echo = [(p if isinstance(p, str) else tok.decode(p)) if body.echo else "" for p in raw]
-        job, requests = _make_job("completion", state, prompts, params, body.cache_salt, echo, body.logprobs)
+        job, requests = _make_job("completion", state, prompts, params, body, echo, body.logprobs)
         return await _run(state, job, requests, body.stream, body.include_usage)
 
     @app.post("/v1/chat/completions", response_model=None)
@@ -151,7 +151,7 @@ def _generation_routes(app: FastAPI, state: ServerState) -> None:
         state.check_model(body.model)
         prompt = state.tokenizer.apply_chat_template(body.message_dicts(), add_generation_prompt=True)
         params = body.to_sampling_params(state.info.max_model_len - len(prompt))
-        job, requests = _make_job("chat", state, [prompt], params, body.cache_salt, [""], params.logprobs)
+        job, requests = _make_job("chat", state, [prompt], params, body, [""], params.logprobs)
         return await _run(state, job, requests, body.stream, body.include_usage)
 
 
@@ -160,7 +160,7 @@ def _make_job(
     state: ServerState,
     prompts: list[list[int]],
     params: SamplingParams,
-    cache_salt: str | None,
+    body: Any,
     echo: list[str],
     logprobs: int | None,
 ) -> tuple[R.Job, list[Request]]:
@@ -175,7 +175,9 @@ def _make_job(
                 sample = dataclasses.replace(params, seed=params.seed + j)
             rid = f"{job_id}-{i}-{j}"
             choices.append(R.Choice(len(choices), rid, i, echo[i]))
-            requests.append(Request(rid, list(prompt), sample, cache_salt=cache_salt))
+            requests.append(
+                Request(rid, list(prompt), sample, cache_salt=body.cache_salt, reuse=body.reuse_options())
+            )
     job = R.Job(kind, state.model_name, prompts, choices, logprobs is not None, id=job_id)
     return job, requests
 

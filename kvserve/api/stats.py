@@ -69,4 +69,5 @@ def _cache(s: dict[str, Any]) -> dict[str, Any]:
         "query_tokens": s["num_query_tokens"],
         "hit_rate": s["hit_rate"],
         "evictions": s["num_evictions"],
+        "reuse": s["content_reuse"],
     }

@@ -58,10 +58,12 @@ class BlendRunner:
         dst_pos = torch.cat([torch.arange(h.dst_start, h.dst_start + h.num_tokens) for h in plan.hits])
         delta = torch.cat([torch.full((h.num_tokens,), h.delta) for h in plan.hits])
         dst = self._slots(block_ids, dst_pos.to(self.device))
+        moved = bool((delta != 0).any())
+        rotation = self.rotator.rotation(delta, self.layers[0].compute_dtype, self.device) if moved else None
         for layer in self.layers:
             k, v = layer.read_slots(src)
-            if bool((delta != 0).any()):
-                k = self.rotator.rotate(k, delta)
+            if rotation is not None:
+                k = self.rotator.apply(k, rotation)
             layer.write(dst, k, v)
         return dst_pos
 

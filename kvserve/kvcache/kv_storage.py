@@ -87,6 +87,12 @@ class DenseLayerKV(LayerKV):
     def gather(self, block_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return self.k_cache.index_select(0, block_ids), self.v_cache.index_select(0, block_ids)
 
+    def read_slots(self, slot_mapping: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        flat = (-1, self.num_kv_heads, self.head_dim)
+        return self.k_cache.view(flat).index_select(0, slot_mapping), self.v_cache.view(flat).index_select(
+            0, slot_mapping
+        )
+
     def copy_blocks(self, src_block_ids: torch.Tensor, dst_block_ids: torch.Tensor) -> None:
         self.k_cache.index_copy_(0, dst_block_ids, self.k_cache.index_select(0, src_block_ids))
         self.v_cache.index_copy_(0, dst_block_ids, self.v_cache.index_select(0, src_block_ids))

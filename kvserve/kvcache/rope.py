@@ -45,17 +45,30 @@ class RopeRotator:
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         return cls(rotary.inv_freq, head_dim)
 
-    def rotate(self, key: torch.Tensor, delta: torch.Tensor) -> torch.Tensor:
-        """key [T, H, D] post-RoPE, delta [T] int (new - old position) -> key rotated by delta."""
-        angles = delta.double().cpu().unsqueeze(1) * self.inv_freq.unsqueeze(0)  # [T, rotary_dim/2]
-        cos = torch.cos(angles).to(key.dtype).to(key.device).unsqueeze(1)  # [T, 1, rotary_dim/2]
-        sin = torch.sin(angles).to(key.dtype).to(key.device).unsqueeze(1)
+    def rotation(
+        self, delta: torch.Tensor, dtype: torch.dtype, device: torch.device | str
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """delta [T] int -> (cos, sin), each [T, 1, rotary_dim // 2]; compute once, apply per layer."""
+        angles = delta.double().cpu().unsqueeze(1) * self.inv_freq.unsqueeze(0)  # [T, rotary_dim/2] fp64
+        return (
+            torch.cos(angles).to(dtype).to(device).unsqueeze(1),
+            torch.sin(angles).to(dtype).to(device).unsqueeze(1),
+        )
+
+    def apply(self, key: torch.Tensor, rotation: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        """key [T, H, D] post-RoPE -> key rotated by the deltas `rotation` was made for."""
+        cos, sin = rotation
         half = self.rotary_dim // 2
         x1, x2 = key[..., :half], key[..., half : self.rotary_dim]
-        rotated = torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
-        if self.rotary_dim == key.shape[-1]:
-            return rotated
-        return torch.cat([rotated, key[..., self.rotary_dim :]], dim=-1)
+        out = torch.empty_like(key)
+        out[..., :half] = x1 * cos - x2 * sin
+        out[..., half : self.rotary_dim] = x2 * cos + x1 * sin
+        out[..., self.rotary_dim :] = key[..., self.rotary_dim :]
+        return out
+
+    def rotate(self, key: torch.Tensor, delta: torch.Tensor) -> torch.Tensor:
+        """key [T, H, D] post-RoPE, delta [T] int (new - old position) -> key rotated by delta."""
+        return self.apply(key, self.rotation(delta, key.dtype, key.device))
 
 
 @torch.inference_mode()

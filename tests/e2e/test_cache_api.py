@@ -143,3 +143,37 @@ def test_warm_shorter_than_a_chunk_caches_nothing(tiny_server: Server) -> None:
     with tiny_server.http() as h:
         r = h.post("/v1/warm", json={"text": "too short to cache"}).json()
     assert r["num_cacheable_tokens"] == 0 and r["num_new_chunks"] == 0 and r["num_tokens"] > 0
+
+
+def test_approximate_reuse_is_opt_in_per_request_and_reported(tiny_server: Server) -> None:
+    doc = _ids(20, 2 * CHUNK)
+    prompt = _ids(21, CHUNK) + doc + _ids(22, 9)  # the document one chunk later than it was warmed
+    client = tiny_server.client()
+    with tiny_server.http() as h:
+        h.post("/v1/warm", json={"prompt_token_ids": doc, "pin": False})
+        other = _ids(23, CHUNK) + doc + _ids(22, 9)
+        plain = client.completions.create(model=TINY, prompt=other, max_tokens=2, temperature=0)
+        assert plain.usage.prompt_tokens_details.cached_tokens == 0  # the server default is exact only
+        r = h.post(
+            "/v1/completions",
+            json={
+                "model": TINY,
+                "prompt": prompt,
+                "max_tokens": 2,
+                "temperature": 0,
+                "reuse": "any",
+                "recompute_strategy": "selective",
+                "recompute_tokens": 8,
+            },
+        ).json()
+        assert r["usage"]["kvserve"] == {
+            "exact_cached_tokens": 0,
+            "approx_cached_tokens": 2 * CHUNK - 8,
+            "recomputed_tokens": 8,
+        }
+        assert r["usage"]["prompt_tokens_details"]["cached_tokens"] == 2 * CHUNK - 8
+        stats = tiny_server.stats()["cache"]["reuse"]
+        assert stats["available"] and stats["num_approx_hit_tokens"] >= 2 * CHUNK
+        assert _metric(h.get("/metrics").text, "kvserve:repair_recomputed_tokens_total") >= 8
+        bad = h.post("/v1/completions", json={"model": TINY, "prompt": prompt, "reuse": "sometimes"})
+        assert bad.status_code == 400 and bad.json()["error"]["param"] == "reuse"
