@@ -99,13 +99,13 @@ class BlendRunner:
         positions = compute.nonzero().squeeze(1).to(self.device)  # sorted; ends with n - 1
         hidden = self.decoder.embed_tokens(token_ids[positions].unsqueeze(0))  # [1, T, hidden]
         token_layers: list[int] = []
-        stored_k: torch.Tensor | None = None
+        stored_kv: tuple[torch.Tensor, torch.Tensor] | None = None
         reused_pos = reused.nonzero().squeeze(1).to(self.device)
         for idx, layer in enumerate(self.decoder.layers):
             if plan.strategy == "cacheblend" and idx == plan.check_layer:
-                stored_k = self.layers[idx].read_slots(self._slots(block_ids, reused_pos))[0]
-            if plan.strategy == "cacheblend" and idx == plan.check_layer + 1 and stored_k is not None:
-                keep = self._blend_select(plan, block_ids, positions, reused_pos, stored_k, fresh)
+                stored_kv = self.layers[idx].read_slots(self._slots(block_ids, reused_pos))
+            if plan.strategy == "cacheblend" and idx == plan.check_layer + 1 and stored_kv is not None:
+                keep = self._blend_select(plan, block_ids, positions, reused_pos, stored_kv, fresh)
                 hidden, positions = hidden[:, keep], positions[keep]
             hidden = self._run_layer(layer, hidden, positions, block_ids, n)
             token_layers.append(int(positions.numel()))
@@ -121,13 +121,14 @@ class BlendRunner:
         block_ids: torch.Tensor,
         positions: torch.Tensor,
         reused_pos: torch.Tensor,
-        stored_k: torch.Tensor,
+        stored_kv: tuple[torch.Tensor, torch.Tensor],
         fresh: torch.Tensor,
     ) -> torch.Tensor:
         """Rows of `positions` to keep after the check layer: fresh tokens plus the reused tokens whose
-        fresh K moved furthest from the stored K (squared distance summed over heads and dims)."""
+        fresh K moved furthest from the stored K (squared distance summed over heads and dims).
+        Ranking by K beat ranking by V and by both on SmolLM2 (docs/blend.md)."""
         fresh_k = self.layers[plan.check_layer].read_slots(self._slots(block_ids, reused_pos))[0]
-        deviation = ((fresh_k.float() - stored_k.float()) ** 2).sum(dim=(1, 2))  # [num_reused]
+        deviation = ((fresh_k.float() - stored_kv[0].float()) ** 2).sum(dim=(1, 2))  # [num_reused]
         num_keep = round(plan.recompute_ratio * reused_pos.numel())
         chosen = reused_pos[torch.topk(deviation, num_keep).indices] if num_keep else reused_pos[:0]
         keep_pos = torch.zeros(fresh.numel(), dtype=torch.bool, device=positions.device)
