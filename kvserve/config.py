@@ -82,9 +82,9 @@ class ServeConfig:
         metadata={"help": "cacheblend: fraction of reused tokens recomputed after the check layer"},
     )
     chunking: str = field(
-        default="fixed",
+        default="content",
         metadata={
-            "help": "pieces for content matching: fixed (chunk_size) or content (content-defined cuts)"
+            "help": "pieces for content matching: content (content-defined cuts) or fixed (chunk_size)"
         },
     )
     chunk_min_tokens: int = field(

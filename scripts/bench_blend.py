@@ -109,9 +109,17 @@ def main() -> None:
     ap.add_argument("--prompts", type=int, default=8)
     ap.add_argument("--max-tokens", type=int, default=32)
     ap.add_argument("--chunking", default="content")
+    ap.add_argument("--threads", type=int, default=0, help="torch intra-op threads (0 = torch's default)")
     ap.add_argument("--json", default="")
     ap.add_argument("--plot", default="")
+    ap.add_argument("--replot", default="", help="only redraw --plot from this --json file")
     args = ap.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    if args.replot:
+        with open(args.replot) as f:
+            plot(json.load(f)["table"], args.plot)
+        return
 
     rng = random.Random(0)
     llm = LLM(model=args.model, chunking=args.chunking, max_cache_bytes=2_000_000_000)
@@ -216,7 +224,7 @@ def plot(table: dict[str, dict[str, float]], path: str) -> None:
     )
     b.set_xlim(0, 1.05)
     b.set_title("Compute spent and greedy agreement")
-    b.legend(loc="lower right", fontsize=8)
+    b.legend(loc="center right", fontsize=8)
     fig.tight_layout()
     os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
     fig.savefig(path, dpi=110)

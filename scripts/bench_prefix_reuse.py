@@ -101,8 +101,11 @@ def main() -> None:
     ap.add_argument("--prefix-tokens", type=int, default=2048)
     ap.add_argument("--suffix-tokens", type=int, default=64)
     ap.add_argument("--decode-tokens", type=int, default=64)
+    ap.add_argument("--threads", type=int, default=0, help="torch intra-op threads (0 = torch's default)")
     ap.add_argument("--json", default="")
     args = ap.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
 
     from transformers import AutoModelForCausalLM
 

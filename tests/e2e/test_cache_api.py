@@ -166,14 +166,14 @@ def test_approximate_reuse_is_opt_in_per_request_and_reported(tiny_server: Serve
                 "recompute_tokens": 8,
             },
         ).json()
-        assert r["usage"]["kvserve"] == {
-            "exact_cached_tokens": 0,
-            "approx_cached_tokens": 2 * CHUNK - 8,
-            "recomputed_tokens": 8,
-        }
-        assert r["usage"]["prompt_tokens_details"]["cached_tokens"] == 2 * CHUNK - 8
+        # content-defined pieces (the default): all but the pieces straddling the document's edges,
+        # in one run, so the first 8 tokens of that run are recomputed
+        split = r["usage"]["kvserve"]
+        assert split["exact_cached_tokens"] == 0 and split["recomputed_tokens"] == 8
+        assert CHUNK <= split["approx_cached_tokens"] <= 2 * CHUNK - 8
+        assert r["usage"]["prompt_tokens_details"]["cached_tokens"] == split["approx_cached_tokens"]
         stats = tiny_server.stats()["cache"]["reuse"]
-        assert stats["available"] and stats["num_approx_hit_tokens"] >= 2 * CHUNK
+        assert stats["available"] and stats["num_approx_hit_tokens"] >= CHUNK
         assert _metric(h.get("/metrics").text, "kvserve:repair_recomputed_tokens_total") >= 8
         bad = h.post("/v1/completions", json={"model": TINY, "prompt": prompt, "reuse": "sometimes"})
         assert bad.status_code == 400 and bad.json()["error"]["param"] == "reuse"

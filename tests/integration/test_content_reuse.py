@@ -14,6 +14,8 @@ GREEDY = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
 
 
 def make(model: str = "tiny-random-llama", **kw) -> LLM:
+    """Fixed chunking unless asked: piece boundaries (and so the counts below) are then exact."""
+    kw.setdefault("chunking", "fixed")
     return LLM(model=model, chunk_size=CHUNK, max_cache_bytes=50_000_000, **kw)
 
 
