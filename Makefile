@@ -45,3 +45,31 @@ bench: setup
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache
+
+# Benchmark peers for scripts/bench_compare.py, each in its own venv under .bench-peers/ (git-ignored;
+# never the project's .venv), all on the pinned CPU torch. llama.cpp is optional: its source build
+# gets at most 15 minutes and a failure only leaves it out of the comparison.
+PEERS      ?= .bench-peers
+PEER_TORCH ?= torch==2.13.0
+.PHONY: bench-peers bench-compare
+
+bench-peers: setup $(PEERS)/hf/.ok $(PEERS)/kvboost/.ok
+	-test -f $(PEERS)/llamacpp/.ok || ( (test -d $(PEERS)/llamacpp || $(PYTHON) -m venv $(PEERS)/llamacpp) \
+	  && CMAKE_BUILD_PARALLEL_LEVEL=2 timeout 900 $(PEERS)/llamacpp/bin/pip install -q \
+	     "llama-cpp-python[server]==0.3.36" && touch $(PEERS)/llamacpp/.ok )
+
+$(PEERS)/hf/.ok:
+	test -d $(PEERS)/hf || $(PYTHON) -m venv $(PEERS)/hf
+	$(PEERS)/hf/bin/pip install -q "$(PEER_TORCH)"
+	$(PEERS)/hf/bin/pip install -q transformers==5.23.0 fastapi==0.165.0 uvicorn==0.54.0
+	touch $@
+
+$(PEERS)/kvboost/.ok:
+	test -d $(PEERS)/kvboost || $(PYTHON) -m venv $(PEERS)/kvboost
+	$(PEERS)/kvboost/bin/pip install -q "$(PEER_TORCH)"
+	$(PEERS)/kvboost/bin/pip install -q "kvboost[server]==0.9.0"
+	$(PEERS)/kvboost/bin/python -c "import torch; assert torch.__version__.startswith('2.13.0'), torch.__version__"
+	touch $@
+
+bench-compare: bench-peers
+	$(PY) scripts/bench_compare.py $(ARGS)
