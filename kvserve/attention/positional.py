@@ -27,12 +27,16 @@ class PositionalBackend(AttentionBackend):
         v = v.reshape(-1, kv.num_kv_heads, kv.head_dim)[:seq_len].transpose(0, 1)
         q = query.transpose(0, 1)  # [H, T, D]
         positions = meta.query_positions.to(query.device)
-        mask = torch.arange(seq_len, device=query.device).unsqueeze(0) <= positions.unsqueeze(1)  # [T, S]
+        mask: torch.Tensor | None = None
+        if positions.numel() != seq_len:  # rows at chosen positions: explicit mask
+            mask = torch.arange(seq_len, device=query.device).unsqueeze(0) <= positions.unsqueeze(1)  # [T, S]
+        # else every position [0, seq_len) is a row, in order: plain causal (the flash path)
         out = F.scaled_dot_product_attention(
             q.unsqueeze(0),
             k.unsqueeze(0).to(q.dtype),
             v.unsqueeze(0).to(q.dtype),
             attn_mask=mask,
+            is_causal=mask is None,
             scale=scale,
             enable_gqa=True,
         )

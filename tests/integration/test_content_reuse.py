@@ -164,3 +164,17 @@ def test_cache_salt_isolates_content_matches():
     (other,) = llm.generate([prompt], GREEDY, cache_salt="b", reuse=opts)
     (same,) = llm.generate([prompt], GREEDY, cache_salt="a", reuse=opts)
     assert other.num_approx_cached_tokens == 0 and same.num_approx_cached_tokens == 3 * CHUNK
+
+
+def test_full_repair_without_an_exact_prefix_equals_full_prefill():
+    """Every row at every position (the causal fast path of PositionalBackend) stays exact."""
+    llm, cold = make(chunking="content", chunk_min_tokens=8), make(enable_prefix_caching=False)
+    doc = corpus_token_ids(llm, 2 * CHUNK, seed=70)
+    llm.warm(doc)
+    prompt = corpus_token_ids(llm, 20, seed=71) + doc + [9, 8, 7]  # header shorter than a chunk
+    (ref,), (ref_logits,) = generate_with_logits(cold, [prompt], GREEDY)
+    (out,), (logits,) = _gen(
+        llm, prompt, ReuseOptions(reuse="any", recompute_strategy="cacheblend", recompute_ratio=1.0)
+    )
+    assert out.num_exact_cached_tokens == 0 and out.num_recomputed_tokens > 0
+    assert out.token_ids == ref.token_ids and (logits - ref_logits).abs().max().item() <= 1e-4
