@@ -1,0 +1,351 @@
+"""Every system on every workload, then the tables and plots of docs/benchmarks.md.
+
+Each (workload, system) run gets a fresh server; within a workload the systems run in an order
+rotated per workload, so slow drifts in machine load do not always land on the same system.
+Agreement is measured against the `hf` baseline (no reuse, greedy) on the same requests.
+
+    .venv/bin/python scripts/bench_compare.py [--quick] [--systems hf,kvserve] [--workloads rag]
+    .venv/bin/python scripts/bench_compare.py --report out/bench/compare.json   # docs only
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from bench_serving import QUICK, WORKLOADS, Size, agreement, bench_system  # noqa: E402
+
+BASELINE = "hf"
+SYSTEMS = (
+    "hf",
+    "kvserve-off",
+    "kvserve",
+    "kvserve-fp32",
+    "kvserve-8bit",
+    "kvserve-any",
+    "kvboost-default",
+    "kvboost-tuned",
+    "llamacpp",
+)
+
+
+def machine() -> dict:
+    cpu = next(
+        (ln.split(":", 1)[1].strip() for ln in open("/proc/cpuinfo") if ln.startswith("model name")),
+        platform.processor(),
+    )
+    import torch
+
+    return {
+        "cpu": cpu,
+        "cores": os.cpu_count(),
+        "memory_gib": round(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30, 1),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "platform": platform.platform(),
+    }
+
+
+def rotated(names: list[str], k: int) -> list[str]:
+    """names rotated left by k, with the baseline kept first (its outputs are the reference)."""
+    rest = [n for n in names if n != BASELINE]
+    k %= max(len(rest), 1)
+    return ([BASELINE] if BASELINE in names else []) + rest[k:] + rest[:k]
+
+
+def add_agreement(results: list[dict]) -> None:
+    """Adds result["agreement"] vs the baseline's greedy outputs on the same workload."""
+    outputs = {}
+    for r in results:
+        outputs[(r["system"], r["workload"])] = {
+            rec["id"]: rec["token_ids"]
+            for ph in r.get("phases", [])
+            for rec in ph["records"]
+            if rec["error"] is None
+        }
+    for r in results:
+        ref = outputs.get((BASELINE, r["workload"]))
+        if ref is not None and "phases" in r:
+            r["agreement"] = agreement(outputs[(r["system"], r["workload"])], ref)
+
+
+def run_all(systems: list[str], workloads: list[str], size: Size, out: Path, resume: bool):
+    """Runs every (workload, system) pair not already in `out` (with resume), saving after each."""
+    from peers.launch import systems as system_specs
+
+    data = json.loads(out.read_text()) if resume and out.exists() else {"results": []}
+    meta = data.get("meta") or {
+        "machine": machine(),
+        "commands": [],
+        "started": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
+    }
+    if "command" in meta:  # written by a first version of this script
+        meta["commands"] = [meta.pop("command")]
+    meta["commands"].append(" ".join(sys.argv))
+    meta["size"] = vars(size)
+    results = data["results"]
+    done = {(r["system"], r["workload"]) for r in results}
+    for workload in workloads:
+        k = WORKLOADS.index(workload)
+        specs = system_specs(workload)
+        for i, name in enumerate(rotated(systems, k)):
+            only = specs[name].workloads
+            if (name, workload) in done or (only and workload not in only):
+                continue
+            t0 = time.monotonic()
+            load = os.getloadavg()[0]
+            r = bench_system(name, workload, size, 18400 + 10 * k + i, out.parent / "logs")
+            r["run_wall_s"] = time.monotonic() - t0
+            r["loadavg_1m_before"] = load
+            results.append(r)
+            status = r.get("unavailable", "ok").splitlines()[-1][:120]
+            print(
+                f"[{time.strftime('%H:%M:%S')}] {workload:9} {name:15} {r['run_wall_s']:6.0f} s  {status}",
+                flush=True,
+            )
+            add_agreement(results)
+            meta["finished"] = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())
+            out.write_text(json.dumps({"meta": meta, "results": results}, indent=1))
+    return {"meta": meta, "results": results}
+
+
+# -- report: tables, target verdicts, plots ------------------------------------------------------
+
+START, END = "<!-- results:start -->", "<!-- results:end -->"
+KVBOOST = ("kvboost-default", "kvboost-tuned")
+
+
+def _fmt(x, digits=3) -> str:
+    return "-" if x is None else f"{x:.{digits}f}"
+
+
+def _phases(data: dict) -> dict:
+    """(system, workload, phase) -> summary, for available runs."""
+    return {
+        (r["system"], r["workload"], ph["phase"]): ph["summary"]
+        for r in data["results"]
+        for ph in r.get("phases", [])
+    }
+
+
+def results_table(data: dict, workload: str) -> str:
+    rows = ["| phase | system | TTFT p50 s | TTFT p95 s | ITL p50 s | e2e p50 s | out tok/s "
+            "| errors | peak RSS MiB | agree exact | agree prefix | load 1m |",
+            "|---|---|---|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
+    keyed = []
+    for r in data["results"]:
+        if r["workload"] != workload:
+            continue
+        order = SYSTEMS.index(r["system"]) if r["system"] in SYSTEMS else len(SYSTEMS)
+        if "phases" not in r:
+            keyed.append(((999, order), f"| | {r['system']} | unavailable |" + " |" * 9))
+            continue
+        agree = r.get("agreement", {})
+        for ph in r["phases"]:
+            s = ph["summary"]
+            keyed.append(((ph["concurrency"], order),
+                f"| {ph['phase']} | {r['system']} | {_fmt(s['ttft_p50_s'])} "
+                f"| {_fmt(s['ttft_p95_s'])} | {_fmt(s['itl_p50_s'])} | {_fmt(s['e2e_p50_s'])} "
+                f"| {_fmt(s['output_tok_per_s'], 1)} | {s['errors']}/{s['requests']} "
+                f"| {r.get('peak_rss_bytes', 0) / 2**20:.0f} | {_fmt(agree.get('exact'), 2)} "
+                f"| {_fmt(agree.get('prefix'), 2)} | {_fmt(r.get('loadavg_1m_before'), 1)} |",
+            ))  # fmt: skip
+    return "\n".join(rows + [row for _, row in sorted(keyed)])
+
+
+def _best(values: dict, names, key, lower=True):
+    got = [(values[n][key], n) for n in names if n in values and values[n][key] is not None]
+    return (min(got) if lower else max(got)) if got else (None, None)
+
+
+def targets(data: dict) -> list[tuple[str, str, str, bool | None]]:
+    """(target, kvserve value, peer value, met) for each of the issue's targets."""
+    ph = _phases(data)
+    out = []
+
+    def at(workload, phase):
+        return {s: v for (s, w, p), v in ph.items() if w == workload and p == phase}
+
+    def ratio_row(label, workload, phase, key, peers, factor, lower=True):
+        vals = at(workload, phase)
+        ours = vals.get("kvserve", {}).get(key)
+        theirs, who = _best(vals, peers, key, lower)
+        if ours is None or theirs is None:
+            return out.append((label, _fmt(ours), "unavailable", None))
+        r = theirs / ours if lower else ours / theirs
+        out.append((label, _fmt(ours), f"{_fmt(theirs)} ({who}); ratio {r:.1f}x", r >= factor))
+
+    for w, phase in (("shared", "c1"), ("shared", "c4"), ("shared", "c8"), ("multiturn", "c1")):
+        label = f"{w} {phase} TTFT p50 >= "
+        ratio_row(label + "5x better than KVBoost", w, phase, "ttft_p50_s", KVBOOST, 5)
+        ratio_row(label + "10x better than HF", w, phase, "ttft_p50_s", ("hf",), 10)
+    ratio_row("shared c8 throughput >= 3x KVBoost", "shared", "c8", "output_tok_per_s",
+              KVBOOST, 3, lower=False)  # fmt: skip
+    cold = at("cold", "c1")
+    ours, base = (cold.get(s, {}).get("ttft_p50_s") for s in ("kvserve", "hf"))
+    if ours is not None and base is not None:
+        out.append(("cold TTFT p50 within 10% of HF", _fmt(ours), _fmt(base), ours <= 1.1 * base))
+    agree = {}
+    for r in data["results"]:
+        a = r.get("agreement") or {}
+        if a.get("n") and r["system"] != BASELINE:
+            n, e = agree.get(r["system"], (0, 0.0))
+            agree[r["system"]] = (n + a["n"], e + a["exact"] * a["n"])
+    rates = {s: e / n for s, (n, e) in agree.items()}
+    if "kvserve" in rates:
+        others = {s: v for s, v in rates.items() if not s.startswith("kvserve")}
+        peer = ", ".join(f"{s} {v:.2f}" for s, v in sorted(others.items()))
+        met = all(rates["kvserve"] >= v for v in others.values())
+        out.append(("exact agreement with HF >= every peer's", f"{rates['kvserve']:.2f}", peer, met))
+    return out
+
+
+def plots(data: dict, img: Path) -> list[str]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib import ticker
+
+    img.mkdir(parents=True, exist_ok=True)
+    ph = _phases(data)
+    ran = {r["system"] for r in data["results"] if "phases" in r}
+    systems = [s for s in SYSTEMS if s in ran] + sorted(ran - set(SYSTEMS))
+    color = {s: f"C{SYSTEMS.index(s) if s in SYSTEMS else 9}" for s in systems}
+    ttfts = {
+        (r["system"], r["workload"]): sorted(
+            rec["ttft_s"] for p in r["phases"] if p["phase"] == "c1"
+            for rec in p["records"] if rec["ttft_s"] is not None
+        )
+        for r in data["results"] if "phases" in r
+    }  # fmt: skip
+    fig, axes = plt.subplots(2, 2, figsize=(11, 8))
+    for ax, w in zip(axes.flat, WORKLOADS):
+        for s in systems:
+            xs = ttfts.get((s, w), [])
+            if xs:
+                ys = [(i + 1) / len(xs) for i in range(len(xs))]
+                ax.step(xs, ys, where="post", label=s, color=color[s])
+        ax.set(xscale="log", title=f"{w} (concurrency 1)", xlabel="TTFT (s)", ylabel="fraction")
+        ax.xaxis.set_major_locator(ticker.LogLocator(base=10, subs=(1.0, 2.0, 5.0)))
+        ax.xaxis.set_major_formatter(ticker.FormatStrFormatter("%.3g"))
+        ax.xaxis.set_minor_formatter(ticker.NullFormatter())
+        ax.grid(alpha=0.3)
+    axes.flat[0].legend(fontsize=8)
+    fig.suptitle("TTFT CDF per system")
+    fig.tight_layout()
+    fig.savefig(img / "bench_ttft_cdf.png", dpi=110)
+    plt.close(fig)
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for s in systems:
+        pts = sorted((int(p[1:]), v["output_tok_per_s"]) for (s2, w, p), v in ph.items()
+                     if s2 == s and w == "shared" and v["output_tok_per_s"])  # fmt: skip
+        if pts:
+            ax.plot(*zip(*pts), marker="o", label=s, color=color[s])
+    ax.set(title="shared system prompt: output tokens/s vs concurrency", xlabel="concurrency",
+           ylabel="output tokens/s (aggregate)")  # fmt: skip
+    ax.set_xticks(sorted({int(p[1:]) for (_, w, p) in ph if w == "shared"}))
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(img / "bench_throughput.png", dpi=110)
+    plt.close(fig)
+
+    fig, ax = plt.subplots(figsize=(10, 5.2))
+    width = 0.8 / max(len(systems), 1)
+    for i, s in enumerate(systems):
+        vals = [(ph.get((s, w, "c1")) or {}).get("ttft_p50_s") or 0 for w in WORKLOADS]
+        xs = [j + i * width for j in range(len(WORKLOADS))]
+        ax.bar(xs, vals, width, label=s, color=color[s])
+    ax.set_xticks([j + 0.4 - width / 2 for j in range(len(WORKLOADS))])
+    ax.set_xticklabels(["shared (warm)", "multiturn (warm)", "rag (reordered)", "cold (miss)"])
+    ax.set(yscale="log", ylabel="TTFT p50 (s), log scale", title="TTFT p50: reuse vs miss")
+    ax.yaxis.set_major_formatter(ticker.FormatStrFormatter("%.3g"))
+    ax.yaxis.set_minor_formatter(ticker.FormatStrFormatter("%.3g"))
+    ax.grid(alpha=0.3, axis="y")
+    ax.legend(fontsize=8, ncol=4, loc="upper center", bbox_to_anchor=(0.5, -0.1))
+    fig.tight_layout()
+    fig.savefig(img / "bench_warm_cold.png", dpi=110)
+    plt.close(fig)
+    return ["bench_ttft_cdf.png", "bench_throughput.png", "bench_warm_cold.png"]
+
+
+def slim(data: dict) -> dict:
+    """The JSON committed beside the page: per-request timings, no output text."""
+    keep = ("id", "ttft_s", "e2e_s", "itl_s", "num_output_tokens", "error")
+    results = []
+    for r in data["results"]:
+        r = dict(r)
+        r["phases"] = [
+            {**p, "records": [{k: rec[k] for k in keep} for rec in p["records"]]} for p in r.get("phases", [])
+        ]
+        results.append(r)
+    return {"meta": data["meta"], "results": results}
+
+
+def write_report(data: dict, docs: Path) -> None:
+    img = docs / "img"
+    names = plots(data, img)
+    (img / "bench_results.json").write_text(json.dumps(slim(data), indent=1))
+    m = data["meta"]
+    lines = [START, "", f"Run {m['started']} to {m.get('finished', '?')}; machine: "
+             f"{m['machine']['cpu']}, {m['machine']['cores']} cores, "
+             f"{m['machine']['memory_gib']} GiB, Python {m['machine']['python']}, "
+             f"torch {m['machine']['torch']}. Commands: "
+             + "; ".join(f"`{c}`" for c in m["commands"]) + ".", "",
+             "### Targets (kvserve at 16 bits vs the best peer configuration)", "",
+             "| target | kvserve | peer | met |", "|---|---|---|---|"]  # fmt: skip
+    for label, ours, theirs, met in targets(data):
+        lines.append(f"| {label} | {ours} | {theirs} | {'-' if met is None else 'yes' if met else 'no'} |")
+    lines += ["", "### All results"]
+    for w in WORKLOADS:
+        if any(r["workload"] == w for r in data["results"]):
+            lines += ["", f"#### {w}", "", results_table(data, w)]
+    lines += ["", "Notes per system:", ""]
+    notes = {}
+    for r in data["results"]:
+        if r.get("note"):
+            notes.setdefault((r["system"], r["note"]), []).append(r["workload"])
+        if "unavailable" in r:
+            why = r["unavailable"].strip().splitlines()[-1][:200]
+            notes.setdefault((r["system"], f"unavailable: `{why}`"), []).append(r["workload"])
+    for (system, note), ws in notes.items():
+        lines.append(f"- {system} ({', '.join(ws)}): {note}")
+    lines += [""] + [f"![{n}](img/{n})" for n in names] + ["", END]
+    page = docs / "benchmarks.md"
+    text = page.read_text() if page.exists() else f"# Benchmarks\n\n{START}\n{END}\n"
+    head, rest = text.split(START, 1)
+    page.write_text(head + "\n".join(lines) + rest.split(END, 1)[1])
+    print(f"wrote {page} and {len(names)} plots in {img}")
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description="Benchmark every system on every workload.")
+    p.add_argument("--quick", action="store_true", help="tiny smoke-test sizes")
+    p.add_argument("--systems", default=",".join(SYSTEMS))
+    p.add_argument("--workloads", default="cold,shared,multiturn,rag")
+    p.add_argument("--out", type=Path, default=Path("out/bench/compare.json"))
+    p.add_argument("--resume", action="store_true", help="keep the runs already in --out")
+    p.add_argument("--report", type=Path, help="only rebuild the docs from this JSON")
+    p.add_argument("--docs", type=Path, default=Path("docs"), help="where benchmarks.md goes")
+    args = p.parse_args()
+    if args.report:
+        data = json.loads(args.report.read_text())
+    else:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        size = QUICK if args.quick else Size()
+        names, workloads = args.systems.split(","), args.workloads.split(",")
+        data = run_all(names, workloads, size, args.out, args.resume)
+    write_report(data, args.docs)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,377 @@
+"""Benchmark one OpenAI-compatible server on one workload: TTFT, ITL, end-to-end, tokens/s, errors.
+
+Workloads are built from Python's bundled documentation (`pydoc_data.topics`) with fixed seeds, so
+every system gets the same requests. Requests are streamed with the real OpenAI client and timed
+from the moment each is sent; TTFT is the first chunk that carries text.
+
+    .venv/bin/python scripts/bench_serving.py --system kvserve --workload shared [--quick]
+    .venv/bin/python scripts/bench_serving.py --base-url http://127.0.0.1:8000/v1 --workload rag
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import dataclasses
+import json
+import random
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+WORKLOADS = ("shared", "multiturn", "rag", "cold")
+RUN_TIMEOUT_S = 1200.0  # one system on one workload; past it the run counts as unavailable
+WARMUP_MESSAGES = [{"role": "user", "content": "Say hello."}]
+QUESTION_TEMPLATES = (
+    "In one sentence, what does the reference say about {}?",
+    "Give a short Python example of {}.",
+    "What is a common mistake with {}?",
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class Req:
+    id: str
+    messages: tuple[tuple[str, str], ...]  # (role, content)
+
+
+@dataclasses.dataclass(frozen=True)
+class Phase:
+    name: str
+    concurrency: int
+    requests: tuple[Req, ...]
+
+
+@dataclasses.dataclass(frozen=True)
+class Size:
+    """Request counts and token sizes; `full` is the issue's workload, `quick` a smoke test."""
+
+    system_tokens: int = 1500
+    users: int = 32
+    concurrencies: tuple[int, ...] = (1, 4, 8)
+    conversations: int = 8
+    turns: int = 6
+    turn_tokens: int = 280
+    docs: int = 20
+    rag_prompts: int = 12
+    cold_prompts: int = 12
+    cold_tokens: int = 1500
+    max_tokens: int = 16
+
+
+QUICK = Size(
+    system_tokens=400,
+    users=3,
+    concurrencies=(1, 2),
+    conversations=2,
+    turns=2,
+    turn_tokens=120,
+    docs=5,
+    rag_prompts=3,
+    cold_prompts=2,
+    cold_tokens=300,
+    max_tokens=8,
+)
+
+
+# -- workloads (pure given a tokenizer: same seed, same requests) ------------------------------
+
+
+def corpus() -> list[tuple[str, str]]:
+    """(topic, text) pairs in a fixed order."""
+    from pydoc_data.topics import topics
+
+    return [(k, topics[k].strip()) for k in sorted(topics)]
+
+
+def clip(tokenizer, text: str, num_tokens: int) -> str:
+    ids = tokenizer.encode(text, add_special_tokens=False)[:num_tokens]
+    return tokenizer.decode(ids)
+
+
+def questions(rng: random.Random, n: int) -> list[str]:
+    """n distinct short questions about documentation topics."""
+    topics = [k.replace("-", " ") for k, _ in corpus()]
+    pool = [t.format(k) for t in QUESTION_TEMPLATES for k in topics]
+    return rng.sample(pool, n)
+
+
+def _long_text(start: int) -> str:
+    texts = [text for _, text in corpus()]
+    return "\n\n".join(texts[start:] + texts[:start])
+
+
+def shared_workload(tokenizer, size: Size, seed: int) -> list[Phase]:
+    rng = random.Random(seed)
+    reference = clip(tokenizer, _long_text(rng.randrange(79)), size.system_tokens)
+    system = "You are a Python documentation assistant. Answer from this reference.\n\n" + reference
+    qs = questions(rng, size.users * len(size.concurrencies))
+    phases = []
+    for i, c in enumerate(size.concurrencies):
+        users = qs[i * size.users : (i + 1) * size.users]
+        reqs = tuple(Req(f"shared-c{c}-u{u}", (("system", system), ("user", q))) for u, q in enumerate(users))
+        phases.append(Phase(f"c{c}", c, reqs))
+    return phases
+
+
+def multiturn_workload(tokenizer, size: Size, seed: int) -> list[Phase]:
+    """Conversations replayed turn-major (turn 1 of every conversation, then turn 2, ...).
+
+    Histories hold fixed assistant replies so every system sees identical prompts.
+    """
+    rng = random.Random(seed)
+    texts = [text for _, text in corpus() if len(text) > 4 * size.turn_tokens]
+    rng.shuffle(texts)
+    qs = questions(rng, size.conversations * size.turns)
+    convs = []
+    for c in range(size.conversations):
+        history = [("system", f"You are assistant #{c}, a concise Python tutor.")]
+        turns = []
+        for t in range(size.turns):
+            passage = clip(tokenizer, texts[(c * size.turns + t) % len(texts)], size.turn_tokens)
+            history.append(("user", f"Read this:\n{passage}\n\n{qs[c * size.turns + t]}"))
+            turns.append(Req(f"multiturn-conv{c}-turn{t}", tuple(history)))
+            history.append(("assistant", f"Noted, passage {t + 1} of our chat. " + passage[:160]))
+        convs.append(turns)
+    order = tuple(convs[c][t] for t in range(size.turns) for c in range(size.conversations))
+    return [Phase("c1", 1, order)]
+
+
+def rag_workload(tokenizer, size: Size, seed: int) -> list[Phase]:
+    rng = random.Random(seed)
+    candidates = [(k, text) for k, text in corpus() if len(text) > 3000]
+    picked = rng.sample(candidates, size.docs)
+    docs = [(k, clip(tokenizer, text, rng.randint(300, 600))) for k, text in picked]
+    reqs = []
+    for i in range(size.rag_prompts):
+        chosen = rng.sample(docs, rng.randint(3, min(5, size.docs)))
+        body = "\n\n".join(f"Document ({k}):\n{text}" for k, text in chosen)
+        question = f"Using the documents, explain {rng.choice(chosen)[0].replace('-', ' ')}."
+        system = "Answer the question using only the documents the user provides."
+        reqs.append(Req(f"rag-{i}", (("system", system), ("user", f"{body}\n\n{question}"))))
+    return [Phase("c1", 1, tuple(reqs))]
+
+
+def cold_workload(tokenizer, size: Size, seed: int) -> list[Phase]:
+    """Distinct long prompts that share nothing (not even the first chunk)."""
+    rng = random.Random(seed)
+    starts = rng.sample(range(79), size.cold_prompts)
+    reqs = []
+    for i, start in enumerate(starts):
+        text = clip(tokenizer, _long_text(start), size.cold_tokens)
+        system = f"Reference {i} ({rng.random():.6f}):\n{text}"
+        reqs.append(Req(f"cold-{i}", (("system", system), ("user", "Summarise it briefly."))))
+    return [Phase("c1", 1, tuple(reqs))]
+
+
+BUILDERS = {
+    "shared": shared_workload,
+    "multiturn": multiturn_workload,
+    "rag": rag_workload,
+    "cold": cold_workload,
+}
+
+
+def build_workload(name: str, tokenizer, size: Size, seed: int = 0) -> list[Phase]:
+    return BUILDERS[name](tokenizer, size, seed)
+
+
+# -- statistics (pure) ---------------------------------------------------------------------------
+
+
+def percentile(values: list[float], q: float) -> float | None:
+    """Linear-interpolated q-th percentile (numpy's default); None for no values."""
+    if not values:
+        return None
+    xs = sorted(values)
+    pos = (len(xs) - 1) * q / 100.0
+    lo = int(pos)
+    hi = min(lo + 1, len(xs) - 1)
+    return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
+
+
+def common_prefix_len(a: list[int], b: list[int]) -> int:
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+def agreement(outputs: dict[str, list[int]], reference: dict[str, list[int]]) -> dict:
+    """Exact-match rate and mean matching-prefix fraction of token outputs vs a reference.
+
+    Only requests present (and error-free) in both are compared.
+    """
+    ids = sorted(set(outputs) & set(reference))
+    if not ids:
+        return {"n": 0, "exact": None, "prefix": None}
+    exact = sum(outputs[i] == reference[i] for i in ids) / len(ids)
+    fractions = [
+        common_prefix_len(outputs[i], reference[i]) / max(len(reference[i]), len(outputs[i]), 1) for i in ids
+    ]
+    return {"n": len(ids), "exact": exact, "prefix": sum(fractions) / len(fractions)}
+
+
+def summarize(records: list[dict], wall_s: float) -> dict:
+    ok = [r for r in records if r["error"] is None]
+    ttft = [r["ttft_s"] for r in ok if r["ttft_s"] is not None]
+    itl = [r["itl_s"] for r in ok if r["itl_s"] is not None]
+    e2e = [r["e2e_s"] for r in ok]
+    out_tokens = sum(r["num_output_tokens"] for r in ok)
+    return {
+        "requests": len(records),
+        "errors": len(records) - len(ok),
+        "ttft_p50_s": percentile(ttft, 50),
+        "ttft_p95_s": percentile(ttft, 95),
+        "itl_p50_s": percentile(itl, 50),
+        "e2e_p50_s": percentile(e2e, 50),
+        "e2e_p95_s": percentile(e2e, 95),
+        "output_tokens": out_tokens,
+        "wall_s": wall_s,
+        "output_tok_per_s": out_tokens / wall_s if wall_s > 0 else None,
+    }
+
+
+# -- load generation ----------------------------------------------------------------------------
+
+
+async def _one(client, model: str, req: Req, max_tokens: int, temperature: float, tokenizer):
+    messages = [{"role": r, "content": c} for r, c in req.messages]
+    t0 = time.perf_counter()
+    ttft, text, error = None, "", None
+    try:
+        stream = await client.chat.completions.create(
+            model=model,
+            messages=messages,
+            max_tokens=max_tokens,
+            temperature=temperature,
+            stream=True,
+        )
+        async for chunk in stream:
+            delta = chunk.choices[0].delta.content if chunk.choices else None
+            if delta:
+                ttft = ttft if ttft is not None else time.perf_counter() - t0
+                text += delta
+    except Exception as exc:  # noqa: BLE001 - any failure is a counted error
+        error = f"{type(exc).__name__}: {exc}"[:300]
+    e2e = time.perf_counter() - t0
+    token_ids = tokenizer.encode(text, add_special_tokens=False)
+    n = len(token_ids)
+    itl = (e2e - ttft) / (n - 1) if ttft is not None and n > 1 else None
+    return {
+        "id": req.id,
+        "ttft_s": ttft,
+        "e2e_s": e2e,
+        "itl_s": itl,
+        "num_output_tokens": n,
+        "text": text,
+        "token_ids": token_ids,
+        "error": error,
+    }
+
+
+async def run_phase(client, model, phase: Phase, size: Size, temperature, tokenizer, cap=0):
+    """Sends the phase's requests in order with at most `concurrency` in flight."""
+    reqs = phase.requests[:cap] if cap else phase.requests
+    sem = asyncio.Semaphore(phase.concurrency)
+
+    async def bounded(req: Req):
+        async with sem:
+            return await _one(client, model, req, size.max_tokens, temperature, tokenizer)
+
+    t0 = time.perf_counter()
+    records = await asyncio.gather(*(bounded(r) for r in reqs))
+    wall = time.perf_counter() - t0
+    return {
+        "phase": phase.name,
+        "concurrency": phase.concurrency,
+        "summary": summarize(records, wall),
+        "records": records,
+    }
+
+
+async def run_workload(
+    base_url: str, phases: list[Phase], size: Size, temperature, tokenizer, cap: int = 0
+) -> list[dict]:
+    from openai import AsyncOpenAI
+
+    client = AsyncOpenAI(base_url=base_url, api_key="unused", max_retries=0, timeout=900.0)
+    model = (await client.models.list()).data[0].id
+    warm = Req("warmup", tuple((m["role"], m["content"]) for m in WARMUP_MESSAGES))
+    await _one(client, model, warm, 2, temperature, tokenizer)  # untimed, unrelated prompt
+    results = [await run_phase(client, model, p, size, temperature, tokenizer, cap) for p in phases]
+    await client.close()
+    return results
+
+
+def load_tokenizer():
+    from peers.launch import model_dir
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(model_dir())
+
+
+def bench_system(system_name: str, workload: str, size: Size, port: int, log_dir: Path) -> dict:
+    """Starts the system, runs the workload, records peak RSS, stops the system."""
+    from peers.launch import peak_rss_bytes, running, systems
+
+    system = systems(workload)[system_name]
+    tokenizer = load_tokenizer()
+    phases = build_workload(workload, tokenizer, size)
+    result = {"system": system_name, "workload": workload, "note": system.note}
+    log_path = log_dir / f"{system_name}-{workload}.log"
+    try:
+        with running(system, port, log_path) as (pid, base_url):
+            temp, cap = system.greedy_temperature, system.max_requests
+            run = run_workload(base_url, phases, size, temp, tokenizer, cap)
+            result["phases"] = asyncio.run(asyncio.wait_for(run, RUN_TIMEOUT_S))
+            result["peak_rss_bytes"] = peak_rss_bytes(pid)
+    except (RuntimeError, TimeoutError) as exc:
+        result["unavailable"] = f"{type(exc).__name__}: {exc}"[-1500:]
+    return result
+
+
+def print_table(result: dict) -> None:
+    print(f"{result['system']} / {result['workload']}")
+    if "unavailable" in result:
+        print("  unavailable:", result["unavailable"].splitlines()[-1:])
+        return
+    print(f"  peak RSS {result.get('peak_rss_bytes', 0) / 2**20:.0f} MiB")
+    print("  phase  reqs err  ttft_p50  ttft_p95  itl_p50  e2e_p50  out_tok/s")
+    for ph in result["phases"]:
+        s = ph["summary"]
+        cells = [s["ttft_p50_s"], s["ttft_p95_s"], s["itl_p50_s"], s["e2e_p50_s"]]
+        cells_txt = "".join(f"{x:9.3f}" if x is not None else "        -" for x in cells)
+        tps = s["output_tok_per_s"] or 0.0
+        print(f"  {ph['phase']:5} {s['requests']:5} {s['errors']:3} {cells_txt} {tps:10.1f}")
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description="Benchmark one server on one workload.")
+    p.add_argument("--system", default="kvserve", help="a name from scripts/peers/launch.py")
+    p.add_argument("--base-url", help="benchmark an already running server instead")
+    p.add_argument("--workload", choices=WORKLOADS, default="shared")
+    p.add_argument("--quick", action="store_true", help="tiny smoke-test sizes")
+    p.add_argument("--port", type=int, default=18300)
+    p.add_argument("--out", type=Path, help="write the result JSON here")
+    args = p.parse_args()
+    size = QUICK if args.quick else Size()
+    if args.base_url:
+        tokenizer = load_tokenizer()
+        phases = build_workload(args.workload, tokenizer, size)
+        result = {"system": args.base_url, "workload": args.workload}
+        result["phases"] = asyncio.run(run_workload(args.base_url, phases, size, 0.0, tokenizer))
+    else:
+        result = bench_system(args.system, args.workload, size, args.port, Path("out/bench/logs"))
+    print_table(result)
+    if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(result, indent=1))
+
+
+if __name__ == "__main__":
+    main()

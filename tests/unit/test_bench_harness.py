@@ -1,0 +1,115 @@
+"""The pure parts of the serving benchmark: workloads, percentiles, agreement, run order."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))
+
+import bench_compare  # noqa: E402
+import bench_serving as bs  # noqa: E402
+
+
+class WordTokenizer:
+    """One token per whitespace-separated word: enough to size workloads without a model."""
+
+    def __init__(self) -> None:
+        self.ids: dict[str, int] = {}
+        self.words: list[str] = []
+
+    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        for w in text.split():
+            if w not in self.ids:
+                self.ids[w] = len(self.words)
+                self.words.append(w)
+        return [self.ids[w] for w in text.split()]
+
+    def decode(self, ids: list[int]) -> str:
+        return " ".join(self.words[i] for i in ids)
+
+
+@pytest.mark.parametrize("name", bs.WORKLOADS)
+def test_workloads_are_deterministic(name: str) -> None:
+    a = bs.build_workload(name, WordTokenizer(), bs.Size(), seed=0)
+    b = bs.build_workload(name, WordTokenizer(), bs.Size(), seed=0)
+    c = bs.build_workload(name, WordTokenizer(), bs.Size(), seed=1)
+    assert a == b
+    assert a != c
+
+
+def test_shared_workload_shape() -> None:
+    tok = WordTokenizer()
+    phases = bs.build_workload("shared", tok, bs.Size())
+    assert [p.concurrency for p in phases] == [1, 4, 8]
+    reqs = [r for p in phases for r in p.requests]
+    assert all(len(p.requests) == 32 for p in phases)
+    assert len({r.messages[0] for r in reqs}) == 1  # one shared system prompt
+    assert len({r.messages[1] for r in reqs}) == 96  # distinct questions, never repeated
+    assert 1400 <= len(tok.encode(reqs[0].messages[0][1])) <= 1600
+
+
+def test_multiturn_histories_grow_and_interleave() -> None:
+    size = bs.Size()
+    (phase,) = bs.build_workload("multiturn", WordTokenizer(), size)
+    reqs = phase.requests
+    assert len(reqs) == size.conversations * size.turns
+    assert [r.id for r in reqs[:2]] == ["multiturn-conv0-turn0", "multiturn-conv1-turn0"]
+    by_id = {r.id: r for r in reqs}
+    for c in range(size.conversations):
+        for t in range(1, size.turns):
+            prev, cur = by_id[f"multiturn-conv{c}-turn{t - 1}"], by_id[f"multiturn-conv{c}-turn{t}"]
+            assert cur.messages[: len(prev.messages)] == prev.messages
+            assert len(cur.messages) == len(prev.messages) + 2
+
+
+def test_rag_prompts_take_three_to_five_documents() -> None:
+    (phase,) = bs.build_workload("rag", WordTokenizer(), bs.Size())
+    counts = [r.messages[1][1].count("Document (") for r in phase.requests]
+    assert len(counts) == 12 and min(counts) >= 3 and max(counts) <= 5
+
+
+def test_cold_prompts_share_no_prefix() -> None:
+    (phase,) = bs.build_workload("cold", WordTokenizer(), bs.Size())
+    heads = [r.messages[0][1][:40] for r in phase.requests]
+    assert len(set(heads)) == len(heads)
+
+
+def test_percentile_matches_linear_interpolation() -> None:
+    assert bs.percentile([], 50) is None
+    assert bs.percentile([3.0], 95) == 3.0
+    assert bs.percentile([4.0, 1.0, 3.0, 2.0], 50) == pytest.approx(2.5)
+    assert bs.percentile([1.0, 2.0, 3.0, 4.0], 95) == pytest.approx(3.85)
+    assert bs.percentile(list(range(101)), 95) == pytest.approx(95.0)
+
+
+def test_agreement_exact_and_prefix() -> None:
+    ref = {"a": [1, 2, 3, 4], "b": [5, 6], "c": [7]}
+    out = {"a": [1, 2, 3, 4], "b": [5, 9], "d": [0]}  # c missing, d has no reference
+    got = bs.agreement(out, ref)
+    assert got["n"] == 2
+    assert got["exact"] == pytest.approx(0.5)
+    assert got["prefix"] == pytest.approx((1.0 + 0.5) / 2)
+    assert bs.agreement({}, ref) == {"n": 0, "exact": None, "prefix": None}
+    assert bs.common_prefix_len([1, 2], [1, 2, 3]) == 2
+
+
+def test_summarize_counts_errors_and_tokens() -> None:
+    recs = [
+        {"ttft_s": 0.1, "itl_s": 0.01, "e2e_s": 0.3, "num_output_tokens": 10, "error": None},
+        {"ttft_s": 0.3, "itl_s": 0.03, "e2e_s": 0.5, "num_output_tokens": 6, "error": None},
+        {"ttft_s": None, "itl_s": None, "e2e_s": 0.1, "num_output_tokens": 0, "error": "boom"},
+    ]
+    s = bs.summarize(recs, wall_s=2.0)
+    assert (s["requests"], s["errors"], s["output_tokens"]) == (3, 1, 16)
+    assert s["ttft_p50_s"] == pytest.approx(0.2)
+    assert s["output_tok_per_s"] == pytest.approx(8.0)
+
+
+def test_rotation_keeps_baseline_first_and_every_system() -> None:
+    names = ["hf", "a", "b", "c"]
+    orders = [bench_compare.rotated(names, k) for k in range(3)]
+    assert all(o[0] == "hf" and sorted(o) == sorted(names) for o in orders)
+    assert len({tuple(o) for o in orders}) == 3
