@@ -16,6 +16,7 @@ from kvserve.errors import ConfigError
 from kvserve.kvcache.kv_storage import LayerKV
 from kvserve.models.hf_adapter import ATTN_IMPLEMENTATION, check_supported
 from kvserve.models.loader import model_fingerprint, resolve_model_path
+from kvserve.quant.storage import create_layer_kv
 from kvserve.tokenizer import Tokenizer
 
 log = logging.getLogger("kvserve.engine")
@@ -73,21 +74,6 @@ def resolve_codec_name(config: ServeConfig, dtype: torch.dtype) -> str:
     return config.kv_cache_dtype
 
 
-def make_layer_kv(
-    codec: str,
-    num_blocks: int,
-    block_size: int,
-    num_kv_heads: int,
-    head_dim: int,
-    dtype: torch.dtype,
-    device: torch.device,
-    layer_idx: int = 0,
-) -> LayerKV:
-    from kvserve.quant.storage import create_layer_kv
-
-    return create_layer_kv(codec, num_blocks, block_size, num_kv_heads, head_dim, dtype, device, layer_idx)
-
-
 def load_model(config: ServeConfig, device: torch.device, dtype: torch.dtype) -> tuple[torch.nn.Module, Path]:
     from transformers import AutoModelForCausalLM
 
@@ -119,7 +105,7 @@ def build_parts(config: ServeConfig) -> EngineParts:
     num_kv_heads = getattr(mc, "num_key_value_heads", None) or mc.num_attention_heads
     head_dim = getattr(mc, "head_dim", None) or mc.hidden_size // mc.num_attention_heads
     codec = resolve_codec_name(config, dtype)
-    probe = make_layer_kv(codec, 1, config.block_size, num_kv_heads, head_dim, dtype, torch.device("cpu"))
+    probe = create_layer_kv(codec, 1, config.block_size, num_kv_heads, head_dim, dtype, torch.device("cpu"))
     bytes_per_block = probe.bytes_per_block() * num_layers
     # block codecs (KIVI K) keep each sequence's open block in full precision: reserve that first
     codec_k = getattr(getattr(probe, "codec", None), "k", None)
@@ -136,7 +122,7 @@ def build_parts(config: ServeConfig) -> EngineParts:
             f"({bytes_per_block} bytes each); raise it"
         )
     layers = [
-        make_layer_kv(codec, num_blocks, config.block_size, num_kv_heads, head_dim, dtype, device, i)
+        create_layer_kv(codec, num_blocks, config.block_size, num_kv_heads, head_dim, dtype, device, i)
         for i in range(num_layers)
     ]
     backend = create_backend(config.attention_backend, device)

@@ -27,7 +27,7 @@ from kvserve.request import FinishReason, Request, RequestOutput, TokenLogprob
 from kvserve.scheduler.batch import BlendPlan, ScheduledBatch
 from kvserve.scheduler.content import ContentMatcher
 from kvserve.scheduler.scheduler import Scheduler
-from kvserve.scheduler.sequence import SeqStatus, Sequence
+from kvserve.scheduler.sequence import Sequence
 from kvserve.tokenizer import IncrementalDetokenizer
 
 log = logging.getLogger("kvserve.engine")
@@ -346,7 +346,3 @@ class Engine:
             },
             "num_generated_tokens": self.num_generated_tokens,
         }
-
-    def running_status(self, request_id: str) -> SeqStatus | None:
-        seq = self._seqs.get(request_id)
-        return None if seq is None else seq.status

@@ -8,9 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, field
-
-import torch
+from dataclasses import dataclass
 
 from kvserve.attention.base import AttentionBackend, AttentionMetadata
 from kvserve.kvcache.kv_storage import LayerKV
@@ -21,8 +19,6 @@ class ForwardContext:
     layers: list[LayerKV]
     backend: AttentionBackend
     meta: AttentionMetadata
-    # optional per-layer observer of the written K (used by cacheblend to compare fresh vs stored K)
-    key_observers: dict[int, list[torch.Tensor]] = field(default_factory=dict)
 
 
 _current: ForwardContext | None = None

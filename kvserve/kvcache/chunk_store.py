@@ -1,4 +1,5 @@
-"""ChunkStore: prefix hash -> cached chunk (its blocks in the pool), plus a content-hash index.
+"""ChunkStore: prefix hash -> cached chunk (its blocks in the pool). Content matches are found
+through segment_index.SegmentIndex, which points into these chunks.
 
 Ownership: the store holds one pool ref on each block of each cached chunk. A chunk's `num_users`
 counts the running requests that use it (matched it, or computed and registered it); only chunks
@@ -16,7 +17,6 @@ from kvserve.kvcache.eviction import POLICIES, EvictionPolicy
 @dataclass
 class CachedChunk:
     prefix_hash: bytes
-    content_hash: bytes
     block_ids: list[int]
     depth: int  # chunk index within the prompt that produced it (0 = first chunk)
     num_tokens: int = 0  # chunk_size, or fewer for a prompt's tail piece (never prefix-matched)
@@ -33,7 +33,6 @@ class ChunkStore:
         self.blocks_per_chunk = chunk_size // pool.block_size
         self.policy: EvictionPolicy = POLICIES[policy]()
         self._chunks: dict[bytes, CachedChunk] = {}
-        self._by_content: dict[bytes, set[bytes]] = {}
         self.num_evicted_chunks = 0
         self.num_cached_blocks = 0
 
@@ -57,11 +56,6 @@ class ChunkStore:
             matched.append(chunk)
         return matched
 
-    def find_by_content(self, content_hash: bytes) -> CachedChunk | None:
-        for prefix_hash in self._by_content.get(content_hash, ()):
-            return self._chunks[prefix_hash]
-        return None
-
     # --- use -------------------------------------------------------------------------------------
     def acquire(self, chunk: CachedChunk, hit: bool = True) -> None:
         """A request starts using `chunk` (the caller retains its blocks for the request)."""
@@ -81,7 +75,7 @@ class ChunkStore:
         self._maybe_evictable(chunk)
 
     def insert(
-        self, prefix_hash: bytes, content_hash: bytes, block_ids: list[int], depth: int, num_tokens: int = 0
+        self, prefix_hash: bytes, block_ids: list[int], depth: int, num_tokens: int = 0
     ) -> CachedChunk:
         """Register a chunk computed by a running request, which becomes its first user.
         A tail piece (num_tokens < chunk_size) is held for content matches only."""
@@ -89,10 +83,9 @@ class ChunkStore:
         assert prefix_hash not in self._chunks and 0 < num_tokens <= self.chunk_size
         assert len(block_ids) == -(-num_tokens // self.pool.block_size)
         self.pool.retain(block_ids)
-        chunk = CachedChunk(prefix_hash, content_hash, list(block_ids), depth, num_tokens, num_users=1)
+        chunk = CachedChunk(prefix_hash, list(block_ids), depth, num_tokens, num_users=1)
         self._chunks[prefix_hash] = chunk
         self.num_cached_blocks += len(block_ids)
-        self._by_content.setdefault(content_hash, set()).add(prefix_hash)
         self.policy.touch(prefix_hash, depth)
         return chunk
 
@@ -122,21 +115,9 @@ class ChunkStore:
             self.num_evicted_chunks += 1
         return freed
 
-    def clear(self) -> int:
-        """Drop every evictable chunk; returns the number dropped."""
-        dropped = 0
-        while (victim := self.policy.pop_victim()) is not None:
-            self._drop(victim)
-            dropped += 1
-        return dropped
-
     def _drop(self, prefix_hash: bytes) -> int:
         chunk = self._chunks.pop(prefix_hash)
         assert chunk.num_users == 0 and not chunk.pinned
-        peers = self._by_content[chunk.content_hash]
-        peers.discard(prefix_hash)
-        if not peers:
-            del self._by_content[chunk.content_hash]
         self.policy.forget(prefix_hash)
         self.pool.release(chunk.block_ids)
         self.num_cached_blocks -= len(chunk.block_ids)
@@ -147,10 +128,6 @@ class ChunkStore:
     def num_pinned_chunks(self) -> int:
         return sum(1 for c in self._chunks.values() if c.pinned)
 
-    @property
-    def num_evictable_blocks(self) -> int:
-        return sum(self.blocks_per_chunk for c in self._chunks.values() if c.num_users == 0 and not c.pinned)
-
     def chunks(self) -> list[CachedChunk]:
         return list(self._chunks.values())
 
@@ -159,6 +136,5 @@ class ChunkStore:
         for h, chunk in self._chunks.items():
             assert chunk.prefix_hash == h
             assert len(chunk.block_ids) == -(-chunk.num_tokens // self.pool.block_size)
-            assert h in self._by_content[chunk.content_hash]
             for b in chunk.block_ids:
                 assert self.pool.ref_counts[b] >= 1, f"cached chunk holds free block {b}"

@@ -59,8 +59,6 @@ class PoolCache(Cache):
         k = key_states[0].transpose(0, 1)  # [num_tokens, num_kv_heads, head_dim]
         v = value_states[0].transpose(0, 1)
         ctx.layers[layer_idx].write(ctx.meta.slot_mapping, k, v)
-        if layer_idx in ctx.key_observers:
-            ctx.key_observers[layer_idx].append(k)
         return key_states, value_states
 
     def get_seq_length(self, layer_idx: int = 0) -> int:

@@ -17,7 +17,7 @@ from collections import Counter
 
 from kvserve.kvcache.block_pool import BlockPool
 from kvserve.kvcache.chunk_store import CachedChunk, ChunkStore
-from kvserve.kvcache.hashing import chunk_prefix_hashes, content_hash, prompt_chunk_hashes, tail_hash
+from kvserve.kvcache.hashing import chunk_prefix_hashes, prompt_chunk_hashes, tail_hash
 from kvserve.request import FinishReason
 from kvserve.scheduler.batch import BlendPlan, ContentHit, ScheduledBatch, ScheduledSeq
 from kvserve.scheduler.content import ContentMatcher
@@ -215,10 +215,7 @@ class Scheduler:
         for i in range(seq.num_chunks_in_store, num_full):
             h = seq.prefix_hashes[i]
             if h not in self.store:
-                tokens = seq.token_ids[i * self.chunk_size : (i + 1) * self.chunk_size]
-                self.store.insert(
-                    h, content_hash(self.namespace, tokens), seq.block_ids[i * bpc : (i + 1) * bpc], i
-                )
+                self.store.insert(h, seq.block_ids[i * bpc : (i + 1) * bpc], i)
                 seq.used_chunks.append(h)
             # else: computed concurrently by another sequence; ours stays private and is freed at the end
             self._drop_in_flight(seq, h)
@@ -244,7 +241,7 @@ class Scheduler:
         if h not in self.store:
             first = full * self.store.blocks_per_chunk
             blocks = seq.block_ids[first : first + _cdiv(tail_len, self.block_size)]
-            self.store.insert(h, content_hash(self.namespace, tokens), blocks, full, tail_len)
+            self.store.insert(h, blocks, full, tail_len)
             seq.used_chunks.append(h)
         self.content.register(seq, seq.num_prompt_tokens, seq.prefix_hashes[:full] + [h])
 
@@ -286,7 +283,6 @@ class Scheduler:
         self.running.remove(seq)
         self._release(seq)
         seq.num_computed_tokens = 0
-        seq.num_preemptions += 1
         self.num_preemptions += 1
         seq.status = SeqStatus.WAITING
         self.waiting.add(seq, front=True)

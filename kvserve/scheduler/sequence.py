@@ -40,7 +40,6 @@ class Sequence:
     num_emitted_tokens: int = 0
     num_emitted_chars: int = 0
     logprobs: list[TokenLogprob] = field(default_factory=list)
-    num_preemptions: int = 0
     admitted_once: bool = False
     # content reuse
     source_id: int = 0  # unique per sequence: identifies runs of pieces from one prompt
@@ -70,10 +69,6 @@ class Sequence:
     @property
     def num_tokens(self) -> int:
         return len(self.token_ids)
-
-    @property
-    def is_prefilling(self) -> bool:
-        return self.num_computed_tokens < self.num_tokens - 1 or not self.output_token_ids
 
     @property
     def finished(self) -> bool:

@@ -16,10 +16,10 @@ def test_capacity_at_a_fixed_budget_matches_bits_per_element():
     """SmolLM2's shape (3 KV heads, head_dim 64): tokens held vs bf16 within 3 % of 16 / bits."""
     import torch
 
-    from kvserve.engine.builder import make_layer_kv
+    from kvserve.quant.storage import create_layer_kv
 
     def pool_tokens(codec: str) -> int:
-        layer = make_layer_kv(codec, 1, 16, 3, 64, torch.float32, torch.device("cpu"))
+        layer = create_layer_kv(codec, 1, 16, 3, 64, torch.float32, torch.device("cpu"))
         return BUDGET // (layer.bytes_per_block() * 30) * 16
 
     base = pool_tokens("bf16")

@@ -18,7 +18,7 @@ def make_store(num_blocks: int = 16, policy: str = "lru_freq") -> ChunkStore:
 def insert_released(store: ChunkStore, i: int) -> None:
     """A request computes chunk i, registers it, then finishes."""
     blocks = store.pool.allocate(store.blocks_per_chunk)
-    store.insert(h(i), h(1000 + i), blocks, depth=0)
+    store.insert(h(i), blocks, depth=0)
     store.release(h(i))
     store.pool.release(blocks)
 
