@@ -2,27 +2,18 @@
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import Any
 
 from kvserve.config import ServeConfig, make_config
 from kvserve.engine.engine import Engine
 from kvserve.errors import InvalidRequestError
-from kvserve.request import Request, RequestOutput, ReuseOptions, SamplingParams
+from kvserve.request import Request, RequestOutput, ReuseOptions, SamplingParams, WarmResult
 
 Messages = list[dict[str, Any]]
 PromptLike = str | list[int] | Messages
-
-
-@dataclass(frozen=True)
-class WarmResult:
-    num_tokens: int  # tokens of the text
-    num_cacheable_tokens: int  # whole chunks only; the tail shorter than a chunk is not cached
-    num_new_chunks: int  # chunks computed and added by this call
-    num_cached_chunks: int  # chunks that were already cached
-    pinned: bool
 
 
 class LLM:
@@ -79,7 +70,7 @@ class LLM:
             for i in range(params.n):
                 sample_params = params
                 if params.n > 1 and params.seed is not None:
-                    sample_params = _replace(params, seed=params.seed + i)
+                    sample_params = dataclasses.replace(params, seed=params.seed + i)
                 rid = f"gen-{next(self._ids)}"
                 self.engine.add_request(
                     Request(rid, list(token_ids), sample_params, cache_salt=cache_salt, reuse=reuse)
@@ -100,9 +91,6 @@ class LLM:
     def warm(self, prompt: PromptLike, pin: bool = True, cache_salt: str | None = None) -> WarmResult:
         """Compute and cache the KV of `prompt` (chat messages render as a shared chat prefix)."""
         token_ids = self.to_token_ids(prompt, add_generation_prompt=False)
-        chunk = self.config.chunk_size
-        num_chunks = len(token_ids) // chunk
-        before = self.engine.stats()["store"]["num_chunks"]
         rid = f"warm-{next(self._ids)}"
         request = Request(
             rid, list(token_ids), SamplingParams(max_tokens=1), cache_salt=cache_salt, warm_only=True, pin=pin
@@ -111,17 +99,10 @@ class LLM:
         out = self._run({rid})[rid]
         if out.error:
             raise InvalidRequestError(f"warm failed: {out.error}")
-        added = self.engine.stats()["store"]["num_chunks"] - before
-        return WarmResult(len(token_ids), num_chunks * chunk, added, num_chunks - added, pin)
+        return WarmResult.from_output(len(token_ids), out, self.config.chunk_size, pin)
 
     def unpin(self, prompt: PromptLike, cache_salt: str | None = None) -> int:
         return self.engine.unpin(self.to_token_ids(prompt, add_generation_prompt=False), cache_salt)
 
     def stats(self) -> dict[str, Any]:
         return self.engine.stats()
-
-
-def _replace(params: SamplingParams, **changes: Any) -> SamplingParams:
-    import dataclasses
-
-    return dataclasses.replace(params, **changes)

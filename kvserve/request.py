@@ -6,7 +6,6 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
-from typing import Any
 
 from kvserve.errors import InvalidRequestError
 
@@ -147,6 +146,31 @@ class TokenLogprob:
     top: list[tuple[int, float]]  # (token_id, logprob), best first
 
 
+@dataclass(frozen=True)
+class WarmResult:
+    """What warming a text did (LLM.warm and POST /v1/warm)."""
+
+    num_tokens: int  # tokens of the text
+    num_cacheable_tokens: int  # whole chunks (prefix-matchable); the tail is kept for content matches
+    num_cached_tokens: int  # of those, already cached before this call
+    num_cached_chunks: int
+    num_new_chunks: int  # chunks computed and added by this call
+    pinned: bool
+
+    @classmethod
+    def from_output(cls, num_tokens: int, out: RequestOutput, chunk_size: int, pinned: bool) -> WarmResult:
+        num_chunks = num_tokens // chunk_size
+        num_cached_chunks = out.num_exact_cached_tokens // chunk_size
+        return cls(
+            num_tokens,
+            num_chunks * chunk_size,
+            out.num_exact_cached_tokens,
+            num_cached_chunks,
+            num_chunks - num_cached_chunks,
+            pinned,
+        )
+
+
 @dataclass
 class RequestOutput:
     """A delta (streaming) or cumulative (finished) view of one request's generation."""
@@ -168,7 +192,6 @@ class RequestOutput:
     logprobs: list[TokenLogprob] | None = None  # one per token in token_ids (cumulative)
     error: str | None = None
     metrics: RequestMetrics = field(default_factory=RequestMetrics)
-    extra: dict[str, Any] = field(default_factory=dict)
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -30,7 +30,7 @@ from kvserve.config import ServeConfig
 from kvserve.engine.async_engine import AsyncEngine, RequestStream
 from kvserve.errors import InvalidRequestError, ModelNotFoundError, OverloadedError
 from kvserve.metrics import Metrics
-from kvserve.request import Request, RequestOutput, SamplingParams
+from kvserve.request import Request, RequestOutput, SamplingParams, WarmResult
 
 
 @dataclass
@@ -228,17 +228,8 @@ def _cache_routes(app: FastAPI, state: ServerState) -> None:
             pin=body.pin,
         )
         final = (await _collect(await state.submit([request])))[request.request_id]
-        chunk = state.config.chunk_size
-        num_chunks = len(token_ids) // chunk
-        num_cached_chunks = final.num_cached_tokens // chunk
-        return {
-            "num_tokens": len(token_ids),
-            "num_cacheable_tokens": num_chunks * chunk,
-            "num_cached_tokens": final.num_cached_tokens,
-            "num_cached_chunks": num_cached_chunks,
-            "num_new_chunks": num_chunks - num_cached_chunks,
-            "pinned": body.pin,
-        }
+        result = WarmResult.from_output(len(token_ids), final, state.config.chunk_size, body.pin)
+        return dataclasses.asdict(result)
 
     @app.delete("/v1/warm")
     async def unwarm(body: WarmRequest) -> dict[str, Any]:

@@ -116,3 +116,12 @@ def test_bad_input_is_rejected_and_the_engine_keeps_running(llm: LLM):
 def test_unknown_model_lists_builtins():
     with pytest.raises(ModelNotFoundError, match="smollm2-135m"):
         LLM(model="no-such-model")
+
+
+def test_warm_counts_whole_chunks_when_the_text_has_a_tail(llm: LLM):
+    """Regression: the tail piece kept for content matches once made num_cached_chunks negative."""
+    text = corpus_token_ids(llm, 2 * CHUNK + 16, seed=8)
+    first = llm.warm(text)
+    assert (first.num_cacheable_tokens, first.num_new_chunks, first.num_cached_chunks) == (2 * CHUNK, 2, 0)
+    again = llm.warm(text)
+    assert (again.num_new_chunks, again.num_cached_chunks, again.num_cached_tokens) == (0, 2, 2 * CHUNK)
