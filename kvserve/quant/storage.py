@@ -40,13 +40,72 @@ class PackedBlocks:
             field.index_copy_(0, dst, field.index_select(0, src))
 
 
+class OpenKeyShadows:
+    """Full-precision K of the open blocks of a block codec, in one tensor that kernels can read.
+
+    `pool` [capacity, block_size, H, D] in the compute dtype; `slot_of_block` [num_blocks] int32 maps a
+    block id to its row of `pool` (-1: the block has no shadow, read its packed codes). Capacity
+    doubles when every slot is taken (kernels read the attributes at call time), and stays bounded by
+    the number of blocks open at once: one per running sequence, plus cached tail pieces.
+    """
+
+    def __init__(self, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int, dtype, device):
+        self.block_shape = (block_size, num_kv_heads, head_dim)
+        self.pool = torch.zeros((0, *self.block_shape), dtype=dtype, device=device)
+        self.slot_of_block = torch.full((num_blocks,), -1, dtype=torch.int32, device=device)
+        self.slots: dict[int, int] = {}  # block id -> pool row (host copy of slot_of_block)
+        self.fill: dict[int, int] = {}  # block id -> slots written so far
+        self.free: list[int] = []
+
+    def __contains__(self, block_id: int) -> bool:
+        return block_id in self.slots
+
+    def get(self, block_id: int) -> torch.Tensor:
+        """The block's shadow [block_size, H, D], a view of `pool`."""
+        return self.pool[self.slots[block_id]]
+
+    def open(self, block_id: int, init: torch.Tensor | None = None, fill: int = 0) -> torch.Tensor:
+        """A shadow for the block (zeros, or `init`), written `fill` slots so far."""
+        if block_id not in self.slots:
+            if not self.free:
+                self._grow()
+            self.slots[block_id] = slot = self.free.pop()
+            self.slot_of_block[block_id] = slot
+        shadow = self.get(block_id)
+        if init is None:
+            shadow.zero_()
+        else:
+            shadow.copy_(init)
+        self.fill[block_id] = fill
+        return shadow
+
+    def drop(self, block_id: int) -> None:
+        slot = self.slots.pop(block_id, None)
+        if slot is None:
+            return
+        self.fill.pop(block_id, None)
+        self.slot_of_block[block_id] = -1
+        self.free.append(slot)
+
+    def used_bytes(self) -> int:
+        return len(self.slots) * self.pool[0:1].numel() * self.pool.element_size() if self.slots else 0
+
+    def _grow(self) -> None:
+        capacity = self.pool.shape[0]
+        new_capacity = max(4, 2 * capacity)
+        pool = torch.zeros((new_capacity, *self.block_shape), dtype=self.pool.dtype, device=self.pool.device)
+        pool[:capacity] = self.pool
+        self.pool = pool
+        self.free.extend(range(new_capacity - 1, capacity - 1, -1))
+
+
 class QuantizedLayerKV(LayerKV):
     """K/V stored in a codec's format, quantized as they are written.
 
     Per-token codecs encode each written token at once. A block codec (KIVI's per-channel K) needs
-    the whole block: the open block's K stays in `compute_dtype` in a shadow (one [block_size, H,
-    D] tensor per open block, dropped when the block fills or is freed) and is encoded when its last
-    slot is written. Blocks fill in slot order; a write at offset 0 into a block that is not closed
+    the whole block: the open block's K stays in `compute_dtype` in a shadow (a row of
+    `open_k.pool`, see OpenKeyShadows; dropped when the block fills or is freed) and is encoded when
+    its last slot is written. Blocks fill in slot order; a write at offset 0 into a block that is not closed
     starts it afresh; a write into a closed block (recomputed tokens, moved KV) decodes it, patches
     the rows and re-encodes it. A block stays closed until the pool frees it (on_block_freed). `bytes_per_block` counts packed blocks only; `shadow_bytes` reports the
     full-precision shadow, bounded by the number of open blocks (one per running sequence).
@@ -69,8 +128,7 @@ class QuantizedLayerKV(LayerKV):
         self.codec = make_codec(codec_name, num_kv_heads, head_dim, layer_idx)
         self.k_blocks = PackedBlocks(self.codec.k, num_blocks, block_size, device)
         self.v_blocks = PackedBlocks(self.codec.v, num_blocks, block_size, device)
-        self.open_k: dict[int, torch.Tensor] = {}  # block id -> [block_size, H, D] compute_dtype
-        self.open_fill: dict[int, int] = {}  # block id -> slots written so far
+        self.open_k = OpenKeyShadows(num_blocks, block_size, num_kv_heads, head_dim, compute_dtype, device)
         self.closed: set[int] = set()  # blocks whose K filled and is encoded, until the pool frees them
 
     def write(self, slot_mapping: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> None:
@@ -95,20 +153,17 @@ class QuantizedLayerKV(LayerKV):
             while end < len(slots) and slots[end] == slots[end - 1] + 1 and slots[end] % self.block_size:
                 end += 1
             if offset == 0 and block_id not in self.closed:
-                shape = (self.block_size, self.num_kv_heads, self.head_dim)
-                self.open_k[block_id] = torch.zeros(shape, dtype=self.compute_dtype, device=self.device)
-                self.open_fill[block_id] = 0
+                self.open_k.open(block_id)
             elif block_id in full:  # filled earlier in this write, now patched
-                self.open_k[block_id], self.open_fill[block_id] = full.pop(block_id), self.block_size
+                self.open_k.open(block_id, init=full.pop(block_id), fill=self.block_size)
             elif block_id not in self.open_k:  # rewriting rows of a closed block: decode, patch, re-encode
                 closed = self.k_blocks.read(torch.tensor([block_id], device=self.device))[0]
-                self.open_k[block_id] = closed.to(self.compute_dtype)
-                self.open_fill[block_id] = self.block_size
-            self.open_k[block_id][offset : offset + end - start] = key[start:end]
-            self.open_fill[block_id] = max(self.open_fill[block_id], offset + end - start)
-            if self.open_fill[block_id] == self.block_size:
-                full[block_id] = self.open_k[block_id]
-                self._drop_shadow(block_id)
+                self.open_k.open(block_id, init=closed, fill=self.block_size)
+            self.open_k.get(block_id)[offset : offset + end - start] = key[start:end]
+            self.open_k.fill[block_id] = max(self.open_k.fill[block_id], offset + end - start)
+            if self.open_k.fill[block_id] == self.block_size:
+                full[block_id] = self.open_k.get(block_id).clone()
+                self.open_k.drop(block_id)
                 self.closed.add(block_id)
             start = end
         if full:
@@ -120,7 +175,7 @@ class QuantizedLayerKV(LayerKV):
         v = self.v_blocks.read(block_ids).to(self.compute_dtype)
         for i, block_id in enumerate(block_ids.tolist()):
             if block_id in self.open_k:
-                k[i] = self.open_k[block_id]
+                k[i] = self.open_k.get(block_id)
         return k, v
 
     def copy_blocks(self, src_block_ids: torch.Tensor, dst_block_ids: torch.Tensor) -> None:
@@ -131,23 +186,18 @@ class QuantizedLayerKV(LayerKV):
             if src in self.closed:
                 self.closed.add(dst)
             if src in self.open_k:
-                self.open_k[dst] = self.open_k[src].clone()
-                self.open_fill[dst] = self.open_fill[src]
+                self.open_k.open(dst, init=self.open_k.get(src), fill=self.open_k.fill[src])
 
     def bytes_per_block(self) -> int:
         return self.codec.bytes_per_block(self.block_size)
 
     def shadow_bytes(self) -> int:
         """Bytes of full-precision K held for open (not yet full) blocks."""
-        return sum(t.numel() * t.element_size() for t in self.open_k.values())
-
-    def _drop_shadow(self, block_id: int) -> None:
-        self.open_k.pop(block_id, None)
-        self.open_fill.pop(block_id, None)
+        return self.open_k.used_bytes()
 
     def on_block_freed(self, block_id: int) -> None:
         """The pool freed the block: its next owner starts it afresh at offset 0."""
-        self._drop_shadow(block_id)
+        self.open_k.drop(block_id)
         self.closed.discard(block_id)
 
 

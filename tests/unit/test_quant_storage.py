@@ -112,3 +112,20 @@ def test_freed_block_drops_shadow_and_bf16_compute():
     assert k.dtype == v.dtype == torch.bfloat16 and k.shape == (1, BS, H, D)
     kv.on_block_freed(0)
     assert kv.shadow_bytes() == 0
+
+
+def test_open_shadows_are_one_tensor_kernels_can_read():
+    """slot_of_block / pool (what kernels read) agree with gather while the pool grows and shrinks."""
+    kv = make_kv("int8", num_blocks=12)
+    k, v = torch.randn(12 * BS, H, D), torch.randn(12 * BS, H, D)
+    for b in range(10):  # ten open blocks with 3 slots each: the pool grows from 4 to 16 rows
+        kv.write(b * BS + torch.arange(3), k[b * BS : b * BS + 3], v[b * BS : b * BS + 3])
+    kv.write(torch.arange(3, BS), k[3:BS], v[3:BS])  # block 0 fills: its row is freed
+    assert kv.open_k.pool.shape[0] == 16 and int(kv.open_k.slot_of_block[0]) == -1
+    gathered = kv.gather(torch.arange(10))[0]
+    for b in range(1, 10):
+        row = int(kv.open_k.slot_of_block[b])
+        assert torch.equal(kv.open_k.pool[row, :3], k[b * BS : b * BS + 3])
+        assert torch.equal(gathered[b, :3], kv.open_k.pool[row, :3])
+    kv.on_block_freed(5)
+    assert int(kv.open_k.slot_of_block[5]) == -1 and kv.shadow_bytes() == 8 * BS * H * D * 4
