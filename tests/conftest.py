@@ -18,6 +18,14 @@ import torch  # noqa: E402
 torch.set_num_threads(1)
 
 
+def pytest_sessionstart(session: pytest.Session) -> None:
+    """Build the CPU attention extension once, up front, so that no server subprocess started by a
+    test spends its start-up timeout compiling it (where it cannot be built, cpu_paged uses torch ops)."""
+    from kvserve.kernels import cpu_ext
+
+    cpu_ext.load_or_none()
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     has_gpu = torch.cuda.is_available()
     ext = False

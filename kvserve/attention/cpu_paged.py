@@ -4,8 +4,11 @@ A sequence's blocks are cut into segments (`plan_segments`): a run of at least M
 consecutive block ids is a strided view of a dense pool (no copy); shorter runs are gathered in
 groups of about GATHER_BYTES of K (a copy small enough to stay in cache while it is used).
 
-Decode rows (q_len == 1, dense pool) take two passes: scores of all segments (one GEMM per KV head
-with the GQA group as rows), one softmax, then P V accumulated segment by segment.
+Decode rows (q_len == 1) go to the C++ extension (csrc/cpu/, kvserve/kernels/cpu_ext.py) in one
+call for the whole step: it walks every sequence's block table in place, dense, fp8_e4m3 and int8
+KIVI pools alike, (sequence, KV head, split) items in parallel. Where the extension cannot be built,
+or for other formats, decode rows on a dense pool take two torch passes (scores of all segments, one
+softmax, then P V segment by segment) and the rest go the merged way below.
 
 Other rows run torch's CPU flash-attention kernel per segment, which returns the log-sum-exp, and
 partial results are merged exactly (the flash-decoding merge). Segments are further cut at ctx_len
@@ -22,6 +25,7 @@ from dataclasses import dataclass
 import torch
 
 from kvserve.attention.base import AttentionBackend, AttentionMetadata
+from kvserve.kernels import cpu_ext
 from kvserve.kvcache.kv_storage import DenseLayerKV, LayerKV
 
 MIN_VIEW_BLOCKS = 16  # shorter runs of consecutive blocks are gathered instead of viewed
@@ -203,9 +207,14 @@ def attention_merged(
 
 
 class CpuPagedBackend(AttentionBackend):
-    """cpu_paged: attention per sequence over views and small gathers of the paged pool (module doc)."""
+    """cpu_paged: decode rows through the C++ extension, other rows per sequence over views and small
+    gathers of the paged pool (module doc). `use_extension=False` keeps to torch ops (the reference
+    the extension is tested against)."""
 
     name = "cpu_paged"
+
+    def __init__(self, use_extension: bool = True):
+        self.ext = cpu_ext.load_or_none() if use_extension else None
 
     def forward(
         self, query: torch.Tensor, kv: LayerKV, meta: AttentionMetadata, scale: float
@@ -214,11 +223,17 @@ class CpuPagedBackend(AttentionBackend):
             "rows at arbitrary positions: use the positional backend"
         )
         out = torch.empty_like(query)
+        decode_in_ext = self.ext is not None and cpu_ext.pool_format(kv) is not None
+        if decode_in_ext:
+            self._decode_rows(query, kv, meta, scale, out)
         dense = isinstance(kv, DenseLayerKV)
         bytes_per_block = kv.block_size * kv.num_kv_heads * kv.head_dim * query.element_size()
         gather_blocks = max(1, GATHER_BYTES // bytes_per_block)
         start = 0
         for i, (q_len, seq_len) in enumerate(zip(meta.query_lens_list, meta.seq_lens_list, strict=True)):
+            if q_len == 1 and decode_in_ext:
+                start += 1
+                continue
             num_blocks = -(-seq_len // meta.block_size)
             block_ids = meta.block_tables[i, :num_blocks].long()
             segments = plan_segments(block_ids, seq_len, meta.block_size, gather_blocks, dense)
@@ -229,3 +244,23 @@ class CpuPagedBackend(AttentionBackend):
                 out[start : start + q_len] = attention_merged(q, kv, block_ids, segments, seq_len, scale)
             start += q_len
         return out
+
+    def _decode_rows(
+        self, query: torch.Tensor, kv: LayerKV, meta: AttentionMetadata, scale: float, out: torch.Tensor
+    ) -> None:
+        """All q_len == 1 rows of the step in one extension call, written into `out`."""
+        assert self.ext is not None
+        if meta.is_pure_decode:
+            out.copy_(
+                cpu_ext.decode(self.ext, query.contiguous(), kv, meta.block_tables, meta.seq_lens, scale)
+            )
+            return
+        seqs = [i for i, q_len in enumerate(meta.query_lens_list) if q_len == 1]
+        if not seqs:
+            return
+        seq_idx = torch.tensor(seqs, dtype=torch.int64)
+        rows = meta.query_start_loc[:-1].long()[seq_idx]
+        result = cpu_ext.decode(
+            self.ext, query[rows].contiguous(), kv, meta.block_tables[seq_idx], meta.seq_lens[seq_idx], scale
+        )
+        out[rows] = result

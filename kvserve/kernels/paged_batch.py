@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from kvserve.attention.base import AttentionMetadata
-from kvserve.kvcache.kv_storage import DenseLayerKV
+from kvserve.kvcache.kv_storage import DenseLayerKV, LayerKV
 
 
 def allocate_blocks(num_blocks_per_seq: list[int], layout: str, seed: int = 0) -> list[list[int]]:
@@ -77,3 +77,22 @@ def make_batch(
     )
     query = torch.randn(sum(q_lens), num_heads, head_dim, generator=gen).to(device=device, dtype=dtype)
     return query, kv, meta
+
+
+def quantized_copy(
+    kv: DenseLayerKV, meta: AttentionMetadata, codec: str, compute_dtype: torch.dtype
+) -> LayerKV:
+    """The batch's KV in a `codec` pool (kvserve/quant/), each sequence's tokens written in order, so
+    a sequence's last partial block stays open (int8 KIVI keeps that block's K in its shadow)."""
+    from kvserve.quant.storage import create_layer_kv
+
+    out = create_layer_kv(
+        codec, kv.num_blocks, kv.block_size, kv.num_kv_heads, kv.head_dim, compute_dtype, kv.k_cache.device
+    )
+    offsets = torch.arange(kv.block_size, device=kv.k_cache.device)
+    flat = (-1, kv.num_kv_heads, kv.head_dim)
+    for i, seq_len in enumerate(meta.seq_lens_list):
+        blocks = meta.block_tables[i, : -(-seq_len // kv.block_size)].long()
+        slots = (blocks[:, None] * kv.block_size + offsets).flatten()[:seq_len]
+        out.write(slots, kv.k_cache.view(flat)[slots], kv.v_cache.view(flat)[slots])
+    return out

@@ -8,7 +8,8 @@ import torch
 from kvserve.attention import cpu_paged
 from kvserve.attention.cpu_paged import CpuPagedBackend, Segment, block_runs, plan_segments
 from kvserve.attention.reference import ReferenceBackend
-from kvserve.kernels.paged_batch import make_batch
+from kvserve.kernels import cpu_ext
+from kvserve.kernels.paged_batch import make_batch, quantized_copy
 
 SHAPES = {
     "prefill": [(37, 37), (64, 64)],
@@ -18,20 +19,30 @@ SHAPES = {
 }
 
 
-def _check(lens, h, h_kv, d, bs, dtype, layout, atol):
+def _check(lens, h, h_kv, d, bs, dtype, layout, atol, use_extension=True):
     query, kv, meta = make_batch(lens, h, h_kv, d, bs, dtype, layout)
     scale = d**-0.5
     ref = ReferenceBackend().forward(query, kv, meta, scale)
-    out = CpuPagedBackend().forward(query, kv, meta, scale)
+    out = CpuPagedBackend(use_extension).forward(query, kv, meta, scale)
     assert out.dtype == query.dtype and out.shape == query.shape
     torch.testing.assert_close(out.float(), ref.float(), atol=atol, rtol=0)
+
+
+@pytest.fixture(scope="module")
+def ext():
+    """The built CPU extension; its absence is a failure where a compiler exists (make test builds it)."""
+    reason = cpu_ext.unavailable_reason()
+    if reason:
+        pytest.skip(reason)
+    return cpu_ext.load()
 
 
 @pytest.mark.parametrize("kind", list(SHAPES))
 @pytest.mark.parametrize("layout", ["contiguous", "shuffled", "mixed"])
 @pytest.mark.parametrize("h,h_kv", [(4, 4), (6, 2), (8, 1)])
-def test_parity_fp32(kind, layout, h, h_kv):
-    _check(SHAPES[kind], h, h_kv, 64, 16, torch.float32, layout, atol=1e-5)
+@pytest.mark.parametrize("use_extension", [True, False], ids=["ext", "torch"])
+def test_parity_fp32(kind, layout, h, h_kv, use_extension):
+    _check(SHAPES[kind], h, h_kv, 64, 16, torch.float32, layout, atol=1e-5, use_extension=use_extension)
 
 
 @pytest.mark.parametrize("d,bs", [(128, 32), (64, 32), (128, 16)])
@@ -85,3 +96,66 @@ def test_quantized_pool_matches_reference(codec):
     ref = ReferenceBackend().forward(query, kv, meta, 0.125)
     out = CpuPagedBackend().forward(query, kv, meta, 0.125)
     torch.testing.assert_close(out, ref, atol=1e-5, rtol=0)
+
+
+def test_backend_uses_the_extension(ext):
+    assert CpuPagedBackend().ext is ext
+    assert CpuPagedBackend(use_extension=False).ext is None
+
+
+@pytest.mark.parametrize("codec", ["fp8_e4m3", "int8", "bf16", "fp16"])
+@pytest.mark.parametrize("h,h_kv,d,bs", [(4, 4, 64, 16), (6, 2, 128, 32), (8, 1, 64, 32), (12, 4, 128, 16)])
+def test_extension_reads_pools_in_place(ext, codec, h, h_kv, d, bs, monkeypatch):
+    """Decode over fp8 / int8 (open blocks included) / half pools equals the reference reading the same
+    pool, and never goes through LayerKV.gather (the codes are read where they lie)."""
+    lens = [(1, 1), (1, 77), (1, 300), (1, 2 * bs), (1, 5 * bs + 3)]
+    query, dense, meta = make_batch(lens, h, h_kv, d, bs, torch.float32, "mixed")
+    kv = quantized_copy(dense, meta, codec, torch.float32)
+    if codec == "int8":
+        assert kv.open_k.slots, "the test needs open blocks"
+    ref = ReferenceBackend().forward(query, kv, meta, d**-0.5)
+    monkeypatch.setattr(type(kv), "gather", lambda *a: pytest.fail("gather on the extension's path"))
+    out = CpuPagedBackend().forward(query, kv, meta, d**-0.5)
+    torch.testing.assert_close(out, ref, atol=2e-5, rtol=0)
+
+
+@pytest.mark.parametrize("compute", [torch.bfloat16, torch.float16])
+def test_extension_half_queries_and_int8_half_shadow(ext, compute):
+    query, dense, meta = make_batch([(1, 50), (1, 33)], 6, 2, 64, 16, compute, "shuffled")
+    for kv in (dense, quantized_copy(dense, meta, "int8", compute)):
+        ref = ReferenceBackend().forward(query, kv, meta, 0.125)
+        out = CpuPagedBackend().forward(query, kv, meta, 0.125)
+        assert out.dtype == compute
+        torch.testing.assert_close(out.float(), ref.float(), atol=1e-2, rtol=0)
+
+
+def test_extension_splits_and_merge_across_threads(ext):
+    """Two threads: sequences split into several items, merged by log-sum-exp; a short sequence
+    next to long ones has empty splits; head_dim 256 too."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        for d in (64, 256):
+            _check([(1, 2000), (1, 3), (1, 700)], 8, 2, d, 16, torch.float32, "shuffled", atol=2e-5)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_extension_mixed_step_and_unsupported_head_dim(ext):
+    """Decode rows of a mixed step go through the extension, the rest through torch ops; a head_dim the
+    extension lacks (16) keeps to torch ops."""
+    _check(SHAPES["mixed"], 6, 2, 64, 16, torch.float32, "mixed", atol=1e-5)
+    _check([(1, 40), (3, 40)], 4, 2, 16, 16, torch.float32, "mixed", atol=1e-5)
+
+
+def test_extension_rejects_bad_arguments(ext):
+    query, kv, meta = make_batch([(1, 40)], 4, 2, 64, 16, torch.float32, "mixed")
+    good = (query, kv.k_cache, kv.v_cache, meta.block_tables, meta.seq_lens, 0.125)
+    with pytest.raises(RuntimeError, match="block_tables must be contiguous int32"):
+        ext.paged_decode_dense(*good[:3], meta.block_tables.long(), *good[4:])
+    with pytest.raises(RuntimeError, match="outside"):
+        ext.paged_decode_dense(*good[:4], torch.tensor([10_000], dtype=torch.int32), 0.125)
+    with pytest.raises(RuntimeError, match="num_heads must be a multiple"):
+        ext.paged_decode_dense(query[:, :3].contiguous(), *good[1:])
+    with pytest.raises(RuntimeError, match="v_cache must be"):
+        ext.paged_decode_dense(query, kv.k_cache, kv.v_cache.half(), *good[3:])

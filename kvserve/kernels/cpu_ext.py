@@ -1,0 +1,131 @@
+"""The kvserve CPU attention extension (csrc/cpu/): decode over the paged pool read in place.
+
+JIT-built once with torch.utils.cpp_extension.load (g++ and ninja, about a minute on two cores),
+then cached by torch under TORCH_EXTENSIONS_DIR; a source change rebuilds it. `decode(...)` picks the
+entry point for the pool's format: dense or passthrough (fp32 / bf16 / fp16), fp8_e4m3, int8 KIVI. Where the build
+cannot run (no compiler), `load_or_none()` returns None once, with the reason logged, and the
+cpu_paged backend keeps to its torch-ops path.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+import shutil
+import time
+from pathlib import Path
+from types import ModuleType
+
+import torch
+
+from kvserve.kvcache.kv_storage import DenseLayerKV, LayerKV
+
+log = logging.getLogger(__name__)
+
+CSRC = Path(__file__).resolve().parents[2] / "csrc"
+SOURCES = ["cpu/paged_attention_cpu.cpp"]
+FLAGS = ["-O3", "-march=native", "-fopenmp", "-std=c++17"]
+
+
+def unavailable_reason() -> str:
+    """'' when the extension can be built here, else why not."""
+    if os.environ.get("KVSERVE_CPU_EXT") == "0":
+        return "disabled by KVSERVE_CPU_EXT=0"
+    if shutil.which(os.environ.get("CXX", "c++")) is None:
+        return "no C++ compiler (c++ / $CXX) on PATH"
+    if shutil.which("ninja") is None and not _venv_ninja():
+        return "ninja is not installed (pip install ninja)"
+    if not all((CSRC / s).exists() for s in SOURCES):
+        return f"C++ sources missing under {CSRC}"
+    return ""
+
+
+def _venv_ninja() -> bool:
+    import sys
+
+    return (Path(sys.executable).parent / "ninja").exists()
+
+
+@functools.cache
+def load() -> ModuleType:
+    """Builds (or loads the cached build of) the extension; RuntimeError if it cannot be built here."""
+    reason = unavailable_reason()
+    if reason:
+        raise RuntimeError(f"kvserve CPU extension unavailable: {reason}")
+    import sys
+
+    from torch.utils.cpp_extension import load as load_extension
+
+    # torch runs `ninja` from PATH: make the venv's ninja visible when the venv is not activated
+    bin_dir = str(Path(sys.executable).parent)
+    if bin_dir not in os.environ.get("PATH", "").split(os.pathsep):
+        os.environ["PATH"] = bin_dir + os.pathsep + os.environ.get("PATH", "")
+    t0 = time.perf_counter()
+    module = load_extension(
+        name="kvserve_cpu_ext",
+        sources=[str(CSRC / s) for s in SOURCES],
+        extra_cflags=FLAGS,
+        extra_ldflags=["-fopenmp"],
+        verbose=os.environ.get("KVSERVE_VERBOSE_BUILD") == "1",
+    )
+    elapsed = time.perf_counter() - t0
+    if elapsed > 5:
+        log.info("built the kvserve CPU attention extension in %.0f s (cached from now on)", elapsed)
+    return module
+
+
+@functools.cache
+def load_or_none() -> ModuleType | None:
+    """The extension, or None (reason logged once) where it cannot be built."""
+    try:
+        log.info("loading the kvserve CPU attention extension (its first build takes about a minute)")
+        return load()
+    except Exception as exc:  # noqa: BLE001 - any build failure means: use the torch-ops path
+        log.warning("kvserve CPU attention extension unavailable, using torch ops: %s", str(exc)[-500:])
+        return None
+
+
+HEAD_DIMS = (64, 128, 256)  # decode_item instantiations in csrc/cpu/paged_attention_cpu.cpp
+
+
+def pool_format(kv: LayerKV) -> str | None:
+    """How the extension reads this pool in place: 'dense', 'passthrough' (fp32 / fp16 / bf16 stored
+    apart from the compute dtype, e.g. bf16 KV under fp32 compute), 'fp8_e4m3' or 'int8'; else None."""
+    if kv.head_dim not in HEAD_DIMS:
+        return None
+    if isinstance(kv, DenseLayerKV):
+        return "dense"
+    codec = getattr(kv, "codec", None)
+    if getattr(codec, "passthrough_dtype", None) is not None:
+        return "passthrough"
+    name = getattr(codec, "name", None)
+    return name if name in ("fp8_e4m3", "int8") else None
+
+
+def decode(
+    module: ModuleType,
+    query: torch.Tensor,  # [num_seqs, H, D]: one decode row per sequence, contiguous
+    kv: LayerKV,
+    block_tables: torch.Tensor,  # [num_seqs, max_blocks] int32
+    seq_lens: torch.Tensor,  # [num_seqs] int32
+    scale: float,
+) -> torch.Tensor:  # [num_seqs, H, D]
+    """Decode attention of one row per sequence over its blocks, read in place in the pool's format."""
+    fmt = pool_format(kv)
+    args = (block_tables.contiguous(), seq_lens.contiguous(), float(scale))
+    if fmt == "dense":
+        assert isinstance(kv, DenseLayerKV)
+        return module.paged_decode_dense(query, kv.k_cache, kv.v_cache, *args)
+    k, v = kv.k_blocks.fields, kv.v_blocks.fields  # type: ignore[attr-defined]
+    if fmt == "passthrough":
+        return module.paged_decode_dense(query, k["x"], v["x"], *args)
+    if fmt == "fp8_e4m3":
+        return module.paged_decode_fp8(query, k["codes"], v["codes"], k["scale"], v["scale"], *args)
+    if fmt == "int8":
+        shadows = kv.open_k  # type: ignore[attr-defined]
+        return module.paged_decode_int8(
+            query, k["codes"], k["scale"], k["zero"], shadows.pool, shadows.slot_of_block,
+            v["codes"], v["scale"], v["zero"], *args,
+        )  # fmt: skip
+    raise TypeError(f"the CPU extension does not read {type(kv).__name__} pools of this format in place")
