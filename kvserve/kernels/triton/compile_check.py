@@ -3,30 +3,43 @@
     python -m kvserve.kernels.triton.compile_check [--arch 90] [--quick]
 
 Must run without TRITON_INTERPRET=1 (the interpreter replaces @triton.jit functions at import).
-Prints one line per (kernel, variant) with the shared memory each needs; exits 1 on any failure.
+Prints one line per (kernel, variant) with the shared memory each needs and, where triton bundles
+cuobjdump, its registers per thread and stack (spill) bytes; exits 1 on any failure.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
+import re
+import subprocess
 import sys
+import tempfile
 import time
 
 import triton
 from triton.backends.compiler import GPUTarget
 
-from kvserve.kernels.triton.paged_decode import merge_splits_kernel, paged_decode_split_kernel
+from kvserve.kernels.triton.paged_decode import (
+    INT8_BLOCK_N,
+    INT8_NUM_WARPS,
+    merge_splits_kernel,
+    paged_decode_split_kernel,
+)
 from kvserve.kernels.triton.paged_prefill import paged_prefill_kernel
 
 TRITON_TYPES = {"fp16": "*fp16", "bf16": "*bf16"}
-INT32_POINTERS = {"block_tables_ptr", "query_start_loc_ptr", "seq_lens_ptr"}
-FP32_POINTERS = {"o_part_ptr", "lse_part_ptr", "k_scale_ptr", "v_scale_ptr"}
-FP8_CODE_POINTERS = {"k_cache_ptr", "v_cache_ptr"}
+INT32_POINTERS = {"block_tables_ptr", "query_start_loc_ptr", "seq_lens_ptr", "k_open_slot_ptr"}
+FP32_POINTERS = {"o_part_ptr", "lse_part_ptr"}
+CODE_POINTERS = {"k_cache_ptr", "v_cache_ptr"}  # uint8 with FP8_KV / INT8_KV
+SCALE_POINTERS = {"k_scale_ptr", "v_scale_ptr", "k_zero_ptr", "v_zero_ptr"}  # fp32 (fp8), fp16 (int8)
 FP32_SCALARS = {"qk_scale"}
+OPTIONS = {"num_warps"}  # compile options, not constexprs
 
 
 def signature(kernel, dtype: str, constexprs: dict) -> dict[str, str]:
     """Triton signature for `kernel`: data pointers in `dtype`, metadata int32, scalars i32/fp32."""
+    quantized = bool(constexprs.get("FP8_KV") or constexprs.get("INT8_KV"))
     sig = {}
     for name in kernel.arg_names:
         if name in constexprs:
@@ -35,7 +48,9 @@ def signature(kernel, dtype: str, constexprs: dict) -> dict[str, str]:
             sig[name] = "*i32"
         elif name in FP32_POINTERS:
             sig[name] = "*fp32"
-        elif name in FP8_CODE_POINTERS and constexprs.get("FP8_KV"):
+        elif name in SCALE_POINTERS:
+            sig[name] = "*fp16" if constexprs.get("INT8_KV") else "*fp32"
+        elif name in CODE_POINTERS and quantized:
             sig[name] = "*u8"
         elif name.endswith("_ptr"):
             sig[name] = TRITON_TYPES[dtype]
@@ -57,30 +72,56 @@ def variants(quick: bool) -> list[tuple[str, object, str, dict]]:
                 ("prefill", paged_prefill_kernel, dtype, dict(common, GROUP=4, BLOCK_M=64, BLOCK_N=64))
             )
             decode = dict(common, GROUP=8, GROUP_PAD=16, BLOCK_N=64)
-            out.append(("decode", paged_decode_split_kernel, dtype, dict(decode, FP8_KV=False)))
-            out.append(("decode-fp8kv", paged_decode_split_kernel, dtype, dict(decode, FP8_KV=True)))
+            for label, fp8, int8 in (
+                ("decode", False, False),
+                ("decode-fp8kv", True, False),
+                ("decode-int8kv", False, True),
+            ):
+                flags = dict(FP8_KV=fp8, INT8_KV=int8, V_GROUP=64, TILE_BLOCKS=4)
+                if int8:  # the launcher's int8 defaults
+                    flags.update(
+                        BLOCK_N=INT8_BLOCK_N, TILE_BLOCKS=INT8_BLOCK_N // 16, num_warps=INT8_NUM_WARPS
+                    )
+                out.append((label, paged_decode_split_kernel, dtype, dict(decode, **flags)))
             out.append(("merge", merge_splits_kernel, dtype, dict(HEAD_DIM=d, SPLITS_PAD=16)))
     return out
+
+
+def resource_usage(compiled) -> str:
+    """'regs=N stack=NB' from `cuobjdump --dump-resource-usage` of the cubin, or '' without one."""
+    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    cubin = compiled.asm.get("cubin")
+    if not os.path.exists(tool) or not cubin:
+        return ""
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        proc = subprocess.run([tool, "--dump-resource-usage", f.name], capture_output=True, text=True)
+    found = re.search(r"REG:(\d+) STACK:(\d+)", proc.stdout)
+    return f"  regs={found[1]} stack={found[2]}B" if found else ""
 
 
 def compile_all(arch: int, quick: bool) -> list[str]:
     """Compiles every variant for sm_`arch`; returns the failures (empty when all compiled)."""
     failures = []
     target = GPUTarget("cuda", arch, 32)
-    for name, kernel, dtype, constexprs in variants(quick):
-        label = f"{name} {dtype} " + " ".join(f"{k}={v}" for k, v in constexprs.items() if k != "DOT_FP32")
+    for name, kernel, dtype, params in variants(quick):
+        label = f"{name} {dtype} " + " ".join(f"{k}={v}" for k, v in params.items() if k != "DOT_FP32")
+        constexprs = {k: v for k, v in params.items() if k not in OPTIONS}
+        options = {k: v for k, v in params.items() if k in OPTIONS}
         t0 = time.perf_counter()
         try:
             src = triton.compiler.ASTSource(
                 fn=kernel, signature=signature(kernel, dtype, constexprs), constexprs=constexprs
             )
-            compiled = triton.compile(src, target=target)
+            compiled = triton.compile(src, target=target, options=options)
         except Exception as exc:  # noqa: BLE001 - collect every failure
             failures.append(f"{label}: {type(exc).__name__}: {exc}")
             print(f"FAIL sm_{arch} {label}: {exc}", flush=True)
             continue
         shared = compiled.metadata.shared
-        print(f"ok   sm_{arch} {label}  shared={shared}B  {time.perf_counter() - t0:.1f}s", flush=True)
+        usage = resource_usage(compiled)
+        print(f"ok   sm_{arch} {label}  shared={shared}B{usage}  {time.perf_counter() - t0:.1f}s", flush=True)
     return failures
 
 

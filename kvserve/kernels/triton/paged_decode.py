@@ -10,6 +10,16 @@ FP8_KV reads the fp8_e4m3 pool of kvserve/quant/fp8.py directly: codes uint8 [nu
 block_size, H_kv, D] and one fp32 scale per (slot, kv head). Codes convert exactly to fp16/bf16 for
 tl.dot; the K scale multiplies the scores of its token, the V scale the probabilities of its token,
 so no dequantized tile is ever built.
+
+INT8_KV reads the int8 KIVI pool of kvserve/quant/kivi.py (QuantizedLayerKV) directly. K codes are
+per channel over a block (scale, zero fp16 [num_blocks, H_kv, D]), V codes per token with one scale
+and zero per V_GROUP channels (fp16 [num_blocks, BLOCK_SIZE, H_kv, D // V_GROUP]). A K tile spans
+several blocks and a V row several groups, so neither affine folds into one dot: both tiles are
+dequantized in registers, code * scale + zero in fp32 rounded to the query dtype, which is exactly
+what QuantizedLayerKV.gather hands the reference. The K of an open block (not yet full, so not yet
+quantized) is read from its full-precision shadow, k_open[slot_of_block[block]] (OpenKeyShadows),
+chosen per token: slot >= 0 reads the shadow, -1 the codes; both loads are masked, so each token
+costs only the bytes it uses.
 """
 
 from __future__ import annotations
@@ -34,12 +44,65 @@ def e4m3_to_fp16(codes):
 
 
 @triton.jit
+def int8_kivi_k(
+    codes_ptr, scale_ptr, zero_ptr, open_ptr, open_slot_ptr, table, start_n, split_end, block_ids, in_block,
+    kv_head, rows, n_ok, offs_d, stride_ksb, stride_ksh, stride_ob, stride_ot, stride_oh,
+    BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, TILE_BLOCKS: tl.constexpr, HEAD_DIM: tl.constexpr,
+):  # fmt: skip
+    """K tile [BLOCK_N, D] of an int8 KIVI pool in open_ptr's dtype (the compute dtype).
+
+    Closed blocks: code * scale + zero in fp32, rounded once (as QuantizedLayerKV.gather does); scale
+    and zero are per (block, channel), loaded once per block of the tile (TILE_BLOCKS of them; the
+    tile starts on a block boundary or lies inside one block) and broadcast over its tokens.
+    Open blocks: the full-precision shadow open[slot_of_block[block]]."""
+    TOKENS: tl.constexpr = BLOCK_N // TILE_BLOCKS  # tokens of the tile in each of its blocks
+    slot = tl.load(open_slot_ptr + block_ids, mask=n_ok, other=-1)  # per token
+    is_open = slot >= 0
+    codes = tl.load(codes_ptr + rows[:, None] + offs_d[None, :], mask=(n_ok & ~is_open)[:, None], other=0)
+    firsts = start_n + tl.arange(0, TILE_BLOCKS) * TOKENS  # first token of each block in the tile
+    b_ok = firsts < split_end
+    tile_blocks = tl.load(table + firsts // BLOCK_SIZE, mask=b_ok, other=0).to(tl.int64)
+    affine = (tile_blocks * stride_ksb + kv_head * stride_ksh)[:, None] + offs_d[None, :]  # [TILE_BLOCKS, D]
+    scale = tl.load(scale_ptr + affine, mask=b_ok[:, None], other=0.0).to(tl.float32)
+    zero = tl.load(zero_ptr + affine, mask=b_ok[:, None], other=0.0).to(tl.float32)
+    codes = tl.reshape(codes, [TILE_BLOCKS, TOKENS, HEAD_DIM]).to(tl.float32)
+    k = codes * scale[:, None, :] + zero[:, None, :]
+    k = tl.reshape(k, [BLOCK_N, HEAD_DIM]).to(open_ptr.dtype.element_ty)
+    open_rows = slot.to(tl.int64) * stride_ob + in_block * stride_ot + kv_head * stride_oh
+    shadow = tl.load(
+        open_ptr + open_rows[:, None] + offs_d[None, :], mask=(n_ok & is_open)[:, None], other=0.0
+    )
+    return tl.where(is_open[:, None], shadow, k)
+
+
+@triton.jit
+def int8_kivi_v(
+    codes_ptr, scale_ptr, zero_ptr, rows, scale_rows, n_ok, offs_d, OUT_DTYPE: tl.constexpr,
+    BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, V_GROUP: tl.constexpr,
+):  # fmt: skip
+    """V tile [BLOCK_N, D] of an int8 KIVI pool in OUT_DTYPE: code * scale + zero in fp32, rounded
+    once; scale and zero per (token, group of V_GROUP channels), loaded once per group."""
+    GROUPS: tl.constexpr = HEAD_DIM // V_GROUP
+    codes = tl.load(codes_ptr + rows[:, None] + offs_d[None, :], mask=n_ok[:, None], other=0)
+    affine = scale_rows[:, None] + tl.arange(0, GROUPS)[None, :]  # [BLOCK_N, GROUPS]
+    scale = tl.load(scale_ptr + affine, mask=n_ok[:, None], other=0.0).to(tl.float32)
+    zero = tl.load(zero_ptr + affine, mask=n_ok[:, None], other=0.0).to(tl.float32)
+    codes = tl.reshape(codes, [BLOCK_N, GROUPS, V_GROUP]).to(tl.float32)
+    v = codes * scale[:, :, None] + zero[:, :, None]
+    return tl.reshape(v, [BLOCK_N, HEAD_DIM]).to(OUT_DTYPE)
+
+
+@triton.jit
 def paged_decode_split_kernel(
     q_ptr,  # [T, H, D], row query_start_loc[seq] is the sequence's query
-    k_cache_ptr,  # [num_blocks, BLOCK_SIZE, H_kv, D], query dtype or fp8 codes (uint8)
+    k_cache_ptr,  # [num_blocks, BLOCK_SIZE, H_kv, D], query dtype, or uint8 codes (FP8_KV, INT8_KV)
     v_cache_ptr,
-    k_scale_ptr,  # [num_blocks, BLOCK_SIZE, H_kv] fp32 (FP8_KV only)
-    v_scale_ptr,
+    k_scale_ptr,  # FP8_KV: [num_blocks, BLOCK_SIZE, H_kv] fp32; INT8_KV: [num_blocks, H_kv, D] fp16
+    v_scale_ptr,  # FP8_KV: like k_scale; INT8_KV: [num_blocks, BLOCK_SIZE, H_kv, D // V_GROUP] fp16
+    k_zero_ptr,  # INT8_KV only: like k_scale
+    v_zero_ptr,  # INT8_KV only: like v_scale
+    k_open_ptr,  # INT8_KV only: [capacity, BLOCK_SIZE, H_kv, D] query dtype, K of the open blocks
+    k_open_slot_ptr,  # INT8_KV only: [num_blocks] int32, row of k_open or -1 (closed: read codes)
     o_part_ptr,  # [num_seqs, H, num_splits, D] fp32
     lse_part_ptr,  # [num_seqs, H, num_splits] fp32, log2 units
     block_tables_ptr,  # [num_seqs, max_blocks] int32
@@ -56,8 +119,14 @@ def paged_decode_split_kernel(
     stride_vt,
     stride_vh,
     stride_bt,
-    stride_sb,  # scale strides (FP8_KV only)
+    stride_sb,  # per-token scale strides (FP8_KV: both scales; INT8_KV: v_scale and v_zero)
     stride_st,
+    stride_sh,
+    stride_ksb,  # INT8_KV: k_scale and k_zero strides (channels contiguous)
+    stride_ksh,
+    stride_ob,  # INT8_KV: k_open strides
+    stride_ot,
+    stride_oh,
     num_heads,
     num_splits,
     GROUP: tl.constexpr,
@@ -67,6 +136,9 @@ def paged_decode_split_kernel(
     BLOCK_N: tl.constexpr,
     DOT_FP32: tl.constexpr,
     FP8_KV: tl.constexpr,
+    INT8_KV: tl.constexpr,
+    V_GROUP: tl.constexpr,  # INT8_KV: channels per V scale / zero
+    TILE_BLOCKS: tl.constexpr,  # INT8_KV: blocks a BLOCK_N tile touches, max(1, BLOCK_N // BLOCK_SIZE)
 ):
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -98,18 +170,24 @@ def paged_decode_split_kernel(
         block_ids = tl.load(table + offs_n // BLOCK_SIZE, mask=n_ok, other=0).to(tl.int64)
         in_block = offs_n % BLOCK_SIZE
         k_rows = block_ids * stride_kb + in_block * stride_kt + kv_head * stride_kh
-        k = tl.load(k_cache_ptr + k_rows[:, None] + offs_d[None, :], mask=n_ok[:, None], other=0.0)
         v_rows = block_ids * stride_vb + in_block * stride_vt + kv_head * stride_vh
-        v = tl.load(v_cache_ptr + v_rows[:, None] + offs_d[None, :], mask=n_ok[:, None], other=0.0)
+        scale_rows = block_ids * stride_sb + in_block * stride_st + kv_head * stride_sh
+        if INT8_KV:  # V is dequantized after the softmax, so the two tiles are not live together
+            k = int8_kivi_k(
+                k_cache_ptr, k_scale_ptr, k_zero_ptr, k_open_ptr, k_open_slot_ptr, table, start_n, split_end,
+                block_ids, in_block, kv_head, k_rows, n_ok, offs_d, stride_ksb, stride_ksh, stride_ob,
+                stride_ot, stride_oh, BLOCK_SIZE, BLOCK_N, TILE_BLOCKS, HEAD_DIM,
+            )  # fmt: skip
+        else:
+            k = tl.load(k_cache_ptr + k_rows[:, None] + offs_d[None, :], mask=n_ok[:, None], other=0.0)
+            v = tl.load(v_cache_ptr + v_rows[:, None] + offs_d[None, :], mask=n_ok[:, None], other=0.0)
         if FP8_KV:
             k = e4m3_to_fp16(k).to(q.dtype)  # exact in fp16 / bf16 / fp32
             v = e4m3_to_fp16(v).to(q.dtype)
         if DOT_FP32:
             k = k.to(tl.float32)
-            v = v.to(tl.float32)
         s = tl.dot(q, tl.trans(k)) * qk_scale  # [GROUP_PAD, N]
         if FP8_KV:
-            scale_rows = block_ids * stride_sb + in_block * stride_st + kv_head
             s = s * tl.load(k_scale_ptr + scale_rows, mask=n_ok, other=0.0)[None, :]
         s = tl.where(n_ok[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, reduce_max(s, 1))  # finite: the loop only runs on non-empty tiles
@@ -118,6 +196,13 @@ def paged_decode_split_kernel(
         l_i = l_i * alpha + reduce_sum(p, 1)
         if FP8_KV:
             p = p * tl.load(v_scale_ptr + scale_rows, mask=n_ok, other=0.0)[None, :]
+        if INT8_KV:
+            v = int8_kivi_v(
+                v_cache_ptr, v_scale_ptr, v_zero_ptr, v_rows, scale_rows, n_ok, offs_d,
+                q_ptr.dtype.element_ty, BLOCK_N, HEAD_DIM, V_GROUP,
+            )  # fmt: skip
+        if DOT_FP32:
+            v = v.to(tl.float32)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
         m_i = m_new
 
@@ -155,6 +240,9 @@ def merge_splits_kernel(
     tl.store(out_ptr + token * stride_ot + head * stride_oh + offs_d, merged.to(out_ptr.dtype.element_ty))
 
 
+INT8_BLOCK_N, INT8_NUM_WARPS = 32, 8  # int8 KIVI launch defaults (see paged_decode)
+
+
 def plan_splits(
     num_seqs: int, num_kv_heads: int, max_seq_len: int, block_n: int, target_programs: int
 ) -> tuple[int, int]:
@@ -165,25 +253,93 @@ def plan_splits(
     return triton.cdiv(max(max_seq_len, 1), tokens_per_split), tokens_per_split
 
 
+def _require(ok: bool, message: str) -> None:
+    if not ok:
+        raise ValueError(message)
+
+
+def check_int8_fields(
+    query: torch.Tensor,
+    k_cache: torch.Tensor,  # [num_blocks, block_size, H_kv, D] uint8 codes
+    k_scale: torch.Tensor | None,  # [num_blocks, H_kv, D] fp16
+    v_scale: torch.Tensor | None,  # [num_blocks, block_size, H_kv, D // group] fp16
+    k_zero: torch.Tensor | None,
+    v_zero: torch.Tensor | None,
+    k_open: torch.Tensor | None,  # [capacity, block_size, H_kv, D] query dtype
+    k_open_slot: torch.Tensor | None,  # [num_blocks] int32
+) -> int:
+    """Checks the int8 KIVI fields of paged_decode; returns the V group size (channels per scale)."""
+    fields = dict(k_scale=k_scale, v_scale=v_scale, k_zero=k_zero, v_zero=v_zero, k_open=k_open)
+    fields["k_open_slot"] = k_open_slot
+    missing = [name for name, t in fields.items() if t is None]
+    _require(not missing, f"int8 caches need {', '.join(missing)}")
+    assert k_scale is not None and v_scale is not None and k_zero is not None and v_zero is not None
+    assert k_open is not None and k_open_slot is not None
+    num_blocks, block_size, num_kv_heads, head_dim = k_cache.shape
+    groups = v_scale.shape[-1] if v_scale.dim() == 4 else 0
+    expected = {
+        "k_scale": (num_blocks, num_kv_heads, head_dim),
+        "k_zero": (num_blocks, num_kv_heads, head_dim),
+        "v_scale": (num_blocks, block_size, num_kv_heads, groups),
+        "v_zero": (num_blocks, block_size, num_kv_heads, groups),
+    }
+    for name, shape in expected.items():
+        t = fields[name]
+        assert t is not None
+        _require(t.dtype == torch.float16, f"{name} must be float16, got {t.dtype}")
+        _require(tuple(t.shape) == shape, f"{name} must be {shape}, got {tuple(t.shape)}")
+        _require(t.stride(-1) == 1, f"{name} must be contiguous in its last dim")
+    _require(
+        groups > 0 and groups & (groups - 1) == 0 and head_dim % groups == 0,
+        f"v_scale groups must be a power of two dividing head_dim {head_dim}, got {groups}",
+    )
+    _require(k_scale.stride() == k_zero.stride(), "k_scale and k_zero strides differ")
+    _require(v_scale.stride() == v_zero.stride(), "v_scale and v_zero strides differ")
+    _require(k_open.dtype == query.dtype, f"k_open must be {query.dtype}, got {k_open.dtype}")
+    _require(
+        k_open.dim() == 4 and tuple(k_open.shape[1:]) == (block_size, num_kv_heads, head_dim),
+        f"k_open must be [capacity, {block_size}, {num_kv_heads}, {head_dim}], got {tuple(k_open.shape)}",
+    )
+    _require(k_open.stride(-1) == 1, "k_open must be contiguous in head_dim")
+    _require(
+        k_open_slot.dtype == torch.int32 and tuple(k_open_slot.shape) == (num_blocks,),
+        f"k_open_slot must be int32 [{num_blocks}], got {k_open_slot.dtype} {tuple(k_open_slot.shape)}",
+    )
+    _require(k_open_slot.is_contiguous(), "k_open_slot must be contiguous")
+    devices = {t.device for t in fields.values() if t is not None} | {k_cache.device}
+    _require(len(devices) == 1, f"int8 fields must be on {k_cache.device}, got {sorted(map(str, devices))}")
+    return head_dim // groups
+
+
 def paged_decode(
     query: torch.Tensor,  # [T, H, D], one row per sequence
-    k_cache: torch.Tensor,  # [num_blocks, block_size, H_kv, D], query dtype or uint8 fp8 codes
+    k_cache: torch.Tensor,  # [num_blocks, block_size, H_kv, D]: query dtype, or uint8 fp8 / int8 codes
     v_cache: torch.Tensor,
     block_tables: torch.Tensor,  # [num_seqs, max_blocks] int32
     query_start_loc: torch.Tensor,  # [num_seqs + 1] int32
     seq_lens: torch.Tensor,  # [num_seqs] int32
     max_seq_len: int,
     scale: float,
-    k_scale: torch.Tensor | None = None,  # [num_blocks, block_size, H_kv] fp32: caches hold fp8 codes
+    k_scale: torch.Tensor | None = None,  # fp8: [num_blocks, block_size, H_kv] fp32; int8: see k_zero
     v_scale: torch.Tensor | None = None,
-    block_n: int = 64,
+    k_zero: torch.Tensor | None = None,  # given: int8 KIVI pool, fields as in check_int8_fields
+    v_zero: torch.Tensor | None = None,
+    k_open: torch.Tensor | None = None,  # int8: OpenKeyShadows.pool (may have 0 rows)
+    k_open_slot: torch.Tensor | None = None,  # int8: OpenKeyShadows.slot_of_block
+    block_n: int | None = None,  # KV tokens per tile, a power of two >= 16: 64 (int8: 32)
     target_programs: int = 264,
+    num_warps: int | None = None,  # 4 (int8: 8)
 ) -> torch.Tensor:  # [T, H, D], dtype of query
     """Launches the split pass and the merge pass on the current stream after checking arguments.
 
     Every sequence must have exactly one query row (pure decode); use paged_prefill otherwise.
+    Dense caches need no scales; fp8_e4m3 caches k_scale / v_scale; int8 KIVI caches (k_zero given)
+    all six of k_scale, v_scale, k_zero, v_zero, k_open, k_open_slot.
+    int8 defaults to 32-token tiles on 8 warps: the smallest-footprint configuration in which ptxas
+    (sm_80, sm_90) reports no register spills for head_dim 64 and 128; 64 tokens on 4 warps spill.
     """
-    fp8 = k_scale is not None
+    int8 = k_zero is not None
+    fp8 = k_scale is not None and not int8
     shape = check_paged_args(
         query,
         k_cache,
@@ -191,14 +347,21 @@ def paged_decode(
         block_tables,
         query_start_loc,
         seq_lens,
-        kv_dtype=torch.uint8 if fp8 else None,
+        kv_dtype=torch.uint8 if fp8 or int8 else None,
     )
     if query.shape[0] != shape.num_seqs:
         raise ValueError(
             f"paged_decode needs one query row per sequence: {query.shape[0]} rows, {shape.num_seqs} seqs"
         )
+    v_group = 1
     if fp8:
         check_scales(k_scale, v_scale, k_cache)
+    if int8:
+        v_group = check_int8_fields(query, k_cache, k_scale, v_scale, k_zero, v_zero, k_open, k_open_slot)
+    if block_n is None:
+        block_n = INT8_BLOCK_N if int8 else 64
+    if num_warps is None:
+        num_warps = INT8_NUM_WARPS if int8 else 4
     out = torch.empty_like(query)
     if shape.num_seqs == 0:
         return out
@@ -212,16 +375,33 @@ def paged_decode(
     lse_part = torch.empty(
         shape.num_seqs, shape.num_heads, num_splits, dtype=torch.float32, device=query.device
     )
-    k_scale_arg, v_scale_arg = (k_scale, v_scale) if fp8 else (o_part, o_part)  # unused without FP8_KV
+    # Pointers a variant does not read still need a tensor: o_part stands in.
+    k_scale_arg = v_scale_arg = k_zero_arg = v_zero_arg = k_open_arg = k_open_slot_arg = o_part
+    v_strides: tuple[int, ...] = (0, 0, 0)
+    k_strides: tuple[int, ...] = (0, 0)
+    k_open_strides: tuple[int, ...] = (0, 0, 0)
+    if fp8:
+        assert k_scale is not None and v_scale is not None
+        k_scale_arg, v_scale_arg = k_scale, v_scale
+        v_strides = (*k_scale.stride()[:2], 1)  # [num_blocks, block_size, H_kv], shared by K and V
+    if int8:
+        assert k_scale is not None and v_scale is not None and k_zero is not None and v_zero is not None
+        assert k_open is not None and k_open_slot is not None
+        k_scale_arg, v_scale_arg, k_zero_arg, v_zero_arg = k_scale, v_scale, k_zero, v_zero
+        # no open block: every slot is -1, the shadow pool is never read and may have 0 rows
+        k_open_arg, k_open_slot_arg = (k_open if k_open.numel() else query), k_open_slot
+        v_strides, k_strides, k_open_strides = v_scale.stride()[:3], k_scale.stride()[:2], k_open.stride()[:3]
     paged_decode_split_kernel[(shape.num_seqs, shape.num_kv_heads, num_splits)](
-        query, k_cache, v_cache, k_scale_arg, v_scale_arg, o_part, lse_part, block_tables, query_start_loc, seq_lens,
+        query, k_cache, v_cache, k_scale_arg, v_scale_arg, k_zero_arg, v_zero_arg, k_open_arg, k_open_slot_arg,
+        o_part, lse_part, block_tables, query_start_loc, seq_lens,
         scale * LOG2E, tokens_per_split,
         query.stride(0), query.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
-        block_tables.stride(0), k_scale_arg.stride(0), k_scale_arg.stride(1), shape.num_heads, num_splits,
+        block_tables.stride(0), *v_strides, *k_strides, *k_open_strides, shape.num_heads, num_splits,
         GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), HEAD_DIM=shape.head_dim,
-        BLOCK_SIZE=shape.block_size, BLOCK_N=block_n, DOT_FP32=dot_fp32(query), FP8_KV=fp8,
+        BLOCK_SIZE=shape.block_size, BLOCK_N=block_n, DOT_FP32=dot_fp32(query), FP8_KV=fp8, INT8_KV=int8,
+        V_GROUP=v_group, TILE_BLOCKS=max(1, block_n // shape.block_size), num_warps=num_warps,
     )  # fmt: skip
     merge_splits_kernel[(shape.num_seqs, shape.num_heads)](
         o_part, lse_part, out, query_start_loc, out.stride(0), out.stride(1), shape.num_heads, num_splits,
