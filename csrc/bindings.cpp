@@ -5,6 +5,10 @@
 #include <c10/cuda/CUDAStream.h>
 #include <torch/extension.h>
 
+#include <optional>
+#include <utility>
+#include <vector>
+
 #include "attention/paged_attention.h"
 
 namespace {
@@ -23,16 +27,120 @@ void check_aligned(const torch::Tensor& t, const char* name) {
   }
 }
 
+const torch::Tensor& need(const std::optional<torch::Tensor>& t, const char* name, const char* format) {
+  TORCH_CHECK(t.has_value() && t->defined(), name, " is required for kv_format ", format);
+  return *t;
+}
+
+// Checks the operands of an 8-bit pool (see KvFormat in attention/paged_attention.h) and fills
+// their fields of `p`. k_cache / v_cache (uint8 codes) are checked by the caller.
+void set_quantized_operands(kvserve::PagedAttentionParams& p, kvserve::KvFormat format,
+                            const torch::Tensor& query, const torch::Tensor& k_cache,
+                            const std::optional<torch::Tensor>& k_scale_opt,
+                            const std::optional<torch::Tensor>& k_zero_opt,
+                            const std::optional<torch::Tensor>& v_scale_opt,
+                            const std::optional<torch::Tensor>& v_zero_opt,
+                            const std::optional<torch::Tensor>& k_open_opt,
+                            const std::optional<torch::Tensor>& k_open_slot_opt) {
+  const auto device = query.device();
+  const int64_t num_blocks = k_cache.size(0), block_size = k_cache.size(1), num_kv_heads = k_cache.size(2),
+                head_dim = k_cache.size(3);
+  const bool fp8 = format == kvserve::KvFormat::kFp8E4m3;
+  const char* name = fp8 ? "fp8_e4m3" : "int8";
+  const auto& k_scale = need(k_scale_opt, "k_scale", name);
+  const auto& v_scale = need(v_scale_opt, "v_scale", name);
+  if (fp8) {
+    for (const auto& [t, n] : {std::pair{&k_scale, "k_scale"}, std::pair{&v_scale, "v_scale"}}) {
+      check_tensor(*t, n, 3, device);
+      TORCH_CHECK(t->scalar_type() == at::kFloat, n, " must be float32 for fp8_e4m3, got ", t->scalar_type());
+      TORCH_CHECK(t->sizes() == k_cache.sizes().slice(0, 3), n, " must be [num_blocks, block_size, num_kv_heads] = ",
+                  k_cache.sizes().slice(0, 3), ", got ", t->sizes());
+    }
+    p.k_scale = k_scale.data_ptr();
+    p.v_scale = v_scale.data_ptr();
+    p.ks_stride_block = k_scale.stride(0);
+    p.ks_stride_slot = k_scale.stride(1);
+    p.ks_stride_head = k_scale.stride(2);
+    p.vs_stride_block = v_scale.stride(0);
+    p.vs_stride_slot = v_scale.stride(1);
+    p.vs_stride_head = v_scale.stride(2);
+    return;
+  }
+  const auto& k_zero = need(k_zero_opt, "k_zero", name);
+  const auto& v_zero = need(v_zero_opt, "v_zero", name);
+  const auto& k_open = need(k_open_opt, "k_open", name);
+  const auto& k_open_slot = need(k_open_slot_opt, "k_open_slot", name);
+  TORCH_CHECK(head_dim % kvserve::kKiviVGroup == 0, "int8 pools need head_dim a multiple of ",
+              kvserve::kKiviVGroup, ", got ", head_dim);
+  const std::vector<int64_t> k_shape{num_blocks, num_kv_heads, head_dim};
+  const std::vector<int64_t> v_shape{num_blocks, block_size, num_kv_heads, head_dim / kvserve::kKiviVGroup};
+  for (const auto& [t, n] : {std::pair{&k_scale, "k_scale"}, std::pair{&k_zero, "k_zero"}}) {
+    check_tensor(*t, n, 3, device);
+    TORCH_CHECK(t->scalar_type() == at::kHalf, n, " must be float16 for int8, got ", t->scalar_type());
+    TORCH_CHECK(t->sizes() == c10::IntArrayRef(k_shape), n, " must be [num_blocks, num_kv_heads, head_dim] = ",
+                c10::IntArrayRef(k_shape), ", got ", t->sizes());
+    check_aligned(*t, n);  // 16-byte loads of 8 channels
+  }
+  for (const auto& [t, n] : {std::pair{&v_scale, "v_scale"}, std::pair{&v_zero, "v_zero"}}) {
+    check_tensor(*t, n, 4, device);
+    TORCH_CHECK(t->scalar_type() == at::kHalf, n, " must be float16 for int8, got ", t->scalar_type());
+    TORCH_CHECK(t->sizes() == c10::IntArrayRef(v_shape), n,
+                " must be [num_blocks, block_size, num_kv_heads, head_dim / ", kvserve::kKiviVGroup,
+                "] = ", c10::IntArrayRef(v_shape), ", got ", t->sizes());
+  }
+  TORCH_CHECK(k_scale.strides() == k_zero.strides(), "k_scale and k_zero strides differ");
+  TORCH_CHECK(v_scale.strides() == v_zero.strides(), "v_scale and v_zero strides differ");
+  check_tensor(k_open, "k_open", 4, device);
+  TORCH_CHECK(k_open.scalar_type() == query.scalar_type(), "k_open must have the query dtype ", query.scalar_type(),
+              ", got ", k_open.scalar_type());
+  TORCH_CHECK(k_open.size(1) == block_size && k_open.size(2) == num_kv_heads && k_open.size(3) == head_dim,
+              "k_open must be [capacity, block_size, num_kv_heads, head_dim] with those of k_cache, got ",
+              k_open.sizes());
+  check_aligned(k_open, "k_open");
+  check_tensor(k_open_slot, "k_open_slot", 1, device);
+  TORCH_CHECK(k_open_slot.scalar_type() == at::kInt && k_open_slot.is_contiguous() && k_open_slot.size(0) == num_blocks,
+              "k_open_slot must be contiguous int32 [num_blocks = ", num_blocks, "], got ", k_open_slot.scalar_type(),
+              " ", k_open_slot.sizes());
+  p.k_scale = k_scale.data_ptr();
+  p.k_zero = k_zero.data_ptr();
+  p.v_scale = v_scale.data_ptr();
+  p.v_zero = v_zero.data_ptr();
+  p.ks_stride_block = k_scale.stride(0);
+  p.ks_stride_slot = 0;  // one scale / zero per channel for the whole block
+  p.ks_stride_head = k_scale.stride(1);
+  p.vs_stride_block = v_scale.stride(0);
+  p.vs_stride_slot = v_scale.stride(1);
+  p.vs_stride_head = v_scale.stride(2);
+  p.k_open = k_open.data_ptr();
+  p.k_open_slot = k_open_slot.data_ptr<int32_t>();
+  p.ko_stride_block = k_open.stride(0);
+  p.ko_stride_slot = k_open.stride(1);
+  p.ko_stride_head = k_open.stride(2);
+}
+
 }  // namespace
 
 // query [T, H, D]; k_cache, v_cache [num_blocks, block_size, H_kv, D]; block_tables [S, max_blocks],
 // query_start_loc [S + 1], seq_lens [S] int32. Returns out [T, H, D].
+// kv_format (kvserve::KvFormat): 0 dense (caches in the query dtype; the optional operands unused),
+// 1 fp8_e4m3 (uint8 codes, k_scale / v_scale), 2 int8 KIVI (uint8 codes, k/v scale and zero,
+// k_open / k_open_slot); shapes and dtypes in attention/paged_attention.h.
 torch::Tensor paged_attention(const torch::Tensor& query, const torch::Tensor& k_cache,
                               const torch::Tensor& v_cache, const torch::Tensor& block_tables,
                               const torch::Tensor& query_start_loc, const torch::Tensor& seq_lens,
                               int64_t max_query_len, double scale, int64_t num_splits,
-                              int64_t tokens_per_split, bool decode_config) {
+                              int64_t tokens_per_split, bool decode_config, int64_t kv_format,
+                              const std::optional<torch::Tensor>& k_scale,
+                              const std::optional<torch::Tensor>& k_zero,
+                              const std::optional<torch::Tensor>& v_scale,
+                              const std::optional<torch::Tensor>& v_zero,
+                              const std::optional<torch::Tensor>& k_open,
+                              const std::optional<torch::Tensor>& k_open_slot) {
   TORCH_CHECK(query.is_cuda(), "query must be a CUDA tensor");
+  TORCH_CHECK(kv_format >= 0 && kv_format <= 2, "kv_format must be 0 (dense), 1 (fp8_e4m3) or 2 (int8), got ",
+              kv_format);
+  const auto format = static_cast<kvserve::KvFormat>(kv_format);
+  const bool dense = format == kvserve::KvFormat::kDense;
   const auto device = query.device();
   check_tensor(query, "query", 3, device);
   check_tensor(k_cache, "k_cache", 4, device);
@@ -42,8 +150,10 @@ torch::Tensor paged_attention(const torch::Tensor& query, const torch::Tensor& k
   check_tensor(seq_lens, "seq_lens", 1, device);
   TORCH_CHECK(query.scalar_type() == at::kHalf || query.scalar_type() == at::kBFloat16,
               "query must be float16 or bfloat16, got ", query.scalar_type());
-  TORCH_CHECK(k_cache.scalar_type() == query.scalar_type() && v_cache.scalar_type() == query.scalar_type(),
-              "query, k_cache, v_cache must share a dtype");
+  const auto cache_dtype = dense ? query.scalar_type() : at::kByte;
+  TORCH_CHECK(k_cache.scalar_type() == cache_dtype && v_cache.scalar_type() == cache_dtype,
+              dense ? "query, k_cache, v_cache must share a dtype" : "8-bit k_cache and v_cache must be uint8 codes",
+              ", got ", k_cache.scalar_type(), " and ", v_cache.scalar_type());
   TORCH_CHECK(k_cache.sizes() == v_cache.sizes(), "k_cache and v_cache shapes differ");
   for (const auto* t : {&block_tables, &query_start_loc, &seq_lens}) {
     TORCH_CHECK(t->scalar_type() == at::kInt && t->is_contiguous(), "block metadata must be contiguous int32");
@@ -60,10 +170,15 @@ torch::Tensor paged_attention(const torch::Tensor& query, const torch::Tensor& k
   check_aligned(k_cache, "k_cache");
   check_aligned(v_cache, "v_cache");
 
+  kvserve::PagedAttentionParams p{};
+  p.kv_format = format;
+  if (!dense) {
+    set_quantized_operands(p, format, query, k_cache, k_scale, k_zero, v_scale, v_zero, k_open, k_open_slot);
+  }
+
   const c10::cuda::CUDAGuard guard(device);
   auto out = torch::empty_like(query);
   torch::Tensor o_part, lse_part;
-  kvserve::PagedAttentionParams p{};
   if (num_splits > 1) {
     const auto f32 = query.options().dtype(at::kFloat);
     o_part = torch::empty({query.size(0), query.size(1), num_splits, head_dim}, f32);
@@ -110,5 +225,6 @@ torch::Tensor paged_attention(const torch::Tensor& query, const torch::Tensor& k
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("paged_attention", &paged_attention, "FlashAttention-2 forward over a paged KV pool (packed varlen)");
+  m.def("paged_attention", &paged_attention,
+        "FlashAttention-2 forward over a paged KV pool (packed varlen; dense, fp8_e4m3 or int8 KIVI pools)");
 }

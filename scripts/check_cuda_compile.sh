@@ -1,8 +1,11 @@
 #!/usr/bin/env bash
 # Compile-check every CUDA kernel file under csrc/ with nvcc for sm_80 and sm_90a (no GPU needed).
 # The kernels include no torch headers, so `nvcc -c` builds them standalone. ptxas register and
-# spill counts are printed per kernel. With --bindings, also syntax-check csrc/bindings.cpp against
-# the installed torch headers (CPU torch lacks one generated CUDA header: a stub stands in for it).
+# spill counts are printed per file (the largest / the sum over its kernels: every dtype, head_dim,
+# warp count and KV format). Headers (*.cuh) are checked through the .cu files that include them;
+# tests/kernels/test_cuda_ext.py also builds csrc/attention/kv_tile.cuh for the CPU and runs it.
+# With --bindings, also syntax-check csrc/bindings.cpp against the installed torch headers (CPU
+# torch lacks one generated CUDA header: a stub stands in for it).
 #
 #   scripts/check_cuda_compile.sh [--bindings]        (PYTHON=.venv/bin/python by default)
 set -euo pipefail

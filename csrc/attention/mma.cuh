@@ -5,6 +5,7 @@
 //   B 16x8  (k x n):   b[0] = (k 2t..2t+1, col g)        b[1] = (k 2t+8..2t+9, col g)
 //   C 16x8  fp32:      c[0], c[1] = (row g, cols 2t, 2t+1)   c[2], c[3] = (row g+8, cols 2t, 2t+1)
 // The lower 16 bits of a register hold the element with the lower index.
+// pack / unpack / from_float are __host__ __device__: kv_tile.cuh uses them and has a host build.
 #pragma once
 
 #include <cuda_bf16.h>
@@ -18,12 +19,12 @@ struct TypeTraits;
 
 template <>
 struct TypeTraits<__half> {
-  static __device__ __forceinline__ uint32_t pack(float lo, float hi) {
+  static __host__ __device__ __forceinline__ uint32_t pack(float lo, float hi) {
     __half2 h = __floats2half2_rn(lo, hi);
     return *reinterpret_cast<uint32_t*>(&h);
   }
-  static __device__ __forceinline__ __half from_float(float x) { return __float2half_rn(x); }
-  static __device__ __forceinline__ float2 unpack(uint32_t x) {
+  static __host__ __device__ __forceinline__ __half from_float(float x) { return __float2half_rn(x); }
+  static __host__ __device__ __forceinline__ float2 unpack(uint32_t x) {
     return __half22float2(*reinterpret_cast<__half2*>(&x));
   }
   static __device__ __forceinline__ void mma(float (&d)[4], const uint32_t (&a)[4], const uint32_t (&b)[2]) {
@@ -39,12 +40,12 @@ struct TypeTraits<__half> {
 
 template <>
 struct TypeTraits<__nv_bfloat16> {
-  static __device__ __forceinline__ uint32_t pack(float lo, float hi) {
+  static __host__ __device__ __forceinline__ uint32_t pack(float lo, float hi) {
     __nv_bfloat162 h = __floats2bfloat162_rn(lo, hi);
     return *reinterpret_cast<uint32_t*>(&h);
   }
-  static __device__ __forceinline__ __nv_bfloat16 from_float(float x) { return __float2bfloat16_rn(x); }
-  static __device__ __forceinline__ float2 unpack(uint32_t x) {
+  static __host__ __device__ __forceinline__ __nv_bfloat16 from_float(float x) { return __float2bfloat16_rn(x); }
+  static __host__ __device__ __forceinline__ float2 unpack(uint32_t x) {
     return __bfloat1622float2(*reinterpret_cast<__nv_bfloat162*>(&x));
   }
   static __device__ __forceinline__ void mma(float (&d)[4], const uint32_t (&a)[4], const uint32_t (&b)[2]) {

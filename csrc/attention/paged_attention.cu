@@ -7,40 +7,21 @@
 // in one 16-row warp). Per KV tile of kKvTile tokens: S = Q K^T on tensor cores (mma.sync m16n8k16,
 // fp32 accumulate), bottom-right causal + length mask, online softmax in registers (exp2, scale
 // folded with log2 e), P re-packed from the S accumulators into A fragments, O += P V.
+// KV formats (KvFormat, a template parameter): K/V tiles reach shared memory in the query dtype
+// from dense or 8-bit pools, read in place (kv_tile.cuh); for fp8 the K scale of each token
+// multiplies its scores in fp32 (ks_smem), everything else is dequantized by the tile loads.
 // Split z covers KV [z * tokens_per_split, (z + 1) * tokens_per_split); with one split the CTA writes
 // the output, else fp32 partials + log2-sum-exp for merge_splits.cu.
 #include <math.h>
 
+#include "kv_tile.cuh"
 #include "mma.cuh"
 #include "paged_attention.h"
 
 namespace kvserve {
 namespace {
 
-constexpr int kPad = 8;  // smem row padding in elements: spreads rows over banks, keeps 16 B alignment
-
-// KV positions [tile_start, tile_start + kKvTile) of one kv head -> smem [kKvTile][HEAD_DIM + kPad].
-// Positions at or past `tile_end` are zero-filled: pool slots past seq_len hold arbitrary bits.
-template <typename T, int HEAD_DIM, int NUM_THREADS>
-__device__ __forceinline__ void load_kv_tile(T* smem, const T* cache, int64_t stride_block,
-                                             int64_t stride_slot, int64_t head_offset,
-                                             const int32_t* table, int block_size, int tile_start,
-                                             int tile_end) {
-  constexpr int kChunks = HEAD_DIM / 8;  // 16-byte chunks per token row
-  for (int i = threadIdx.x; i < kKvTile * kChunks; i += NUM_THREADS) {
-    const int row = i / kChunks, chunk = i % kChunks;
-    const int pos = tile_start + row;
-    uint4 value = make_uint4(0u, 0u, 0u, 0u);
-    if (pos < tile_end) {
-      const int64_t block = table[pos / block_size];
-      const T* src = cache + block * stride_block + (pos % block_size) * stride_slot + head_offset + chunk * 8;
-      value = *reinterpret_cast<const uint4*>(src);
-    }
-    *reinterpret_cast<uint4*>(smem + row * (HEAD_DIM + kPad) + chunk * 8) = value;
-  }
-}
-
-template <typename T, int HEAD_DIM, int NUM_WARPS>
+template <typename T, int HEAD_DIM, int NUM_WARPS, KvFormat FMT>
 __global__ void __launch_bounds__(NUM_WARPS * 32) paged_attention_kernel(const PagedAttentionParams p) {
   using Traits = TypeTraits<T>;
   constexpr int kRows = NUM_WARPS * 16;
@@ -50,6 +31,8 @@ __global__ void __launch_bounds__(NUM_WARPS * 32) paged_attention_kernel(const P
   constexpr int kDTiles = HEAD_DIM / 8;   // 8-wide n-tiles of O
   __shared__ __align__(16) T k_smem[kKvTile * kStride];
   __shared__ __align__(16) T v_smem[kKvTile * kStride];
+  constexpr bool kFoldKScale = FMT == KvFormat::kFp8E4m3;  // per-token K scale applied to the scores
+  __shared__ float ks_smem[kFoldKScale ? kKvTile : 1];     // [row of the tile]: K scale, 0 past kv_end
 
   const int seq = blockIdx.y / p.num_kv_heads;
   const int kv_head = blockIdx.y % p.num_kv_heads;
@@ -100,17 +83,15 @@ __global__ void __launch_bounds__(NUM_WARPS * 32) paged_attention_kernel(const P
   float row_max[2] = {-INFINITY, -INFINITY};
   float row_sum[2] = {0.f, 0.f};  // per-thread partial sums; quad-reduced at the end
   const int32_t* table = p.block_tables + (int64_t)seq * p.block_table_stride;
-  const T* k_cache = static_cast<const T*>(p.k_cache);
-  const T* v_cache = static_cast<const T*>(p.v_cache);
+  const KvSource k_src = make_kv_source<T, FMT, true>(p, kv_head);
+  const KvSource v_src = make_kv_source<T, FMT, false>(p, kv_head);
 
   for (int tile = kv_start; tile < kv_end; tile += kKvTile) {
     __syncthreads();  // every warp is done with the previous tile
-    load_kv_tile<T, HEAD_DIM, NUM_WARPS * 32>(k_smem, k_cache, p.k_stride_block, p.k_stride_slot,
-                                              (int64_t)kv_head * p.k_stride_head, table, p.block_size,
-                                              tile, kv_end);
-    load_kv_tile<T, HEAD_DIM, NUM_WARPS * 32>(v_smem, v_cache, p.v_stride_block, p.v_stride_slot,
-                                              (int64_t)kv_head * p.v_stride_head, table, p.block_size,
-                                              tile, kv_end);
+    load_kv_tile<T, HEAD_DIM, FMT, true>(k_smem, ks_smem, k_src, table, p.block_size, tile, kv_end,
+                                         threadIdx.x, NUM_WARPS * 32);
+    load_kv_tile<T, HEAD_DIM, FMT, false>(v_smem, nullptr, v_src, table, p.block_size, tile, kv_end,
+                                          threadIdx.x, NUM_WARPS * 32);
     __syncthreads();
 
     float s[kNTiles][4];  // S = Q K^T for the warp's 16 rows x kKvTile positions
@@ -132,9 +113,12 @@ __global__ void __launch_bounds__(NUM_WARPS * 32) paged_attention_kernel(const P
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
         const int w = e / 2;  // c[0], c[1]: row g; c[2], c[3]: row g + 8
-        const int pos = tile + nt * 8 + 2 * t + (e & 1);
+        const int col = nt * 8 + 2 * t + (e & 1);  // c[e] holds column 2t + (e & 1) of n-tile nt
+        const int pos = tile + col;
         const bool visible = pos < kv_end && pos <= ctx_len + q_row[w];
-        s[nt][e] = visible ? s[nt][e] * p.scale_log2 : -INFINITY;
+        float col_scale = p.scale_log2;
+        if constexpr (kFoldKScale) col_scale *= ks_smem[col];  // S = Q codes^T, times the K scale
+        s[nt][e] = visible ? s[nt][e] * col_scale : -INFINITY;
         tile_max[w] = fmaxf(tile_max[w], s[nt][e]);
       }
     }
@@ -200,25 +184,35 @@ __global__ void __launch_bounds__(NUM_WARPS * 32) paged_attention_kernel(const P
   }
 }
 
-template <typename T, int HEAD_DIM, int NUM_WARPS>
+template <typename T, int HEAD_DIM, int NUM_WARPS, KvFormat FMT>
 cudaError_t launch(const PagedAttentionParams& p, cudaStream_t stream) {
   const int group = p.num_heads / p.num_kv_heads;
   const int rows = NUM_WARPS * 16;
   const dim3 grid((p.max_query_len * group + rows - 1) / rows, p.num_seqs * p.num_kv_heads, p.num_splits);
-  paged_attention_kernel<T, HEAD_DIM, NUM_WARPS><<<grid, NUM_WARPS * 32, 0, stream>>>(p);
+  paged_attention_kernel<T, HEAD_DIM, NUM_WARPS, FMT><<<grid, NUM_WARPS * 32, 0, stream>>>(p);
   return cudaGetLastError();
 }
 
-template <typename T, int HEAD_DIM>
+template <typename T, int HEAD_DIM, KvFormat FMT>
 cudaError_t launch_warps(const PagedAttentionParams& p, bool decode_config, cudaStream_t stream) {
-  return decode_config ? launch<T, HEAD_DIM, 1>(p, stream) : launch<T, HEAD_DIM, 4>(p, stream);
+  return decode_config ? launch<T, HEAD_DIM, 1, FMT>(p, stream) : launch<T, HEAD_DIM, 4, FMT>(p, stream);
+}
+
+template <typename T, KvFormat FMT>
+cudaError_t launch_head_dim(const PagedAttentionParams& p, bool decode_config, cudaStream_t stream) {
+  switch (p.head_dim) {
+    case 64: return launch_warps<T, 64, FMT>(p, decode_config, stream);
+    case 128: return launch_warps<T, 128, FMT>(p, decode_config, stream);
+    default: return cudaErrorInvalidValue;
+  }
 }
 
 template <typename T>
-cudaError_t launch_head_dim(const PagedAttentionParams& p, bool decode_config, cudaStream_t stream) {
-  switch (p.head_dim) {
-    case 64: return launch_warps<T, 64>(p, decode_config, stream);
-    case 128: return launch_warps<T, 128>(p, decode_config, stream);
+cudaError_t launch_format(const PagedAttentionParams& p, bool decode_config, cudaStream_t stream) {
+  switch (p.kv_format) {
+    case KvFormat::kDense: return launch_head_dim<T, KvFormat::kDense>(p, decode_config, stream);
+    case KvFormat::kFp8E4m3: return launch_head_dim<T, KvFormat::kFp8E4m3>(p, decode_config, stream);
+    case KvFormat::kInt8Kivi: return launch_head_dim<T, KvFormat::kInt8Kivi>(p, decode_config, stream);
     default: return cudaErrorInvalidValue;
   }
 }
@@ -232,8 +226,15 @@ cudaError_t launch_paged_attention(const PagedAttentionParams& p, DType dtype, b
   if (p.num_splits < 1 || (p.num_splits > 1 && (p.o_part == nullptr || p.lse_part == nullptr))) {
     return cudaErrorInvalidValue;
   }
-  return dtype == DType::kFloat16 ? launch_head_dim<__half>(p, decode_config, stream)
-                                  : launch_head_dim<__nv_bfloat16>(p, decode_config, stream);
+  if (p.kv_format != KvFormat::kDense && (p.k_scale == nullptr || p.v_scale == nullptr)) {
+    return cudaErrorInvalidValue;
+  }
+  if (p.kv_format == KvFormat::kInt8Kivi &&
+      (p.k_zero == nullptr || p.v_zero == nullptr || p.k_open_slot == nullptr || p.head_dim % kKiviVGroup != 0)) {
+    return cudaErrorInvalidValue;
+  }
+  return dtype == DType::kFloat16 ? launch_format<__half>(p, decode_config, stream)
+                                  : launch_format<__nv_bfloat16>(p, decode_config, stream);
 }
 
 }  // namespace kvserve

@@ -77,3 +77,13 @@ class AttentionBackend(ABC):
     def is_available(cls, device: torch.device) -> tuple[bool, str]:
         """(available, reason if not)."""
         return True, ""
+
+
+def dense_copy(
+    kv: LayerKV, block_tables: torch.Tensor, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(k, v, block_tables) for kernels that cannot read `kv`'s format: K/V of only the blocks the
+    table references, densely in `dtype` ([n_used, block_size, H_kv, D]), and the table remapped."""
+    used, remapped = torch.unique(block_tables.long(), return_inverse=True)  # sorted ids, [S, max_blocks]
+    k, v = kv.gather(used)
+    return k.to(dtype).contiguous(), v.to(dtype).contiguous(), remapped.to(torch.int32)

@@ -1,16 +1,19 @@
 """CUDA-extension paged attention (csrc/): one FlashAttention-2 kernel with GQA row packing for
 prefill, chunked prefill and decode, split-KV (flash-decoding) when the grid is too small.
 
-Dense fp16 / bf16 pools, head_dim 64 or 128, compute capability >= 8.0. The extension is built on
-first use through kvserve/kernels/cuda_ext.py.
+Pools read in place, for every step kind: dense fp16 / bf16, fp8_e4m3 and int8 (KIVI) quantized
+pools (kvserve/quant/; the kernel dequantizes while loading its K/V tiles). Any other pool format is
+first gathered into a dense copy of only the blocks the step references (`dense_copy`), so every
+codec works, at the cost of that copy. head_dim 64 or 128, compute capability >= 8.0. The extension
+is built on first use through kvserve/kernels/cuda_ext.py.
 """
 
 from __future__ import annotations
 
 import torch
 
-from kvserve.attention.base import AttentionBackend, AttentionMetadata
-from kvserve.kvcache.kv_storage import DenseLayerKV, LayerKV
+from kvserve.attention.base import AttentionBackend, AttentionMetadata, dense_copy
+from kvserve.kvcache.kv_storage import LayerKV
 
 
 class CudaBackend(AttentionBackend):
@@ -24,10 +27,16 @@ class CudaBackend(AttentionBackend):
         )
         from kvserve.kernels import cuda_ext
 
-        if not isinstance(kv, DenseLayerKV):
-            raise TypeError(f"the cuda backend reads DenseLayerKV pools only, got {type(kv).__name__}")
+        pool = cuda_ext.paged_kv(kv, query.dtype)
+        if pool is not None:  # dense, fp8_e4m3 or int8: read in place
+            return cuda_ext.paged_attention(
+                query, pool.k_cache, pool.v_cache, meta.block_tables, meta.query_start_loc, meta.seq_lens,
+                max_query_len=meta.max_query_len, max_seq_len=meta.max_seq_len, scale=scale,
+                **pool.operands(),
+            )  # fmt: skip
+        k, v, block_tables = dense_copy(kv, meta.block_tables, query.dtype)
         return cuda_ext.paged_attention(
-            query, kv.k_cache, kv.v_cache, meta.block_tables, meta.query_start_loc, meta.seq_lens,
+            query, k, v, block_tables, meta.query_start_loc, meta.seq_lens,
             max_query_len=meta.max_query_len, max_seq_len=meta.max_seq_len, scale=scale,
         )  # fmt: skip
 

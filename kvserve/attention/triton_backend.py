@@ -16,7 +16,7 @@ from typing import NamedTuple
 
 import torch
 
-from kvserve.attention.base import AttentionBackend, AttentionMetadata
+from kvserve.attention.base import AttentionBackend, AttentionMetadata, dense_copy
 from kvserve.kvcache.kv_storage import DenseLayerKV, LayerKV
 
 
@@ -60,13 +60,6 @@ def int8_fields(kv: LayerKV) -> Int8Fields | None:
     )
 
 
-def dense_copy(kv: LayerKV, block_tables: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(k, v, block_tables) where k/v hold only the referenced blocks, densely, and the table is remapped."""
-    used, remapped = torch.unique(block_tables.long(), return_inverse=True)  # sorted ids, [S, max_blocks]
-    k, v = kv.gather(used)  # [n_used, block_size, H_kv, D] compute dtype
-    return k, v, remapped.to(torch.int32)
-
-
 class TritonBackend(AttentionBackend):
     name = "triton"
 
@@ -97,8 +90,7 @@ class TritonBackend(AttentionBackend):
         if isinstance(kv, DenseLayerKV):
             k, v, block_tables = kv.k_cache, kv.v_cache, meta.block_tables
         else:
-            k, v, block_tables = dense_copy(kv, meta.block_tables)
-            k, v = k.to(query.dtype), v.to(query.dtype)
+            k, v, block_tables = dense_copy(kv, meta.block_tables, query.dtype)
         if meta.is_pure_decode:
             from kvserve.kernels.triton.paged_decode import paged_decode
 
