@@ -7,6 +7,7 @@ GPU (--device cuda): the same cases for the triton and cuda backends, reported a
 GB/s of KV read.
 
     python scripts/bench_kernels.py [--heads 32 8 128] [--contexts 2048 8192] [--json out.json]
+    python scripts/bench_kernels.py --kv dense fp8_e4m3 int8 --cases decode   # quantized pools, in place
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from kvserve.attention.registry import create_backend
-from kvserve.kernels.paged_batch import make_batch
+from kvserve.kernels.paged_batch import make_batch, quantized_copy
 
 
 def interleaved_ms(fns: list, reps: int, sync) -> list[float]:
@@ -72,7 +73,7 @@ def sdpa_fn(query, kv, meta, scale):
 def cases(args) -> list[tuple[str, int, int, str]]:
     """(case, batch, context, layout): decode for every batch size, chunked prefill for batch 1."""
     out = []
-    for case in ["decode", "prefill"]:
+    for case in args.cases:
         for batch in args.batches if case == "decode" else [1]:
             out += [(case, batch, ctx, layout) for ctx in args.contexts for layout in args.layouts]
     return out
@@ -92,6 +93,14 @@ def main() -> None:
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 8])
     ap.add_argument("--layouts", nargs="+", default=["contiguous", "mixed", "shuffled"])
     ap.add_argument("--prefill-q", type=int, default=256, help="new tokens in the chunked-prefill case")
+    ap.add_argument("--cases", nargs="+", default=["decode", "prefill"], choices=["decode", "prefill"])
+    ap.add_argument(
+        "--kv",
+        nargs="+",
+        default=["dense"],
+        help="pool formats the paged backends read: dense (the compute dtype) or a kv_cache_dtype "
+        "such as bf16, fp8_e4m3, int8; SDPA always reads the dense KV",
+    )
     ap.add_argument("--block-size", type=int, default=16)
     ap.add_argument("--reps", type=int, default=10)
     ap.add_argument("--threads", type=int, help="torch CPU threads (default: torch's choice)")
@@ -109,7 +118,8 @@ def main() -> None:
         f"{torch.get_num_threads()} threads, {device}, {dtype}, H={h} H_kv={h_kv} D={d}"
     )
     header = (
-        f"{'case':<8} {'B':>2} {'ctx':>5} {'layout':<10} {'backend':<9} {'sdpa ms':>8} {'ms':>8} {'ratio':>6}"
+        f"{'case':<8} {'B':>2} {'ctx':>5} {'layout':<10} {'kv':<9} {'backend':<9} {'sdpa ms':>8} {'ms':>8} "
+        f"{'ratio':>6}"
     )
     print(header + (f" {'TFLOP/s':>8} {'GB/s':>7}" if device.type == "cuda" else ""))
     backends = {}
@@ -124,15 +134,24 @@ def main() -> None:
         lens = [(q_len, ctx)] * batch
         query, kv, meta = make_batch(lens, h, h_kv, d, args.block_size, dtype, layout, device=args.device)
         scale = d**-0.5
+        pools = {fmt: kv if fmt == "dense" else quantized_copy(kv, meta, fmt, dtype) for fmt in args.kv}
         fns = [sdpa_fn(query, kv, meta, scale)]
-        fns += [functools.partial(b.forward, query, kv, meta, scale) for b in backends.values()]
+        runs = [(fmt, name) for fmt in pools for name in backends]
+        fns += [
+            functools.partial(backends[name].forward, query, pools[fmt], meta, scale) for fmt, name in runs
+        ]
         base_ms, *times = interleaved_ms(fns, args.reps, sync)
         flops, kv_bytes = flops_and_bytes(meta, h, h_kv, d, query.element_size())
-        for name, ms in zip(backends, times, strict=True):
-            row = dict(case=case, batch=batch, ctx=ctx, layout=layout, backend=name, sdpa_ms=base_ms, ms=ms)
+        for (fmt, name), ms in zip(runs, times, strict=True):
+            row = dict(
+                case=case, batch=batch, ctx=ctx, layout=layout, kv=fmt, backend=name, sdpa_ms=base_ms, ms=ms
+            )
             row.update(ratio=ms / base_ms, tflops=flops / ms / 1e9, gbps=kv_bytes / ms / 1e6)
             rows.append(row)
-            line = f"{case:<8} {batch:>2} {ctx:>5} {layout:<10} {name:<9} {base_ms:>8.3f} {ms:>8.3f} {ms / base_ms:>6.2f}"
+            line = (
+                f"{case:<8} {batch:>2} {ctx:>5} {layout:<10} {fmt:<9} {name:<9} {base_ms:>8.3f} {ms:>8.3f} "
+                f"{ms / base_ms:>6.2f}"
+            )
             if device.type == "cuda":
                 line += f" {row['tflops']:>8.1f} {row['gbps']:>7.0f}"
             print(line, flush=True)

@@ -16,7 +16,6 @@
 #include <ATen/Parallel.h>
 
 #include <algorithm>
-#include <array>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -24,7 +23,7 @@
 #include <type_traits>
 #include <vector>
 
-#if defined(__AVX512F__)
+#if defined(__AVX2__)
 #include <immintrin.h>
 #endif
 
@@ -87,25 +86,30 @@ inline void to_float(const T* src, float* dst, int64_t n) {
   for (int64_t i = 0; i < n; ++i) dst[i] = static_cast<float>(src[i]);
 }
 
-// e4m3fn code -> float (bias 7, no infinities, 0x7f / 0xff are NaN).
-const std::array<float, 256>& e4m3_table() {
-  static const std::array<float, 256> table = [] {
-    std::array<float, 256> t{};
-    for (int code = 0; code < 256; ++code) {
-      const int sign = code >> 7, exp = (code >> 3) & 0xf, man = code & 0x7;
-      float v;
-      if (exp == 0xf && man == 0x7) {
-        v = std::numeric_limits<float>::quiet_NaN();
-      } else if (exp == 0) {
-        v = std::ldexp(static_cast<float>(man) / 8.f, -6);
-      } else {
-        v = std::ldexp(1.f + static_cast<float>(man) / 8.f, exp - 7);
-      }
-      t[code] = sign ? -v : v;
-    }
-    return t;
-  }();
-  return table;
+// kLanes e4m3fn codes -> floats with integer operations: the code's exponent and mantissa bits are
+// placed at fp32's bit 20, which reads as 2^(e - 127) (1 + m/8) (or m 2^-129 for e = 0), and a multiply
+// by 2^120 rebiases that to e4m3's 2^(e - 7) (1 + m/8) (or m 2^-9: subnormals come out right too).
+// 0x7f / 0xff are NaN as in float8_e4m3fn.
+inline vi widen_u8(const uint8_t* p) {  // kLanes bytes -> int32 lanes (intrinsics: GCC's generic
+                                        // convertvector of a byte vector is a scalar mess)
+#if defined(__AVX512F__)
+  return reinterpret_cast<vi>(_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+#elif defined(__AVX2__)
+  return reinterpret_cast<vi>(_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+#else
+  vi out;
+  for (int i = 0; i < kLanes; ++i) out[i] = p[i];
+  return out;
+#endif
+}
+
+inline vf e4m3_to_float(const uint8_t* codes) {
+  const vi c = widen_u8(codes);
+  const vi bits = ((c & 0x80) << 24) | ((c & 0x7f) << 20);
+  vf f;
+  std::memcpy(&f, &bits, sizeof(vf));
+  f = f * 0x1p120f;
+  return (c & 0x7f) == 0x7f ? splat(std::numeric_limits<float>::quiet_NaN()) : f;
 }
 
 // The fp32 rows of one (block, KV head): row t of K at k + t * stride (same for V), and optional
@@ -152,16 +156,15 @@ struct Fp8Reader {
   int64_t block_size, h_kv, d;
 
   BlockRows rows(int64_t block, int64_t h, int64_t n, Scratch& sc) const {
-    const float* table = e4m3_table().data();
     for (int64_t t = 0; t < n; ++t) {
       const int64_t token_head = (block * block_size + t) * h_kv + h;
       const uint8_t* kc = k_codes + token_head * d;
       const uint8_t* vc = v_codes + token_head * d;
       float* kd = sc.k.data() + t * d;
       float* vd = sc.v.data() + t * d;
-      for (int64_t i = 0; i < d; ++i) {
-        kd[i] = table[kc[i]];
-        vd[i] = table[vc[i]];
+      for (int64_t i = 0; i < d; i += kLanes) {
+        storeu(kd + i, e4m3_to_float(kc + i));
+        storeu(vd + i, e4m3_to_float(vc + i));
       }
       sc.k_mult[t] = k_scale[token_head];
       sc.v_mult[t] = v_scale[token_head];

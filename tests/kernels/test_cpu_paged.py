@@ -159,3 +159,18 @@ def test_extension_rejects_bad_arguments(ext):
         ext.paged_decode_dense(query[:, :3].contiguous(), *good[1:])
     with pytest.raises(RuntimeError, match="v_cache must be"):
         ext.paged_decode_dense(query, kv.k_cache, kv.v_cache.half(), *good[3:])
+
+
+def test_extension_decodes_every_e4m3_code(ext):
+    """fp8 codes are converted with integer operations (subnormals included): every finite code."""
+    query, dense, meta = make_batch([(1, 64)], 4, 2, 64, 16, torch.float32, "shuffled")
+    kv = quantized_copy(dense, meta, "fp8_e4m3", torch.float32)
+    finite = torch.tensor([c for c in range(256) if c & 0x7F != 0x7F], dtype=torch.uint8)
+    gen = torch.Generator().manual_seed(0)
+    for field in (kv.k_blocks.fields["codes"], kv.v_blocks.fields["codes"]):
+        field.copy_(finite[torch.randint(len(finite), field.shape, generator=gen)])
+    for field in (kv.k_blocks.fields["scale"], kv.v_blocks.fields["scale"]):
+        field.fill_(0.01)
+    ref = ReferenceBackend().forward(query, kv, meta, 0.125)
+    out = CpuPagedBackend().forward(query, kv, meta, 0.125)
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
