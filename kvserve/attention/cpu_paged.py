@@ -30,6 +30,10 @@ from kvserve.kvcache.kv_storage import DenseLayerKV, LayerKV
 
 MIN_VIEW_BLOCKS = 16  # shorter runs of consecutive blocks are gathered instead of viewed
 GATHER_BYTES = 1 << 20  # K bytes per gathered segment: fits this machine's 2 MiB L2
+# Rows per step over which a segment's flash call and merge are spread: with many rows (prefill) the
+# work is compute-bound and fewer, larger segments win (about 5 % at 256 rows over 2k), up to 16x.
+ROWS_PER_GATHER_STEP = 16
+MAX_GATHER_SCALE = 16
 
 _flash_cpu = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
 
@@ -228,7 +232,7 @@ class CpuPagedBackend(AttentionBackend):
             self._decode_rows(query, kv, meta, scale, out)
         dense = isinstance(kv, DenseLayerKV)
         bytes_per_block = kv.block_size * kv.num_kv_heads * kv.head_dim * query.element_size()
-        gather_blocks = max(1, GATHER_BYTES // bytes_per_block)
+        min_gather_blocks = max(1, GATHER_BYTES // bytes_per_block)
         start = 0
         for i, (q_len, seq_len) in enumerate(zip(meta.query_lens_list, meta.seq_lens_list, strict=True)):
             if q_len == 1 and decode_in_ext:
@@ -236,6 +240,7 @@ class CpuPagedBackend(AttentionBackend):
                 continue
             num_blocks = -(-seq_len // meta.block_size)
             block_ids = meta.block_tables[i, :num_blocks].long()
+            gather_blocks = min_gather_blocks * min(MAX_GATHER_SCALE, max(1, q_len // ROWS_PER_GATHER_STEP))
             segments = plan_segments(block_ids, seq_len, meta.block_size, gather_blocks, dense)
             q = query[start : start + q_len]
             if q_len == 1 and dense:
