@@ -6,7 +6,8 @@
 // so a block's K/V bytes are read from memory once, together, with an online softmax per query
 // head (flash-decoding). Splits are merged through their log-sum-exp. Items run in parallel with
 // at::parallel_for (torch's thread pool). The inner loops use GCC vector extensions (16 fp32 lanes
-// with AVX-512, 8 with AVX2, else 4); compiled with -march=native by kvserve/kernels/cpu_ext.py.
+// with AVX-512, 8 with AVX2, else 4); kvserve/kernels/cpu_ext.py compiles it with the ISA flags of
+// torch's CPU capability.
 //
 // KV formats (a `Reader` each) hand the kernel fp32 rows of one (block, KV head): dense fp32 in
 // place; bf16 / fp16, fp8_e4m3 and int8 KIVI converted into a block-sized scratch (fp8's per-token

@@ -25,7 +25,19 @@ log = logging.getLogger(__name__)
 
 CSRC = Path(__file__).resolve().parents[2] / "csrc"
 SOURCES = ["cpu/paged_attention_cpu.cpp"]
-FLAGS = ["-O3", "-march=native", "-fopenmp", "-std=c++17"]
+FLAGS = ["-O3", "-fopenmp", "-std=c++17"]
+# Vector ISA flags per torch's CPU capability (what ATen itself dispatches to on this machine). The
+# capability is part of the extension's name, so a build cache shared by different CPUs never hands
+# an AVX-512 build to a machine without it (which -march=native would risk).
+ISA_FLAGS = {
+    "AVX512": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx2", "-mfma", "-mf16c"],
+    "AVX2": ["-mavx2", "-mfma", "-mf16c"],
+}
+
+
+def cpu_capability() -> str:
+    """'AVX512', 'AVX2' or another of torch's capabilities (generic code for those)."""
+    return str(torch.backends.cpu.get_cpu_capability())
 
 
 def unavailable_reason() -> str:
@@ -61,11 +73,12 @@ def load() -> ModuleType:
     bin_dir = str(Path(sys.executable).parent)
     if bin_dir not in os.environ.get("PATH", "").split(os.pathsep):
         os.environ["PATH"] = bin_dir + os.pathsep + os.environ.get("PATH", "")
+    capability = cpu_capability()
     t0 = time.perf_counter()
     module = load_extension(
-        name="kvserve_cpu_ext",
+        name=f"kvserve_cpu_ext_{capability.lower()}",
         sources=[str(CSRC / s) for s in SOURCES],
-        extra_cflags=FLAGS,
+        extra_cflags=FLAGS + ISA_FLAGS.get(capability, []),
         extra_ldflags=["-fopenmp"],
         verbose=os.environ.get("KVSERVE_VERBOSE_BUILD") == "1",
     )
