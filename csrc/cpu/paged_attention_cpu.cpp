@@ -461,8 +461,12 @@ at::Tensor paged_decode_int8(const at::Tensor& query, const at::Tensor& k_codes,
 
 }  // namespace
 
+// csrc/cpu/linear_cpu.cpp
+at::Tensor small_batch_linear(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& bias);
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode_dense", &paged_decode_dense, "decode over a dense paged pool");
   m.def("paged_decode_fp8", &paged_decode_fp8, "decode over an fp8_e4m3 paged pool, read in place");
   m.def("paged_decode_int8", &paged_decode_int8, "decode over an int8 KIVI paged pool, read in place");
+  m.def("small_batch_linear", &small_batch_linear, "x W^T (+ b) for 1 to 16 fp32 rows, W streamed once");
 }

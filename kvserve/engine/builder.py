@@ -83,6 +83,13 @@ def load_model(config: ServeConfig, device: torch.device, dtype: torch.dtype) ->
     )
     check_supported(model)
     model.to(device).eval()  # type: ignore[arg-type]
+    if device.type == "cpu" and dtype == torch.float32:
+        from kvserve.kernels import cpu_ext
+        from kvserve.models.cpu_linear import wrap_linears
+
+        ext = cpu_ext.load_or_none()
+        if ext is not None:
+            wrap_linears(model, ext)  # decode steps' few rows stream each weight once
     return model, path
 
 

@@ -24,7 +24,7 @@ from kvserve.kvcache.kv_storage import DenseLayerKV, LayerKV
 log = logging.getLogger(__name__)
 
 CSRC = Path(__file__).resolve().parents[2] / "csrc"
-SOURCES = ["cpu/paged_attention_cpu.cpp"]
+SOURCES = ["cpu/paged_attention_cpu.cpp", "cpu/linear_cpu.cpp"]
 FLAGS = ["-O3", "-fopenmp", "-std=c++17"]
 # Vector ISA flags per torch's CPU capability (what ATen itself dispatches to on this machine). The
 # capability is part of the extension's name, so a build cache shared by different CPUs never hands

@@ -1,0 +1,76 @@
+"""The CPU extension's small_batch_linear and the model wrapper that routes decode-sized rows to it."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from kvserve.kernels import cpu_ext
+from kvserve.models.cpu_linear import MAX_ROWS, SmallBatchLinear, wrap_linears
+
+
+@pytest.fixture(scope="module")
+def ext():
+    reason = cpu_ext.unavailable_reason()
+    if reason:
+        pytest.skip(reason)
+    return cpu_ext.load()
+
+
+@pytest.mark.parametrize("rows", [1, 2, 5, 8, 16])
+@pytest.mark.parametrize("shape", [(576, 576), (1536, 576), (100, 37), (7, 3)])
+@pytest.mark.parametrize("with_bias", [True, False])
+def test_matches_torch_linear(ext, rows, shape, with_bias):
+    out_f, in_f = shape
+    gen = torch.Generator().manual_seed(rows)
+    x, w = torch.randn(rows, in_f, generator=gen), torch.randn(out_f, in_f, generator=gen)
+    b = torch.randn(out_f, generator=gen) if with_bias else None
+    torch.testing.assert_close(ext.small_batch_linear(x, w, b), F.linear(x, w, b), atol=2e-4, rtol=1e-5)
+
+
+def test_splits_output_rows_across_threads(ext):
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        x, w = torch.randn(8, 576), torch.randn(3000, 576)
+        torch.testing.assert_close(ext.small_batch_linear(x, w, None), F.linear(x, w), atol=2e-4, rtol=1e-5)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_rejects_bad_arguments(ext):
+    w = torch.randn(8, 16)
+    with pytest.raises(RuntimeError, match="1 to 16 rows"):
+        ext.small_batch_linear(torch.randn(17, 16), w, None)
+    with pytest.raises(RuntimeError, match="fp32"):
+        ext.small_batch_linear(torch.randn(2, 16).double(), w.double(), None)
+    with pytest.raises(RuntimeError, match="in_features"):
+        ext.small_batch_linear(torch.randn(2, 15), w, None)
+    with pytest.raises(RuntimeError, match="bias"):
+        ext.small_batch_linear(torch.randn(2, 16), w, torch.randn(9))
+
+
+def test_wrapped_model_equals_unwrapped(ext):
+    """A small Llama with a tied lm_head: logits for few rows (extension) and many (torch) equal the
+    unwrapped model's; the tied weight stays one tensor."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(
+        vocab_size=300, hidden_size=64, intermediate_size=160, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(cfg).eval()
+    ids_few, ids_many = torch.randint(300, (1, 5)), torch.randint(300, (1, 40))
+    with torch.no_grad():
+        want = [model(ids).logits for ids in (ids_few, ids_many)]
+        assert wrap_linears(model, ext) == 2 * 7 + 1
+        assert isinstance(model.lm_head, SmallBatchLinear)
+        assert model.lm_head.weight is model.model.embed_tokens.weight
+        got = [model(ids).logits for ids in (ids_few, ids_many)]
+    for g, w in zip(got, want, strict=True):
+        torch.testing.assert_close(g, w, atol=1e-5, rtol=1e-5)
+    assert ids_many.shape[1] > MAX_ROWS
+    empty = model.lm_head(torch.zeros(1, 0, 64))  # a step that needs no logits: torch's path
+    assert empty.shape == (1, 0, 300)
