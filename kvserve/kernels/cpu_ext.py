@@ -13,6 +13,7 @@ import functools
 import logging
 import os
 import shutil
+import sys
 import time
 from pathlib import Path
 from types import ModuleType
@@ -54,8 +55,6 @@ def unavailable_reason() -> str:
 
 
 def _venv_ninja() -> bool:
-    import sys
-
     return (Path(sys.executable).parent / "ninja").exists()
 
 
@@ -65,8 +64,6 @@ def load() -> ModuleType:
     reason = unavailable_reason()
     if reason:
         raise RuntimeError(f"kvserve CPU extension unavailable: {reason}")
-    import sys
-
     from torch.utils.cpp_extension import load as load_extension
 
     # torch runs `ninja` from PATH: make the venv's ninja visible when the venv is not activated
