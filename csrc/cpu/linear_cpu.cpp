@@ -1,45 +1,21 @@
 // y = x W^T (+ b) for a few rows of x (a decode step's batch), fp32 on CPU.
 //
 // torch's CPU GEMM packs W into buffers for every call, and W (the model's weights, used once per
-// step) comes from memory: with 8 rows it ran about 1.8x slower than with 1, on SmolLM2. Here W
-// streams through once: each output row of W is read once and dotted with all M rows of x, which sit
-// in L1 (M <= 16 rows). Output rows are split across torch's threads.
+// step) comes from memory. Here W streams through once: each output row of W is read once and dotted
+// with all M rows of x, which sit in L1 (M <= 16 rows). Output rows are split across torch's threads.
+// One-off measurement, a 1536 x 576 weight out of cache, one thread: 1 row 0.29 ms (torch and this
+// alike), 8 rows 0.67 ms with torch, 0.51 ms here.
 #include <torch/extension.h>
 
 #include <ATen/Parallel.h>
 
 #include <cstring>
 
-#if defined(__AVX2__)
-#include <immintrin.h>
-#endif
+#include "vec.h"
 
 namespace {
 
-#if defined(__AVX512F__)
-constexpr int kLanes = 16;
-#elif defined(__AVX2__)
-constexpr int kLanes = 8;
-#else
-constexpr int kLanes = 4;
-#endif
-typedef float vf __attribute__((vector_size(kLanes * sizeof(float))));
-
-inline vf loadu(const float* p) {
-  vf v;
-  std::memcpy(&v, p, sizeof(vf));
-  return v;
-}
-
-inline float hsum(vf v) {
-#if defined(__AVX512F__)
-  return _mm512_reduce_add_ps(reinterpret_cast<__m512>(v));
-#else
-  float r = 0.f;
-  for (int i = 0; i < kLanes; ++i) r += v[i];
-  return r;
-#endif
-}
+using namespace kvserve_cpu;
 
 // Output rows [first, last): y[m, o] = sum_i x[m, i] w[o, i] (+ b[o]) for all M rows. (Sharing each
 // load of x over two output rows measured slower for 8 rows: 0.69 vs 0.55 ms on a 1536 x 576 weight.)

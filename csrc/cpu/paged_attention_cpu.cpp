@@ -24,41 +24,13 @@
 #include <type_traits>
 #include <vector>
 
-#if defined(__AVX2__)
-#include <immintrin.h>
-#endif
+#include "vec.h"
 
 namespace {
 
+using namespace kvserve_cpu;
+
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
-
-#if defined(__AVX512F__)
-constexpr int kLanes = 16;
-#elif defined(__AVX2__)
-constexpr int kLanes = 8;
-#else
-constexpr int kLanes = 4;
-#endif
-typedef float vf __attribute__((vector_size(kLanes * sizeof(float))));
-typedef int32_t vi __attribute__((vector_size(kLanes * sizeof(int32_t))));
-
-inline vf loadu(const float* p) {
-  vf v;
-  std::memcpy(&v, p, sizeof(vf));
-  return v;
-}
-inline void storeu(float* p, vf v) { std::memcpy(p, &v, sizeof(vf)); }
-inline vf splat(float x) { return vf{} + x; }
-
-inline float hsum(vf v) {
-#if defined(__AVX512F__)
-  return _mm512_reduce_add_ps(reinterpret_cast<__m512>(v));
-#else
-  float r = 0.f;
-  for (int i = 0; i < kLanes; ++i) r += v[i];
-  return r;
-#endif
-}
 
 // exp(x) for x <= 0 (scores minus their running max), lane-wise: Cephes expf polynomial, about 1 ulp.
 // Below -87 it returns ~1e-38 rather than 0, which no softmax sum can notice.
