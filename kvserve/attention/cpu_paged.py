@@ -26,6 +26,7 @@ import torch
 
 from kvserve.attention.base import AttentionBackend, AttentionMetadata
 from kvserve.kernels import cpu_ext
+from kvserve.kernels.paged_kv import PagedKV
 from kvserve.kvcache.kv_storage import DenseLayerKV, LayerKV
 
 MIN_VIEW_BLOCKS = 16  # shorter runs of consecutive blocks are gathered instead of viewed
@@ -227,9 +228,10 @@ class CpuPagedBackend(AttentionBackend):
             "rows at arbitrary positions: use the positional backend"
         )
         out = torch.empty_like(query)
-        decode_in_ext = self.ext is not None and cpu_ext.pool_format(kv) is not None
-        if decode_in_ext:
-            self._decode_rows(query, kv, meta, scale, out)
+        pool = cpu_ext.readable_pool(kv) if self.ext is not None else None
+        decode_in_ext = pool is not None
+        if pool is not None:
+            self._decode_rows(query, pool, meta, scale, out)
         dense = isinstance(kv, DenseLayerKV)
         bytes_per_block = kv.block_size * kv.num_kv_heads * kv.head_dim * query.element_size()
         min_gather_blocks = max(1, GATHER_BYTES // bytes_per_block)
@@ -243,7 +245,7 @@ class CpuPagedBackend(AttentionBackend):
             gather_blocks = min_gather_blocks * min(MAX_GATHER_SCALE, max(1, q_len // ROWS_PER_GATHER_STEP))
             segments = plan_segments(block_ids, seq_len, meta.block_size, gather_blocks, dense)
             q = query[start : start + q_len]
-            if q_len == 1 and dense:
+            if q_len == 1 and isinstance(kv, DenseLayerKV):
                 out[start] = decode_dense(q[0], kv, block_ids, segments, scale)
             else:
                 out[start : start + q_len] = attention_merged(q, kv, block_ids, segments, seq_len, scale)
@@ -251,13 +253,13 @@ class CpuPagedBackend(AttentionBackend):
         return out
 
     def _decode_rows(
-        self, query: torch.Tensor, kv: LayerKV, meta: AttentionMetadata, scale: float, out: torch.Tensor
+        self, query: torch.Tensor, pool: PagedKV, meta: AttentionMetadata, scale: float, out: torch.Tensor
     ) -> None:
         """All q_len == 1 rows of the step in one extension call, written into `out`."""
         assert self.ext is not None
         if meta.is_pure_decode:
             out.copy_(
-                cpu_ext.decode(self.ext, query.contiguous(), kv, meta.block_tables, meta.seq_lens, scale)
+                cpu_ext.decode(self.ext, query.contiguous(), pool, meta.block_tables, meta.seq_lens, scale)
             )
             return
         seqs = [i for i, q_len in enumerate(meta.query_lens_list) if q_len == 1]
@@ -266,6 +268,11 @@ class CpuPagedBackend(AttentionBackend):
         seq_idx = torch.tensor(seqs, dtype=torch.int64)
         rows = meta.query_start_loc[:-1].long()[seq_idx]
         result = cpu_ext.decode(
-            self.ext, query[rows].contiguous(), kv, meta.block_tables[seq_idx], meta.seq_lens[seq_idx], scale
+            self.ext,
+            query[rows].contiguous(),
+            pool,
+            meta.block_tables[seq_idx],
+            meta.seq_lens[seq_idx],
+            scale,
         )
         out[rows] = result

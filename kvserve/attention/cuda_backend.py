@@ -13,6 +13,7 @@ from __future__ import annotations
 import torch
 
 from kvserve.attention.base import AttentionBackend, AttentionMetadata, dense_copy
+from kvserve.kernels.paged_kv import paged_kv
 from kvserve.kvcache.kv_storage import LayerKV
 
 
@@ -27,12 +28,12 @@ class CudaBackend(AttentionBackend):
         )
         from kvserve.kernels import cuda_ext
 
-        pool = cuda_ext.paged_kv(kv, query.dtype)
+        pool = paged_kv(kv, query.dtype)
         if pool is not None:  # dense, fp8_e4m3 or int8: read in place
             return cuda_ext.paged_attention(
                 query, pool.k_cache, pool.v_cache, meta.block_tables, meta.query_start_loc, meta.seq_lens,
                 max_query_len=meta.max_query_len, max_seq_len=meta.max_seq_len, scale=scale,
-                **pool.operands(),
+                kv_format=pool.kv_format, **pool.extras(),
             )  # fmt: skip
         k, v, block_tables = dense_copy(kv, meta.block_tables, query.dtype)
         return cuda_ext.paged_attention(

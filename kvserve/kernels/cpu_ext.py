@@ -2,7 +2,8 @@
 
 JIT-built once with torch.utils.cpp_extension.load (g++ and ninja, about a minute on two cores),
 then cached by torch under TORCH_EXTENSIONS_DIR; a source change rebuilds it. `decode(...)` picks the
-entry point for the pool's format: dense or passthrough (fp32 / bf16 / fp16), fp8_e4m3, int8 KIVI. Where the build
+entry point for the pool's format (kvserve/kernels/paged_kv.py): dense (any float dtype), fp8_e4m3,
+int8 KIVI. Where the build
 cannot run (no compiler), `load_or_none()` returns None once, with the reason logged, and the
 cpu_paged backend keeps to its torch-ops path.
 """
@@ -20,7 +21,8 @@ from types import ModuleType
 
 import torch
 
-from kvserve.kvcache.kv_storage import DenseLayerKV, LayerKV
+from kvserve.kernels.paged_kv import PagedKV, paged_kv
+from kvserve.kvcache.kv_storage import LayerKV
 
 log = logging.getLogger(__name__)
 
@@ -99,43 +101,27 @@ def load_or_none() -> ModuleType | None:
 HEAD_DIMS = (64, 128, 256)  # decode_item instantiations in csrc/cpu/paged_attention_cpu.cpp
 
 
-def pool_format(kv: LayerKV) -> str | None:
-    """How the extension reads this pool in place: 'dense', 'passthrough' (fp32 / fp16 / bf16 stored
-    apart from the compute dtype, e.g. bf16 KV under fp32 compute), 'fp8_e4m3' or 'int8'; else None."""
-    if kv.head_dim not in HEAD_DIMS:
-        return None
-    if isinstance(kv, DenseLayerKV):
-        return "dense"
-    codec = getattr(kv, "codec", None)
-    if getattr(codec, "passthrough_dtype", None) is not None:
-        return "passthrough"
-    name = getattr(codec, "name", None)
-    return name if name in ("fp8_e4m3", "int8") else None
+def readable_pool(kv: LayerKV) -> PagedKV | None:
+    """`kv` as the extension reads it in place (any dense or stored-as-is float pool, e.g. bf16 KV under
+    fp32 compute; fp8_e4m3; int8 KIVI), or None for other formats and head dims."""
+    return paged_kv(kv) if kv.head_dim in HEAD_DIMS else None
 
 
 def decode(
     module: ModuleType,
     query: torch.Tensor,  # [num_seqs, H, D]: one decode row per sequence, contiguous
-    kv: LayerKV,
+    pool: PagedKV,  # readable_pool(kv)
     block_tables: torch.Tensor,  # [num_seqs, max_blocks] int32
     seq_lens: torch.Tensor,  # [num_seqs] int32
     scale: float,
 ) -> torch.Tensor:  # [num_seqs, H, D]
     """Decode attention of one row per sequence over its blocks, read in place in the pool's format."""
-    fmt = pool_format(kv)
     args = (block_tables.contiguous(), seq_lens.contiguous(), float(scale))
-    if fmt == "dense":
-        assert isinstance(kv, DenseLayerKV)
-        return module.paged_decode_dense(query, kv.k_cache, kv.v_cache, *args)
-    k, v = kv.k_blocks.fields, kv.v_blocks.fields  # type: ignore[attr-defined]
-    if fmt == "passthrough":
-        return module.paged_decode_dense(query, k["x"], v["x"], *args)
-    if fmt == "fp8_e4m3":
-        return module.paged_decode_fp8(query, k["codes"], v["codes"], k["scale"], v["scale"], *args)
-    if fmt == "int8":
-        shadows = kv.open_k  # type: ignore[attr-defined]
-        return module.paged_decode_int8(
-            query, k["codes"], k["scale"], k["zero"], shadows.pool, shadows.slot_of_block,
-            v["codes"], v["scale"], v["zero"], *args,
-        )  # fmt: skip
-    raise TypeError(f"the CPU extension does not read {type(kv).__name__} pools of this format in place")
+    if pool.kv_format == "dense":
+        return module.paged_decode_dense(query, pool.k_cache, pool.v_cache, *args)
+    if pool.kv_format == "fp8_e4m3":
+        return module.paged_decode_fp8(query, pool.k_cache, pool.v_cache, pool.k_scale, pool.v_scale, *args)
+    return module.paged_decode_int8(
+        query, pool.k_cache, pool.k_scale, pool.k_zero, pool.k_open, pool.k_open_slot,
+        pool.v_cache, pool.v_scale, pool.v_zero, *args,
+    )  # fmt: skip

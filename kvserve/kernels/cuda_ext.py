@@ -7,7 +7,7 @@ launches on the current stream.
 Pools the kernel reads in place (`KV_FORMATS`, KvFormat in csrc/attention/paged_attention.h): dense
 fp16 / bf16, fp8_e4m3 (uint8 e4m3 codes + one fp32 scale per token and kv head) and int8 KIVI
 (uint8 codes; K scale / zero per block and channel, open blocks' K in full precision; V scale / zero
-per token and group of 64 channels). `paged_kv(kv, dtype)` collects those tensors from a `LayerKV`;
+per token and group of 64 channels). `kvserve.kernels.paged_kv` collects those tensors from a `LayerKV`;
 kvserve/attention/cuda_backend.py takes a dense copy of pools in any other format.
 """
 
@@ -15,15 +15,12 @@ from __future__ import annotations
 
 import functools
 import os
-from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
-from typing import Any
 
 import torch
 
-from kvserve.kernels.checks import check_paged_args, check_scales
-from kvserve.kvcache.kv_storage import DenseLayerKV, LayerKV
+from kvserve.kernels.checks import check_paged_args, check_scales, require
 
 CSRC = Path(__file__).resolve().parents[2] / "csrc"
 SOURCES = ["bindings.cpp", "attention/paged_attention.cu", "attention/merge_splits.cu"]
@@ -85,70 +82,11 @@ def plan_splits(num_ctas: int, max_seq_len: int, num_sms: int) -> tuple[int, int
     return -(-max_tiles // tiles_per_split), tiles_per_split * KV_TILE
 
 
-@dataclass(frozen=True)
-class PagedKV:
-    """The tensors of one layer's pool that the kernel reads in place, and their format.
-
-    fp8_e4m3: k_scale, v_scale fp32 [num_blocks, block_size, H_kv].
-    int8: k_scale, k_zero fp16 [num_blocks, H_kv, D]; v_scale, v_zero fp16 [num_blocks, block_size,
-    H_kv, D // 64]; k_open [capacity, block_size, H_kv, D] in the query dtype (K of open blocks) and
-    k_open_slot int32 [num_blocks] (row of k_open holding a block's K, -1: read its codes).
-    """
-
-    kv_format: str  # a key of KV_FORMATS
-    k_cache: torch.Tensor  # [num_blocks, block_size, H_kv, D]: values (dense) or uint8 codes
-    v_cache: torch.Tensor
-    k_scale: torch.Tensor | None = None
-    k_zero: torch.Tensor | None = None
-    v_scale: torch.Tensor | None = None
-    v_zero: torch.Tensor | None = None
-    k_open: torch.Tensor | None = None
-    k_open_slot: torch.Tensor | None = None
-
-    def operands(self) -> dict[str, Any]:
-        """Keyword arguments of `paged_attention` past the caches."""
-        return {
-            "kv_format": self.kv_format,
-            "k_scale": self.k_scale,
-            "k_zero": self.k_zero,
-            "v_scale": self.v_scale,
-            "v_zero": self.v_zero,
-            "k_open": self.k_open,
-            "k_open_slot": self.k_open_slot,
-        }
-
-
-def paged_kv(kv: LayerKV, dtype: torch.dtype) -> PagedKV | None:
-    """What the kernel reads of `kv` in place for queries of `dtype`, or None when it cannot read
-    this pool (other codecs; an int8 pool whose open-K shadows are not in `dtype`): take a dense copy.
-    Read at call time: an int8 pool's `open_k.pool` is replaced when it grows."""
-    if isinstance(kv, DenseLayerKV):
-        return PagedKV("dense", kv.k_cache, kv.v_cache)
-    codec_name = getattr(getattr(kv, "codec", None), "name", None)
-    if codec_name not in ("fp8_e4m3", "int8"):
-        return None
-    k, v = kv.k_blocks.fields, kv.v_blocks.fields  # type: ignore[attr-defined]
-    if codec_name == "fp8_e4m3":
-        return PagedKV("fp8_e4m3", k["codes"], v["codes"], k_scale=k["scale"], v_scale=v["scale"])
-    open_k = kv.open_k  # type: ignore[attr-defined]
-    if open_k.pool.dtype != dtype:
-        return None
-    return PagedKV(
-        "int8", k["codes"], v["codes"], k_scale=k["scale"], k_zero=k["zero"], v_scale=v["scale"],
-        v_zero=v["zero"], k_open=open_k.pool, k_open_slot=open_k.slot_of_block,
-    )  # fmt: skip
-
-
-def _require(ok: bool, message: str) -> None:
-    if not ok:
-        raise ValueError(message)
-
-
 def _check_vector_loads(name: str, t: torch.Tensor) -> None:
     """The kernel reads `t` in 16-byte (8-byte for codes) pieces: aligned base, strides of 8 elements."""
-    _require(t.stride(-1) == 1, f"{name} must be contiguous in its last dim (stride {t.stride(-1)})")
-    _require(t.data_ptr() % 16 == 0, f"{name} must be 16-byte aligned")
-    _require(
+    require(t.stride(-1) == 1, f"{name} must be contiguous in its last dim (stride {t.stride(-1)})")
+    require(t.data_ptr() % 16 == 0, f"{name} must be 16-byte aligned")
+    require(
         all(st % 8 == 0 for st in t.stride()[:-1]),
         f"{name} strides must be multiples of 8 elements, got {t.stride()}",
     )
@@ -157,12 +95,12 @@ def _check_vector_loads(name: str, t: torch.Tensor) -> None:
 def _check_field(
     name: str, t: torch.Tensor | None, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device
 ) -> torch.Tensor:
-    _require(t is not None, f"{name} is required")
+    require(t is not None, f"{name} is required")
     assert t is not None
-    _require(t.dtype == dtype, f"{name} must be {dtype}, got {t.dtype}")
-    _require(tuple(t.shape) == shape, f"{name} must be {shape}, got {tuple(t.shape)}")
-    _require(t.device == device, f"{name} is on {t.device}, expected {device}")
-    _require(t.stride(-1) == 1 or t.shape[-1] == 1, f"{name} must be contiguous in its last dim")
+    require(t.dtype == dtype, f"{name} must be {dtype}, got {t.dtype}")
+    require(tuple(t.shape) == shape, f"{name} must be {shape}, got {tuple(t.shape)}")
+    require(t.device == device, f"{name} is on {t.device}, expected {device}")
+    require(t.stride(-1) == 1 or t.shape[-1] == 1, f"{name} must be contiguous in its last dim")
     return t
 
 
@@ -180,12 +118,12 @@ def check_kv_operands(
 ) -> None:
     """The pool-format operands of `paged_attention` (shapes as in PagedKV); ValueError naming the
     problem. Caches and metadata are checked by kvserve.kernels.checks.check_paged_args."""
-    _require(kv_format in KV_FORMATS, f"kv_format must be one of {tuple(KV_FORMATS)}, got {kv_format!r}")
+    require(kv_format in KV_FORMATS, f"kv_format must be one of {tuple(KV_FORMATS)}, got {kv_format!r}")
     extras = {"k_scale": k_scale, "k_zero": k_zero, "v_scale": v_scale, "v_zero": v_zero}
     extras |= {"k_open": k_open, "k_open_slot": k_open_slot}
     used = {"dense": (), "fp8_e4m3": ("k_scale", "v_scale"), "int8": tuple(extras)}[kv_format]
     unused = [name for name, t in extras.items() if t is not None and name not in used]
-    _require(not unused, f"{', '.join(unused)} given, but kv_format {kv_format!r} does not use them")
+    require(not unused, f"{', '.join(unused)} given, but kv_format {kv_format!r} does not use them")
     _check_vector_loads("k_cache", k_cache)
     _check_vector_loads("v_cache", v_cache)
     if kv_format == "dense":
@@ -194,7 +132,7 @@ def check_kv_operands(
         check_scales(k_scale, v_scale, k_cache)
         return
     num_blocks, block_size, num_kv_heads, head_dim = k_cache.shape
-    _require(
+    require(
         head_dim % KIVI_V_GROUP == 0,
         f"int8 pools need head_dim a multiple of {KIVI_V_GROUP} (V scale groups), got {head_dim}",
     )
@@ -205,24 +143,24 @@ def check_kv_operands(
     kz = _check_field("k_zero", k_zero, k_shape, half, device)
     vs = _check_field("v_scale", v_scale, v_shape, half, device)
     vz = _check_field("v_zero", v_zero, v_shape, half, device)
-    _require(ks.stride() == kz.stride(), f"k_scale and k_zero strides differ: {ks.stride()}, {kz.stride()}")
-    _require(vs.stride() == vz.stride(), f"v_scale and v_zero strides differ: {vs.stride()}, {vz.stride()}")
+    require(ks.stride() == kz.stride(), f"k_scale and k_zero strides differ: {ks.stride()}, {kz.stride()}")
+    require(vs.stride() == vz.stride(), f"v_scale and v_zero strides differ: {vs.stride()}, {vz.stride()}")
     _check_vector_loads("k_scale", ks)
     _check_vector_loads("k_zero", kz)
-    _require(k_open is not None, "k_open is required")
+    require(k_open is not None, "k_open is required")
     assert k_open is not None
-    _require(
+    require(
         k_open.dim() == 4 and tuple(k_open.shape[1:]) == (block_size, num_kv_heads, head_dim),
         f"k_open must be [capacity, {block_size}, {num_kv_heads}, {head_dim}], got {tuple(k_open.shape)}",
     )
-    _require(
+    require(
         k_open.dtype == query.dtype,
         f"k_open (open blocks' K) must have the query dtype {query.dtype}, got {k_open.dtype}",
     )
-    _require(k_open.device == device, f"k_open is on {k_open.device}, expected {device}")
+    require(k_open.device == device, f"k_open is on {k_open.device}, expected {device}")
     _check_vector_loads("k_open", k_open)
     slots = _check_field("k_open_slot", k_open_slot, (num_blocks,), torch.int32, device)
-    _require(slots.is_contiguous(), "k_open_slot must be contiguous")
+    require(slots.is_contiguous(), "k_open_slot must be contiguous")
 
 
 def paged_attention(
@@ -247,9 +185,9 @@ def paged_attention(
     """Causal (bottom-right) attention of a packed varlen batch over the paged pool, on the current stream.
 
     kv_format "dense" reads k_cache / v_cache as values; "fp8_e4m3" and "int8" read the codes and the
-    operands listed in PagedKV (`paged_kv(kv, query.dtype).operands()` gives them for a LayerKV).
+    operands listed in kvserve.kernels.paged_kv.PagedKV (`paged_kv(kv, query.dtype)` collects them).
     """
-    _require(kv_format in KV_FORMATS, f"kv_format must be one of {tuple(KV_FORMATS)}, got {kv_format!r}")
+    require(kv_format in KV_FORMATS, f"kv_format must be one of {tuple(KV_FORMATS)}, got {kv_format!r}")
     shape = check_paged_args(
         query,
         k_cache,

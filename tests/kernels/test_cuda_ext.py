@@ -18,6 +18,7 @@ import torch
 
 from kvserve.attention.reference import ReferenceBackend
 from kvserve.kernels.paged_batch import make_batch
+from kvserve.kernels.paged_kv import paged_kv
 
 CSRC = Path(__file__).resolve().parents[2] / "csrc"
 ON_GPU = torch.cuda.is_available()
@@ -157,7 +158,7 @@ def test_quantized_batch_has_open_blocks():
 
 @pytest.mark.parametrize("codec", ["fp8_e4m3", "int8"])
 def test_paged_kv_reads_8bit_pools_in_place(codec):
-    from kvserve.kernels.cuda_ext import PagedKV, paged_kv
+    from kvserve.kernels.paged_kv import PagedKV, paged_kv
 
     _, kv, _ = quantized_batch(codec, [(1, 40)], 4, 2, 64, 16, torch.bfloat16)
     pool = paged_kv(kv, torch.bfloat16)
@@ -175,14 +176,14 @@ def test_paged_kv_reads_8bit_pools_in_place(codec):
 
 @pytest.mark.parametrize("codec", ["int4", "turbo4", "nvfp4"])
 def test_paged_kv_is_none_for_other_codecs(codec):
-    from kvserve.kernels.cuda_ext import paged_kv
+    from kvserve.kernels.paged_kv import paged_kv
     from kvserve.quant.storage import create_layer_kv
 
     assert paged_kv(create_layer_kv(codec, 4, 16, 2, 64, torch.float16), torch.float16) is None
 
 
 def test_paged_kv_dense():
-    from kvserve.kernels.cuda_ext import paged_kv
+    from kvserve.kernels.paged_kv import paged_kv
 
     _, kv, _ = make_batch([(1, 20)], 4, 2, 64, 16, torch.float16)
     pool = paged_kv(kv, torch.float16)
@@ -192,7 +193,7 @@ def test_paged_kv_dense():
 def _call(query, pool, meta, **override):
     from kvserve.kernels import cuda_ext
 
-    ops = {**pool.operands(), **override}
+    ops = {"kv_format": pool.kv_format, **pool.extras(), **override}
     k = ops.pop("k_cache", pool.k_cache)
     v = ops.pop("v_cache", pool.v_cache)
     return cuda_ext.paged_attention(
@@ -247,7 +248,7 @@ BAD_ARGS = [
 @pytest.mark.parametrize("codec,name,how,match", BAD_ARGS)
 def test_launcher_rejects_bad_8bit_args_on_cpu(codec, name, how, match):
     """Argument checks run before the device check, so they are testable on the CPU."""
-    from kvserve.kernels.cuda_ext import paged_kv
+    from kvserve.kernels.paged_kv import paged_kv
 
     query, kv, meta = quantized_batch(codec, [(1, 40), (1, 9)], 4, 2, 64, 16, torch.float16)
     pool = paged_kv(kv, torch.float16)
@@ -263,7 +264,7 @@ def test_launcher_rejects_bad_8bit_args_on_cpu(codec, name, how, match):
 @pytest.mark.parametrize("codec", ["dense", "fp8_e4m3", "int8"])
 def test_launcher_accepts_good_args_on_cpu(codec):
     """Every check passes; the launcher then stops at the device (CPU tensors)."""
-    from kvserve.kernels.cuda_ext import paged_kv
+    from kvserve.kernels.paged_kv import paged_kv
 
     if codec == "dense":
         query, kv, meta = make_batch([(1, 40), (3, 9)], 6, 2, 128, 32, torch.bfloat16)
@@ -485,7 +486,8 @@ def test_tile_loads_match_decoders(tile_lib, codec, dtype, d, bs):
     """Every tile of every sequence, K and V, every kv head, with 32 and 128 threads: the smem tile
     the kernel would compute on equals the codec's decode (kvserve/quant) rounded to the query
     dtype, rows past the tile end are zero; fp8 K holds exact codes and its scales in scale_smem."""
-    from kvserve.kernels.cuda_ext import KV_TILE, paged_kv
+    from kvserve.kernels.cuda_ext import KV_TILE
+    from kvserve.kernels.paged_kv import paged_kv
 
     lens = [(1, 77), (1, 64), (1, 150), (1, 5)]
     if codec == "dense":
@@ -542,12 +544,11 @@ QUANT_TOL = {torch.float16: 4e-3, torch.bfloat16: 2e-2}
 
 def _check_quantized_gpu(codec, lens, h, h_kv, d, bs, dtype, layout="mixed"):
     from kvserve.attention.cuda_backend import CudaBackend
-    from kvserve.kernels import cuda_ext
 
     query, kv, meta = quantized_batch(codec, lens, h, h_kv, d, bs, dtype, layout)
     ref = ReferenceBackend().forward(query, kv, meta, d**-0.5)  # reads the same dequantized values
     _to_gpu(kv, meta)
-    assert cuda_ext.paged_kv(kv, dtype) is not None  # read in place, no dense copy
+    assert paged_kv(kv, dtype) is not None  # read in place, no dense copy
     out = CudaBackend().forward(query.cuda(), kv, meta, d**-0.5)
     assert out.dtype == dtype and out.shape == query.shape
     torch.testing.assert_close(out.cpu().float(), ref.float(), atol=QUANT_TOL[dtype], rtol=0)
@@ -602,7 +603,7 @@ def test_binding_rejects_bad_8bit_args_gpu():
 
     query, kv, meta = quantized_batch("int8", [(1, 40)], 4, 2, 64, 16, torch.float16)
     _to_gpu(kv, meta)
-    pool = cuda_ext.paged_kv(kv, torch.float16)
+    pool = paged_kv(kv, torch.float16)
     args = [query.cuda(), pool.k_cache, pool.v_cache, meta.block_tables, meta.query_start_loc, meta.seq_lens,
             1, 0.125, 1, 64, True, 2, pool.k_scale, pool.k_zero, pool.v_scale, pool.v_zero, pool.k_open,
             pool.k_open_slot]  # fmt: skip

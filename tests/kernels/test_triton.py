@@ -162,13 +162,13 @@ def _int8_forward(query, kv, meta, scale, **launch):
         query = query.cuda()
     if not launch:
         return TritonBackend().forward(query, kv, meta, scale).cpu()
-    from kvserve.attention.triton_backend import int8_fields
+    from kvserve.kernels.paged_kv import paged_kv
     from kvserve.kernels.triton.paged_decode import paged_decode
 
-    f = int8_fields(kv)
+    f = paged_kv(kv)
     assert f is not None
     out = paged_decode(
-        query, f.k_codes, f.v_codes, meta.block_tables, meta.query_start_loc, meta.seq_lens,
+        query, f.k_cache, f.v_cache, meta.block_tables, meta.query_start_loc, meta.seq_lens,
         max_seq_len=meta.max_seq_len, scale=scale, k_scale=f.k_scale, v_scale=f.v_scale, k_zero=f.k_zero,
         v_zero=f.v_zero, k_open=f.k_open, k_open_slot=f.k_open_slot, **launch,
     )  # fmt: skip
@@ -249,13 +249,13 @@ def test_int8_decode_without_open_blocks():
 
 
 def test_int8_launcher_rejects_bad_fields():
-    from kvserve.attention.triton_backend import int8_fields
+    from kvserve.kernels.paged_kv import paged_kv
     from kvserve.kernels.triton.paged_decode import paged_decode
 
     query, kv, meta = _int8_pool([(1, 20)], 4, 2, 64, 16, torch.float16)
-    f = int8_fields(kv)
+    f = paged_kv(kv)
     assert f is not None
-    args = (query, f.k_codes, f.v_codes, meta.block_tables, meta.query_start_loc, meta.seq_lens)
+    args = (query, f.k_cache, f.v_cache, meta.block_tables, meta.query_start_loc, meta.seq_lens)
     fields = dict(
         k_scale=f.k_scale, v_scale=f.v_scale, k_zero=f.k_zero, v_zero=f.v_zero, k_open=f.k_open,
         k_open_slot=f.k_open_slot,

@@ -28,7 +28,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kvserve.kernels.checks import check_paged_args, check_scales
+from kvserve.kernels.checks import check_int8_fields, check_paged_args, check_scales
 from kvserve.kernels.triton.common import LOG2E, dot_fp32
 from kvserve.kernels.triton.reductions import reduce_max, reduce_sum
 
@@ -251,64 +251,6 @@ def plan_splits(
     num_splits = min(max_tiles, max(1, triton.cdiv(target_programs, num_seqs * num_kv_heads)))
     tokens_per_split = triton.cdiv(max_tiles, num_splits) * block_n
     return triton.cdiv(max(max_seq_len, 1), tokens_per_split), tokens_per_split
-
-
-def _require(ok: bool, message: str) -> None:
-    if not ok:
-        raise ValueError(message)
-
-
-def check_int8_fields(
-    query: torch.Tensor,
-    k_cache: torch.Tensor,  # [num_blocks, block_size, H_kv, D] uint8 codes
-    k_scale: torch.Tensor | None,  # [num_blocks, H_kv, D] fp16
-    v_scale: torch.Tensor | None,  # [num_blocks, block_size, H_kv, D // group] fp16
-    k_zero: torch.Tensor | None,
-    v_zero: torch.Tensor | None,
-    k_open: torch.Tensor | None,  # [capacity, block_size, H_kv, D] query dtype
-    k_open_slot: torch.Tensor | None,  # [num_blocks] int32
-) -> int:
-    """Checks the int8 KIVI fields of paged_decode; returns the V group size (channels per scale)."""
-    fields = dict(k_scale=k_scale, v_scale=v_scale, k_zero=k_zero, v_zero=v_zero, k_open=k_open)
-    fields["k_open_slot"] = k_open_slot
-    missing = [name for name, t in fields.items() if t is None]
-    _require(not missing, f"int8 caches need {', '.join(missing)}")
-    assert k_scale is not None and v_scale is not None and k_zero is not None and v_zero is not None
-    assert k_open is not None and k_open_slot is not None
-    num_blocks, block_size, num_kv_heads, head_dim = k_cache.shape
-    groups = v_scale.shape[-1] if v_scale.dim() == 4 else 0
-    expected = {
-        "k_scale": (num_blocks, num_kv_heads, head_dim),
-        "k_zero": (num_blocks, num_kv_heads, head_dim),
-        "v_scale": (num_blocks, block_size, num_kv_heads, groups),
-        "v_zero": (num_blocks, block_size, num_kv_heads, groups),
-    }
-    for name, shape in expected.items():
-        t = fields[name]
-        assert t is not None
-        _require(t.dtype == torch.float16, f"{name} must be float16, got {t.dtype}")
-        _require(tuple(t.shape) == shape, f"{name} must be {shape}, got {tuple(t.shape)}")
-        _require(t.stride(-1) == 1, f"{name} must be contiguous in its last dim")
-    _require(
-        groups > 0 and groups & (groups - 1) == 0 and head_dim % groups == 0,
-        f"v_scale groups must be a power of two dividing head_dim {head_dim}, got {groups}",
-    )
-    _require(k_scale.stride() == k_zero.stride(), "k_scale and k_zero strides differ")
-    _require(v_scale.stride() == v_zero.stride(), "v_scale and v_zero strides differ")
-    _require(k_open.dtype == query.dtype, f"k_open must be {query.dtype}, got {k_open.dtype}")
-    _require(
-        k_open.dim() == 4 and tuple(k_open.shape[1:]) == (block_size, num_kv_heads, head_dim),
-        f"k_open must be [capacity, {block_size}, {num_kv_heads}, {head_dim}], got {tuple(k_open.shape)}",
-    )
-    _require(k_open.stride(-1) == 1, "k_open must be contiguous in head_dim")
-    _require(
-        k_open_slot.dtype == torch.int32 and tuple(k_open_slot.shape) == (num_blocks,),
-        f"k_open_slot must be int32 [{num_blocks}], got {k_open_slot.dtype} {tuple(k_open_slot.shape)}",
-    )
-    _require(k_open_slot.is_contiguous(), "k_open_slot must be contiguous")
-    devices = {t.device for t in fields.values() if t is not None} | {k_cache.device}
-    _require(len(devices) == 1, f"int8 fields must be on {k_cache.device}, got {sorted(map(str, devices))}")
-    return head_dim // groups
 
 
 def paged_decode(
