@@ -18,6 +18,7 @@ from kvserve.engine.builder import build_parts, check_content_reuse
 from kvserve.engine.model_runner import ModelRunner
 from kvserve.engine.output import OutputBuilder
 from kvserve.engine.sampler import sample_one
+from kvserve.engine.stats import engine_stats
 from kvserve.errors import InvalidRequestError
 from kvserve.kvcache.block_pool import BlockPool
 from kvserve.kvcache.chunk_store import ChunkStore
@@ -306,43 +307,4 @@ class Engine:
         self.scheduler.check_integrity()
 
     def stats(self) -> dict[str, Any]:
-        s, store, pool, info = self.scheduler, self.store, self.pool, self.info
-        bytes_per_block = info.bytes_per_token * info.block_size
-        return {
-            "model": self.config.model,
-            "kv_codec": info.kv_codec,
-            "bytes_per_token": info.bytes_per_token,
-            "pool": {
-                "num_blocks": pool.num_blocks,
-                "num_free_blocks": pool.num_free_blocks,
-                "block_size": pool.block_size,
-                "pool_tokens": info.pool_tokens,
-            },
-            "store": {
-                "num_chunks": len(store),
-                "num_cached_blocks": store.num_cached_blocks,
-                "num_pinned_chunks": store.num_pinned_chunks,
-                "cached_bytes": int(store.num_cached_blocks * bytes_per_block),
-                "max_cache_bytes": self.config.max_cache_bytes,
-                "num_evicted_chunks": store.num_evicted_chunks,
-            },
-            "num_query_tokens": s.num_query_tokens,
-            "num_hit_tokens": s.num_hit_tokens,
-            "hit_rate": s.num_hit_tokens / s.num_query_tokens if s.num_query_tokens else 0.0,
-            "num_evictions": store.num_evicted_chunks,
-            "num_preemptions": s.num_preemptions,
-            "num_running": len(s.running),
-            "num_waiting": len(s.waiting),
-            "num_prompt_tokens_computed": self.num_prompt_tokens_computed,
-            "content_reuse": {
-                "available": self.content.enabled,
-                "reason": self.content.disabled_reason,
-                "default_reuse": self.config.reuse,
-                "recompute_strategy": self.config.recompute_strategy,
-                "chunking": self.config.chunking,
-                "num_indexed_pieces": len(self.content.index),
-                "num_approx_hit_tokens": self.content.num_hit_tokens,
-                "num_recomputed_tokens": self.content.num_recomputed_tokens,
-            },
-            "num_generated_tokens": self.num_generated_tokens,
-        }
+        return engine_stats(self)
