@@ -52,6 +52,10 @@ class ServeConfig:
         default=0,
         metadata={"help": "pick the best measured codec for 16, 8, 4 or 3 bits (0 = use kv_cache_dtype)"},
     )
+    max_pinned_fraction: float = field(
+        default=0.5,
+        metadata={"help": "most of the KV pool that pinned (warmed) text may hold; a warm past it is a 400"},
+    )
     eviction_policy: str = field(
         default="lru_freq", metadata={"help": "lru_freq (LRU with frequency awareness) or lru"}
     )
@@ -158,6 +162,8 @@ def validate(cfg: ServeConfig) -> None:
     for name in ("recompute_tokens", "sink_tokens", "overlap_tokens", "blend_check_layer"):
         if getattr(cfg, name) < 0:
             raise ConfigError(f"{name} must be >= 0 (got {getattr(cfg, name)})")
+    if not 0.0 <= cfg.max_pinned_fraction <= 1.0:
+        raise ConfigError(f"max_pinned_fraction must be in [0, 1] (got {cfg.max_pinned_fraction})")
     if not 0.0 <= cfg.recompute_ratio <= 1.0:
         raise ConfigError(f"recompute_ratio must be in [0, 1] (got {cfg.recompute_ratio})")
     if not 0 < cfg.chunk_min_tokens <= cfg.chunk_max_tokens:

@@ -82,7 +82,7 @@ class BlendRunner:
         """Returns float32 logits [vocab] of the last prompt token and what was computed."""
         seq = plan.seq
         n = seq.num_prompt_tokens
-        block_ids = torch.tensor(seq.block_ids, dtype=torch.long, device=self.device)
+        block_ids = torch.tensor(seq.kv.block_ids, dtype=torch.long, device=self.device)
         reused = torch.zeros(n, dtype=torch.bool)
         reused[self.move_hits(plan, block_ids)] = True
         fresh = torch.zeros(n, dtype=torch.bool)

@@ -1,4 +1,9 @@
-"""Engine: step() = schedule -> execute -> update, plus request intake, aborts and stats.
+"""Engine: step() = schedule -> execute -> update, plus request intake, aborts and pins.
+
+One request can never hurt another: a fault while processing one sequence (sampling, detokenizing,
+stop checks, a repair forward) fails that request alone; a fault in a batched forward is retried
+sequence by sequence, so only the sequence that causes it fails. Everything else stays as it would
+have been without the fault.
 
 Not thread-safe: one thread drives it (LLM directly, AsyncEngine through its worker thread).
 """
@@ -16,19 +21,19 @@ from kvserve.config import ServeConfig
 from kvserve.engine.blend_runner import BlendRunner
 from kvserve.engine.builder import build_parts, check_content_reuse
 from kvserve.engine.model_runner import ModelRunner
-from kvserve.engine.output import OutputBuilder
+from kvserve.engine.output import OutputProcessor
 from kvserve.engine.sampler import sample_one
 from kvserve.engine.stats import engine_stats
 from kvserve.errors import InvalidRequestError
 from kvserve.kvcache.block_pool import BlockPool
 from kvserve.kvcache.chunk_store import ChunkStore
-from kvserve.kvcache.hashing import prompt_chunk_hashes, root_hash
+from kvserve.kvcache.hashing import owner_hash, prompt_chunk_hashes, root_hash
 from kvserve.kvcache.segment_index import SegmentIndex
-from kvserve.request import FinishReason, Request, RequestOutput, TokenLogprob
-from kvserve.scheduler.batch import BlendPlan, ScheduledBatch
+from kvserve.request import FinishReason, Request, RequestOutput
+from kvserve.scheduler.batch import BlendPlan, ScheduledBatch, ScheduledSeq
 from kvserve.scheduler.content import ContentMatcher
 from kvserve.scheduler.scheduler import Scheduler
-from kvserve.scheduler.sequence import Sequence
+from kvserve.scheduler.sequence import SeqCache, SeqOutput, Sequence
 from kvserve.tokenizer import IncrementalDetokenizer
 
 log = logging.getLogger("kvserve.engine")
@@ -43,7 +48,8 @@ class Engine:
         self.pool = BlockPool(self.info.num_blocks, config.block_size)
         for layer in self.layers:
             self.pool.on_free.append(layer.on_block_freed)
-        self.store = ChunkStore(self.pool, config.chunk_size, config.eviction_policy)
+        max_pinned = int(config.max_pinned_fraction * self.info.num_blocks)
+        self.store = ChunkStore(self.pool, config.chunk_size, config.eviction_policy, max_pinned)
         device = torch.device(self.info.device)
         rotator, reason = check_content_reuse(self.model)
         self.content = ContentMatcher(config, SegmentIndex(self.store), rotator is not None, reason)
@@ -53,7 +59,6 @@ class Engine:
         self.scheduler = Scheduler(
             self.pool,
             self.store,
-            self.info.namespace,
             config.max_num_seqs,
             config.max_num_batched_tokens,
             config.batch_window_ms / 1000.0,
@@ -61,13 +66,11 @@ class Engine:
             self.content,
         )
         self.runner = ModelRunner(self.model, self.layers, parts.backend, device)
-        self.outputs = OutputBuilder()
+        self.outputs = OutputProcessor(self.info.eos_token_ids, self.info.max_model_len)
         self._seqs: dict[str, Sequence] = {}
         self._pending: list[RequestOutput] = []
         self._rng = random.Random(config.seed)
         self.num_steps = 0
-        self.num_prompt_tokens_computed = 0
-        self.num_generated_tokens = 0
         self.check_integrity_each_step = False  # tests: verify pool ownership after every step
         self.logits_sink: dict[str, list[torch.Tensor]] | None = None  # tests: raw logits per request
 
@@ -75,21 +78,26 @@ class Engine:
     def add_request(self, request: Request) -> None:
         """Validate and queue. Raises InvalidRequestError (the engine state is unchanged then)."""
         self._validate(request)
-        if request.warm_only and self.scheduler.content is None:  # only whole chunks can be prefix-matched
+        if request.warm_only and not self.content.enabled:  # only whole chunks can be prefix-matched
             usable = len(request.prompt_token_ids) // self.config.chunk_size * self.config.chunk_size
             request.prompt_token_ids = request.prompt_token_ids[:usable]
         params = request.sampling_params
         seed = params.seed if params.seed is not None else self._rng.getrandbits(63)
+        detokenizer = (
+            None if request.warm_only else IncrementalDetokenizer(self.tokenizer, request.prompt_token_ids)
+        )
         seq = Sequence(
             request=request,
             generator=torch.Generator().manual_seed(seed),
-            detokenizer=None
-            if request.warm_only
-            else IncrementalDetokenizer(self.tokenizer, request.prompt_token_ids),
-            root_hash=root_hash(self.info.namespace, request.cache_salt),
+            cache=SeqCache(root_hash=root_hash(self.info.namespace, request.cache_salt)),
+            out=SeqOutput(detokenizer),
         )
+        self.scheduler.prepare(seq)
+        self._check_capacity(seq)
+        if request.warm_only and request.pin:
+            self._reserve_pins(seq)
         self._seqs[request.request_id] = seq
-        self.scheduler.add(seq)
+        self.scheduler.enqueue(seq)
         if request.warm_only and not request.prompt_token_ids:
             self._finish(seq, FinishReason.STOP)
 
@@ -116,26 +124,82 @@ class Engine:
                 f"token id {bad[0]} is outside the vocabulary (0..{self.tokenizer.vocab_size - 1})",
                 param="prompt",
             )
-        need_tokens = min(n + request.sampling_params.max_tokens, limit)
-        if -(-need_tokens // self.config.block_size) > self.pool.num_blocks:
+
+    def _check_capacity(self, seq: Sequence) -> None:
+        """The request's KV at its longest must fit in what the pool can ever free for it."""
+        request = seq.request
+        need_tokens = min(seq.num_prompt_tokens + request.sampling_params.max_tokens, self.info.max_model_len)
+        if request.warm_only:
+            need_tokens = seq.num_prompt_tokens
+        need_blocks = -(-need_tokens // self.config.block_size)
+        if need_blocks > self.pool.num_blocks:
             raise InvalidRequestError(
                 f"the request needs {need_tokens} tokens of KV but the pool holds {self.info.pool_tokens}; "
                 "raise max_cache_bytes or lower max_tokens",
                 param="max_tokens",
             )
+        matched = self.store.match_prefix(seq.cache.prefix_hashes)
+        available = self.scheduler.num_blocks_available_to(matched)
+        if need_blocks > available:
+            raise InvalidRequestError(
+                f"the request needs {need_blocks} KV blocks but only {available} of the pool's "
+                f"{self.pool.num_blocks} can be free: {self.store.num_pinned_blocks} are pinned by warmed "
+                "text; unpin some (DELETE /v1/warm) or lower max_tokens",
+                param="max_tokens",
+            )
 
+    # --- pins --------------------------------------------------------------------------------------
+    def _pin_keys(self, seq: Sequence) -> tuple[bytes, list[bytes], list[int]]:
+        """(owner, the chunk keys a warm of this text leaves in the store, blocks of each)."""
+        tokens, chunk, root = seq.request.prompt_token_ids, self.config.chunk_size, seq.cache.root_hash
+        hashes = prompt_chunk_hashes(tokens, chunk, root)
+        blocks = [self.store.blocks_per_chunk] * (len(tokens) // chunk)
+        if len(hashes) > len(blocks):  # the tail piece (kept when content reuse is available)
+            blocks.append(-(-(len(tokens) % chunk) // self.config.block_size))
+        return owner_hash(root, tokens), hashes, blocks
+
+    def _pin_error(self, num_new_blocks: int) -> InvalidRequestError:
+        store, f = self.store, self.config.max_pinned_fraction
+        pinned = store.num_pinned_blocks + store.num_reserved_pin_blocks
+        return InvalidRequestError(
+            f"pinning this text would pin {pinned + num_new_blocks} of the pool's {self.pool.num_blocks} "
+            f"KV blocks, above max_pinned_fraction={f:g} ({store.max_pinned_blocks} blocks); unpin warmed "
+            "text (DELETE /v1/warm), warm it with pin=false, or raise --max-pinned-fraction",
+            param="pin",
+        )
+
+    def _reserve_pins(self, seq: Sequence) -> None:
+        _, hashes, blocks = self._pin_keys(seq)
+        new = self.store.unpinned_blocks(hashes, blocks)
+        if not self.store.reserve_pins(new):
+            raise self._pin_error(new)
+        seq.num_reserved_pin_blocks = new
+
+    def _pin(self, seq: Sequence) -> str | None:
+        """Pin a finished warm's chunks under its owner; the error if that would exceed the cap."""
+        self.store.release_pin_reservation(seq.num_reserved_pin_blocks)
+        seq.num_reserved_pin_blocks = 0
+        owner, hashes, _ = self._pin_keys(seq)
+        cached = [h for h in hashes if h in self.store]
+        chunks = [self.store.get(h) for h in cached]
+        new = sum(len(c.block_ids) for c in chunks if c is not None and not c.pinned)
+        if not self.store.reserve_pins(new):  # pins changed while it ran
+            return self._pin_error(new).message
+        self.store.release_pin_reservation(new)
+        self.store.pin(owner, cached)
+        return None
+
+    def unpin(self, token_ids: list[int], cache_salt: str | None = None) -> int:
+        """Release the pins a warm of this text holds; returns how many chunks it pinned (0: none)."""
+        return self.store.unpin(owner_hash(root_hash(self.info.namespace, cache_salt), token_ids))
+
+    # --- aborts ------------------------------------------------------------------------------------
     def abort_request(self, request_id: str, reason: str = "aborted") -> bool:
         seq = self._seqs.get(request_id)
-        if seq is None or seq.finished:
+        if seq is None:
             return False
         self._finish(seq, FinishReason.ABORT, error=reason)
         return True
-
-    def unpin(self, token_ids: list[int], cache_salt: str | None = None) -> int:
-        """Unpin the cached chunks of this prompt prefix; returns how many were pinned."""
-        root = root_hash(self.info.namespace, cache_salt)
-        hashes = prompt_chunk_hashes(token_ids, self.config.chunk_size, root)
-        return sum(self.store.set_pinned(h, False) for h in hashes)
 
     def has_unfinished_requests(self) -> bool:
         return bool(self._seqs) or bool(self._pending)
@@ -145,59 +209,61 @@ class Engine:
         now = time.monotonic()
         self._expire(now)
         batch = self.scheduler.schedule(now)
+        for seq, reason in batch.refused:
+            self._finish(seq, FinishReason.ERROR, error=reason)
         touched: list[Sequence] = []
-        if batch:
-            touched = self._execute_and_update(batch)
+        if batch.items:
+            touched += self._execute_items(batch.items)
+        for plan in batch.blends:
+            touched += self._execute_blend(plan)
         for seq in list(self.scheduler.running):
-            if seq.request.warm_only and seq.num_computed_tokens >= seq.num_tokens:
+            if seq.request.warm_only and seq.kv.num_computed_tokens >= seq.num_tokens:
                 self._finish_warm(seq)
-                touched.append(seq)
         self.num_steps += 1
         if self.check_integrity_each_step:
-            self.scheduler.check_integrity()
+            self.check_integrity()
         outputs, self._pending = self._pending, []
         seen: set[str] = set()
         for seq in touched:
             if seq.request_id in seen or seq.finished:  # finished ones were queued in _pending
                 continue
             seen.add(seq.request_id)
-            out = self.outputs.delta(seq, self._holdback(seq))
+            out = self.outputs.delta(seq)
             if out is not None:
                 outputs.append(out)
         return outputs
 
-    def _execute_and_update(self, batch: ScheduledBatch) -> list[Sequence]:
-        touched = []
-        if batch.items:
-            touched += self._execute_items(batch)
-        for plan in batch.blends:
-            touched += self._execute_blend(plan)
+    def _execute_items(self, items: list[ScheduledSeq]) -> list[Sequence]:
+        try:
+            logits = self.runner.execute(ScheduledBatch(items=items))
+        except Exception:  # find the sequence that causes it: the others must not fail with it
+            log.exception("a batched forward of %d sequences failed; retrying them one by one", len(items))
+            return self._execute_one_by_one(items)
+        return self._update(items, logits)
+
+    def _execute_one_by_one(self, items: list[ScheduledSeq]) -> list[Sequence]:
+        touched: list[Sequence] = []
+        for item in items:
+            try:
+                logits = self.runner.execute(ScheduledBatch(items=[item]))
+            except Exception as e:
+                self._fail(item.seq, "running the model", e)
+                continue
+            touched += self._update([item], logits)
         return touched
 
-    def _execute_items(self, batch: ScheduledBatch) -> list[Sequence]:
-        try:
-            logits = self.runner.execute(batch)
-        except Exception as e:  # a failing step must not take the engine down (invariant 5)
-            log.exception("step failed; finishing its %d requests with an error", len(batch.items))
-            for item in batch.items:
-                self._finish(item.seq, FinishReason.ERROR, error=f"internal error: {type(e).__name__}")
-            return []
+    def _update(self, items: list[ScheduledSeq], logits: torch.Tensor) -> list[Sequence]:
+        """logits [num_sampled, vocab]: one row per item with item.sample, in order."""
         row = 0
-        touched = []
-        for item in batch.items:
+        for item in items:
             seq = item.seq
-            start = seq.num_computed_tokens
-            self.num_prompt_tokens_computed += max(
-                0, min(start + item.num_new_tokens, seq.num_prompt_tokens) - start
-            )
             self.scheduler.on_computed(item)
             if seq.request.metrics.first_scheduled_time is None:
                 seq.request.metrics.first_scheduled_time = time.monotonic()
             if item.sample:
                 self._sample(seq, logits[row])
                 row += 1
-            touched.append(seq)
-        return touched
+        return [item.seq for item in items]
 
     def _execute_blend(self, plan: BlendPlan) -> list[Sequence]:
         seq = plan.seq
@@ -205,95 +271,64 @@ class Engine:
         try:
             logits, report = self.blend_runner.execute(plan)
         except Exception as e:
-            log.exception("content-reuse prefill failed")
-            self._finish(seq, FinishReason.ERROR, error=f"internal error: {type(e).__name__}")
+            self._fail(seq, "running the content-reuse forward", e)
             return []
-        self.scheduler.blend_done(plan)
-        self.num_prompt_tokens_computed += seq.num_prompt_tokens - plan.prefix_len - report.num_reused_tokens
-        seq.num_approx_cached_tokens = report.num_reused_tokens - report.num_recomputed_tokens
-        seq.num_recomputed_tokens = report.num_recomputed_tokens
-        seq.compute_fraction = report.compute_fraction
+        self.scheduler.blend_done(plan, seq.num_prompt_tokens - plan.prefix_len - report.num_reused_tokens)
+        reuse = seq.reuse
+        if reuse.compute_fraction is None:  # the first plan (a re-admission after preemption keeps it)
+            reuse.num_approx_cached_tokens = report.num_reused_tokens - report.num_recomputed_tokens
+            reuse.num_recomputed_tokens = report.num_recomputed_tokens
+            reuse.compute_fraction = report.compute_fraction
         self.content.num_hit_tokens += report.num_reused_tokens
         self.content.num_recomputed_tokens += report.num_recomputed_tokens
         if seq.request.metrics.first_scheduled_time is None:
             seq.request.metrics.first_scheduled_time = time.monotonic()
-        self._sample(seq, logits)
+        if seq.num_tokens == seq.num_prompt_tokens:
+            self._sample(seq, logits)
+        # else: re-admitted after preemption; its generated tokens are recomputed by the next steps
         return [seq]
 
     def _sample(self, seq: Sequence, logits: torch.Tensor) -> None:
         params = seq.request.sampling_params
-        token, logprob = sample_one(
-            logits, params, seq.request.prompt_token_ids, seq.output_token_ids, seq.generator
-        )
-        if self.logits_sink is not None:
-            self.logits_sink.setdefault(seq.request_id, []).append(logits.clone())
-        self._append_token(seq, token, logprob)
+        stage = "sampling"
+        try:
+            token, logprob = sample_one(
+                logits, params, seq.request.prompt_token_ids, seq.output_token_ids, seq.generator
+            )
+            if self.logits_sink is not None:
+                self.logits_sink.setdefault(seq.request_id, []).append(logits.clone())
+            if seq.request.metrics.first_token_time is None:
+                seq.request.metrics.first_token_time = time.monotonic()
+            stage = "processing its output"
+            reason = self.outputs.append(seq, token, logprob)
+        except Exception as e:
+            self._fail(seq, stage, e)
+            return
+        if reason is not None:
+            self._finish(seq, reason)
 
-    # --- update helpers ----------------------------------------------------------------------------
-    def _append_token(self, seq: Sequence, token: int, logprob: TokenLogprob | None) -> None:
-        params = seq.request.sampling_params
-        metrics = seq.request.metrics
-        if metrics.first_token_time is None:
-            metrics.first_token_time = time.monotonic()
-        seq.token_ids.append(token)
-        self.num_generated_tokens += 1
-        if logprob is not None:
-            seq.logprobs.append(logprob)
-        if token in params.stop_token_ids:
-            return self._finish(seq, FinishReason.STOP, stop_reason=token)
-        if not params.ignore_eos and token in self.info.eos_token_ids:
-            return self._finish(seq, FinishReason.STOP)
-        assert seq.detokenizer is not None
-        delta = seq.detokenizer.add(token)
-        seq.text += delta
-        if params.stop and delta:
-            if self._check_stop_strings(seq, len(delta)):
-                return None
-        num_output = len(seq.output_token_ids)
-        if num_output >= params.max_tokens or seq.num_tokens >= self.info.max_model_len:
-            return self._finish(seq, FinishReason.LENGTH)
-        return None
-
-    def _check_stop_strings(self, seq: Sequence, delta_len: int) -> bool:
-        params = seq.request.sampling_params
-        longest = max(len(s) for s in params.stop)
-        search_from = max(0, len(seq.text) - delta_len - longest + 1)
-        best: tuple[int, str] | None = None
-        for s in params.stop:
-            idx = seq.text.find(s, search_from)
-            if idx >= 0 and (best is None or idx < best[0]):
-                best = (idx, s)
-        if best is None:
-            return False
-        idx, s = best
-        seq.text = seq.text[: idx + len(s)] if params.include_stop_str_in_output else seq.text[:idx]
-        self._finish(seq, FinishReason.STOP, stop_reason=s)
-        return True
-
-    def _holdback(self, seq: Sequence) -> int:
-        """Characters not yet safe to stream: they could be the start of a stop string."""
-        stop = seq.request.sampling_params.stop
-        return max((len(s) for s in stop), default=1) - 1 if stop else 0
+    # --- leaving -----------------------------------------------------------------------------------
+    def _fail(self, seq: Sequence, stage: str, exc: Exception) -> None:
+        log.error("request %s failed while %s", seq.request_id, stage, exc_info=exc)
+        self._finish(seq, FinishReason.ERROR, error=f"internal error while {stage}: {type(exc).__name__}")
 
     def _finish_warm(self, seq: Sequence) -> None:
         self.scheduler.register_tail(seq)
-        if seq.request.pin:
-            self.scheduler.pin_prefix(seq, True)
-        self._finish(seq, FinishReason.STOP)
+        error = self._pin(seq) if seq.request.pin else None
+        if error is not None:
+            self._finish(seq, FinishReason.ERROR, error=error)
+        else:
+            self._finish(seq, FinishReason.STOP)
 
-    def _finish(
-        self,
-        seq: Sequence,
-        reason: FinishReason,
-        stop_reason: str | int | None = None,
-        error: str | None = None,
-    ) -> None:
-        if seq.finished:
+    def _finish(self, seq: Sequence, reason: FinishReason, error: str | None = None) -> None:
+        if self._seqs.get(seq.request_id) is not seq:  # already finished
             return
-        seq.stop_reason = stop_reason
-        self.scheduler.finish(seq, reason, error)
+        self.scheduler.finish(seq, reason, error)  # a no-op for one the scheduler finished (refused)
+        if seq.num_reserved_pin_blocks:
+            self.store.release_pin_reservation(seq.num_reserved_pin_blocks)
+            seq.num_reserved_pin_blocks = 0
         seq.request.metrics.finished_time = time.monotonic()
-        self._seqs.pop(seq.request_id, None)
+        del self._seqs[seq.request_id]
         self._pending.append(self.outputs.final(seq))
 
     def _expire(self, now: float) -> None:
@@ -305,6 +340,8 @@ class Engine:
     # --- facts -------------------------------------------------------------------------------------
     def check_integrity(self) -> None:
         self.scheduler.check_integrity()
+        reserved = sum(s.num_reserved_pin_blocks for s in self._seqs.values())
+        assert reserved == self.store.num_reserved_pin_blocks, "pin reservations do not match the warms"
 
     def stats(self) -> dict[str, Any]:
         return engine_stats(self)

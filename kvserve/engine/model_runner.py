@@ -43,19 +43,21 @@ class ModelRunner:
         logits_indices: list[int] = []
         bs = self.block_size
         for item in batch.items:
-            seq, start = item.seq, item.seq.num_computed_tokens
+            seq, start = item.seq, item.seq.kv.num_computed_tokens
             end = start + item.num_new_tokens
             input_ids += seq.token_ids[start:end]
             positions += range(start, end)
-            slots += [seq.block_ids[p // bs] * bs + p % bs for p in range(start, end)]
+            slots += [seq.kv.block_ids[p // bs] * bs + p % bs for p in range(start, end)]
             query_lens.append(item.num_new_tokens)
             seq_lens.append(end)
             if item.sample:
                 logits_indices.append(len(input_ids) - 1)
-        max_blocks = max(len(item.seq.block_ids) for item in batch.items)
+        max_blocks = max(len(item.seq.kv.block_ids) for item in batch.items)
         block_tables = torch.zeros((len(batch.items), max_blocks), dtype=torch.int32)
         for i, item in enumerate(batch.items):
-            block_tables[i, : len(item.seq.block_ids)] = torch.tensor(item.seq.block_ids, dtype=torch.int32)
+            block_tables[i, : len(item.seq.kv.block_ids)] = torch.tensor(
+                item.seq.kv.block_ids, dtype=torch.int32
+            )
         query_start_loc = torch.zeros(len(query_lens) + 1, dtype=torch.int32)
         query_start_loc[1:] = torch.cumsum(torch.tensor(query_lens, dtype=torch.int32), 0)
         dev = self.device

@@ -1,46 +1,102 @@
-"""Builds RequestOutput deltas and final outputs from a Sequence's state."""
+"""OutputProcessor: what a sampled token does to a sequence's output (stop checks, detokenizing),
+and the RequestOutput deltas and final outputs built from a sequence's state."""
 
 from __future__ import annotations
 
-from kvserve.request import RequestOutput
+from collections.abc import Iterable
+
+from kvserve.request import FinishReason, RequestOutput, TokenLogprob
 from kvserve.scheduler.sequence import Sequence
 
 
-class OutputBuilder:
-    def delta(self, seq: Sequence, holdback_chars: int) -> RequestOutput | None:
+class OutputProcessor:
+    def __init__(self, eos_token_ids: Iterable[int], max_model_len: int):
+        self.eos_token_ids = frozenset(eos_token_ids)
+        self.max_model_len = max_model_len
+        self.num_generated_tokens = 0
+
+    # --- tokens ------------------------------------------------------------------------------------
+    def append(self, seq: Sequence, token: int, logprob: TokenLogprob | None) -> FinishReason | None:
+        """Append a sampled token; returns why the sequence finishes with it, if it does (the stop
+        reason is recorded and a matched stop string trimmed from the text)."""
+        params = seq.request.sampling_params
+        out = seq.out
+        seq.token_ids.append(token)
+        self.num_generated_tokens += 1
+        if logprob is not None:
+            out.logprobs.append(logprob)
+        if token in params.stop_token_ids:
+            out.stop_reason = token
+            return FinishReason.STOP
+        if not params.ignore_eos and token in self.eos_token_ids:
+            return FinishReason.STOP
+        assert out.detokenizer is not None
+        delta = out.detokenizer.add(token)
+        out.text += delta
+        if params.stop and delta and self._stop_string(seq, len(delta)):
+            return FinishReason.STOP
+        if len(seq.output_token_ids) >= params.max_tokens or seq.num_tokens >= self.max_model_len:
+            return FinishReason.LENGTH
+        return None
+
+    def _stop_string(self, seq: Sequence, delta_len: int) -> bool:
+        params, out = seq.request.sampling_params, seq.out
+        longest = max(len(s) for s in params.stop)
+        search_from = max(0, len(out.text) - delta_len - longest + 1)
+        best: tuple[int, str] | None = None
+        for s in params.stop:
+            idx = out.text.find(s, search_from)
+            if idx >= 0 and (best is None or idx < best[0]):
+                best = (idx, s)
+        if best is None:
+            return False
+        idx, s = best
+        out.text = out.text[: idx + len(s)] if params.include_stop_str_in_output else out.text[:idx]
+        out.stop_reason = s
+        return True
+
+    @staticmethod
+    def holdback(seq: Sequence) -> int:
+        """Characters not yet safe to stream: they could be the start of a stop string."""
+        stop = seq.request.sampling_params.stop
+        return max((len(s) for s in stop), default=1) - 1 if stop else 0
+
+    # --- outputs -----------------------------------------------------------------------------------
+    def delta(self, seq: Sequence) -> RequestOutput | None:
         """What is new since the last emission; None if nothing is (e.g. a prefill piece)."""
-        outputs = seq.output_token_ids
-        emit_to = max(seq.num_emitted_chars, len(seq.text) - holdback_chars)
-        if len(outputs) == seq.num_emitted_tokens and emit_to == seq.num_emitted_chars:
+        out = seq.out
+        emit_to = max(out.num_emitted_chars, len(out.text) - self.holdback(seq))
+        if len(seq.output_token_ids) == out.num_emitted_tokens and emit_to == out.num_emitted_chars:
             return None
         return self._make(seq, emit_to, finished=False)
 
     def final(self, seq: Sequence) -> RequestOutput:
-        return self._make(seq, len(seq.text), finished=True)
+        return self._make(seq, len(seq.out.text), finished=True)
 
     def _make(self, seq: Sequence, emit_to: int, finished: bool) -> RequestOutput:
+        out, reuse = seq.out, seq.reuse
         outputs = seq.output_token_ids
-        new_token_ids = outputs[seq.num_emitted_tokens :]
-        new_text = seq.text[seq.num_emitted_chars : emit_to]
-        logprobs = list(seq.logprobs) if seq.request.sampling_params.logprobs is not None else None
-        seq.num_emitted_tokens = len(outputs)
-        seq.num_emitted_chars = emit_to
+        new_token_ids = outputs[out.num_emitted_tokens :]
+        new_text = out.text[out.num_emitted_chars : emit_to]
+        logprobs = list(out.logprobs) if seq.request.sampling_params.logprobs is not None else None
+        out.num_emitted_tokens = len(outputs)
+        out.num_emitted_chars = emit_to
         return RequestOutput(
             request_id=seq.request_id,
             prompt_token_ids=seq.request.prompt_token_ids,
             token_ids=list(outputs),
-            text=seq.text[:emit_to],
+            text=out.text[:emit_to],
             new_token_ids=new_token_ids,
             new_text=new_text,
             finished=finished,
-            finish_reason=seq.finish_reason if finished else None,
-            stop_reason=seq.stop_reason if finished else None,
-            num_cached_tokens=seq.num_cached_tokens + seq.num_approx_cached_tokens,
-            num_exact_cached_tokens=seq.num_cached_tokens,
-            num_approx_cached_tokens=seq.num_approx_cached_tokens,
-            num_recomputed_tokens=seq.num_recomputed_tokens,
-            compute_fraction=seq.compute_fraction,
+            finish_reason=out.finish_reason if finished else None,
+            stop_reason=out.stop_reason if finished else None,
+            num_cached_tokens=reuse.num_exact_cached_tokens + reuse.num_approx_cached_tokens,
+            num_exact_cached_tokens=reuse.num_exact_cached_tokens,
+            num_approx_cached_tokens=reuse.num_approx_cached_tokens,
+            num_recomputed_tokens=reuse.num_recomputed_tokens,
+            compute_fraction=reuse.compute_fraction,
             logprobs=logprobs,
-            error=seq.error if finished else None,
+            error=out.error if finished else None,
             metrics=seq.request.metrics,
         )

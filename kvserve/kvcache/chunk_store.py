@@ -2,12 +2,23 @@
 through segment_index.SegmentIndex, which points into these chunks.
 
 Ownership: the store holds one pool ref on each block of each cached chunk. A chunk's `num_users`
-counts the running requests that use it (matched it, or computed and registered it); only chunks
-with no users and no pin are evictable, and only those are known to the eviction policy.
+counts the running requests that use it (matched it, computed and registered it, or hold it as the
+parent of a chunk they will register). Cached chunks form a tree by prefix (a chunk's parent is the
+chunk before it in its prompt; depth-0 chunks hang off the root), and the tree stays whole: a chunk
+is inserted only under a cached parent, and only leaves are evictable, so eviction never leaves a
+chunk whose parent is gone (an orphan no lookup could reach, still holding memory).
+
+Pins are counted per owner (a warmed text): a chunk stays pinned while any owner pins it, so
+unpinning "system + doc A" keeps the system chunks that "system + doc B" still pins. Pinned blocks are
+capped at `max_pinned_blocks`; `reserve_pins` books room for a warm before it runs.
+
+Evictable == no users, no pin, no cached children; only evictable chunks are known to the eviction
+policy.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from kvserve.kvcache.block_pool import BlockPool
@@ -19,22 +30,39 @@ class CachedChunk:
     prefix_hash: bytes
     block_ids: list[int]
     depth: int  # chunk index within the prompt that produced it (0 = first chunk)
+    parent: bytes | None  # prefix hash of the chunk before it (None: depth 0, under the root)
     num_tokens: int = 0  # chunk_size, or fewer for a prompt's tail piece (never prefix-matched)
     num_users: int = 0
-    pinned: bool = False
+    num_pins: int = 0  # owners pinning it
+    num_children: int = 0  # cached chunks whose parent it is
     num_hits: int = 0
+
+    @property
+    def pinned(self) -> bool:
+        return self.num_pins > 0
+
+    @property
+    def evictable(self) -> bool:
+        return self.num_users == 0 and self.num_pins == 0 and self.num_children == 0
 
 
 class ChunkStore:
-    def __init__(self, pool: BlockPool, chunk_size: int, policy: str = "lru_freq"):
+    def __init__(
+        self, pool: BlockPool, chunk_size: int, policy: str = "lru_freq", max_pinned_blocks: int | None = None
+    ):
         assert chunk_size % pool.block_size == 0
         self.pool = pool
         self.chunk_size = chunk_size
         self.blocks_per_chunk = chunk_size // pool.block_size
         self.policy: EvictionPolicy = POLICIES[policy]()
+        self.max_pinned_blocks = pool.num_blocks if max_pinned_blocks is None else max_pinned_blocks
         self._chunks: dict[bytes, CachedChunk] = {}
+        self._pins: dict[bytes, list[bytes]] = {}  # owner -> the chunks it pins
+        self.on_drop: list[Callable[[bytes], None]] = []  # called with each evicted chunk's hash
         self.num_evicted_chunks = 0
         self.num_cached_blocks = 0
+        self.num_pinned_blocks = 0
+        self.num_reserved_pin_blocks = 0  # booked by warms still running
 
     # --- lookup ----------------------------------------------------------------------------------
     def __contains__(self, prefix_hash: bytes) -> bool:
@@ -58,13 +86,13 @@ class ChunkStore:
 
     # --- use -------------------------------------------------------------------------------------
     def acquire(self, chunk: CachedChunk, hit: bool = True) -> None:
-        """A request starts using `chunk` (the caller retains its blocks for the request)."""
-        if chunk.num_users == 0:
+        """A request starts using `chunk` (the caller retains its blocks if it reads them)."""
+        if chunk.evictable:
             self.policy.remove(chunk.prefix_hash)
         chunk.num_users += 1
         if hit:
             chunk.num_hits += 1
-            self.policy.touch(chunk.prefix_hash, chunk.depth)
+            self.policy.touch(chunk.prefix_hash)
 
     def release(self, prefix_hash: bytes) -> None:
         chunk = self._chunks.get(prefix_hash)
@@ -75,37 +103,90 @@ class ChunkStore:
         self._maybe_evictable(chunk)
 
     def insert(
-        self, prefix_hash: bytes, block_ids: list[int], depth: int, num_tokens: int = 0
+        self,
+        prefix_hash: bytes,
+        block_ids: list[int],
+        depth: int,
+        parent: bytes | None,
+        num_tokens: int = 0,
     ) -> CachedChunk:
-        """Register a chunk computed by a running request, which becomes its first user.
-        A tail piece (num_tokens < chunk_size) is held for content matches only."""
+        """Register a chunk computed by a running request, which becomes its first user. The parent
+        must be cached (the caller holds it). A tail piece (num_tokens < chunk_size) is held for
+        content matches only."""
         num_tokens = num_tokens or self.chunk_size
         assert prefix_hash not in self._chunks and 0 < num_tokens <= self.chunk_size
         assert len(block_ids) == -(-num_tokens // self.pool.block_size)
+        if parent is not None:
+            parent_chunk = self._chunks[parent]  # KeyError: inserting under an evicted parent
+            if parent_chunk.evictable:
+                self.policy.remove(parent)
+            parent_chunk.num_children += 1
         self.pool.retain(block_ids)
-        chunk = CachedChunk(prefix_hash, list(block_ids), depth, num_tokens, num_users=1)
+        chunk = CachedChunk(prefix_hash, list(block_ids), depth, parent, num_tokens, num_users=1)
         self._chunks[prefix_hash] = chunk
         self.num_cached_blocks += len(block_ids)
-        self.policy.touch(prefix_hash, depth)
+        self.policy.touch(prefix_hash)
         return chunk
 
-    def set_pinned(self, prefix_hash: bytes, pinned: bool) -> bool:
-        chunk = self._chunks.get(prefix_hash)
-        if chunk is None:
+    # --- pins ------------------------------------------------------------------------------------
+    def pin(self, owner: bytes, prefix_hashes: list[bytes]) -> int:
+        """`owner` pins the cached chunks among `prefix_hashes` (again pinning is a no-op for chunks it
+        already pins); returns how many chunks it pins now."""
+        held = self._pins.setdefault(owner, [])
+        for h in prefix_hashes:
+            chunk = self._chunks.get(h)
+            if chunk is None or h in held:
+                continue
+            if chunk.evictable:
+                self.policy.remove(h)
+            if chunk.num_pins == 0:
+                self.num_pinned_blocks += len(chunk.block_ids)
+            chunk.num_pins += 1
+            held.append(h)
+        if not held:
+            del self._pins[owner]
+        return len(held)
+
+    def unpin(self, owner: bytes) -> int:
+        """Release every pin of `owner`; returns how many chunks it pinned (0 if none)."""
+        held = self._pins.pop(owner, [])
+        for h in held:
+            chunk = self._chunks[h]  # pinned chunks are never evicted
+            chunk.num_pins -= 1
+            if chunk.num_pins == 0:
+                self.num_pinned_blocks -= len(chunk.block_ids)
+            self._maybe_evictable(chunk)
+        return len(held)
+
+    def unpinned_blocks(self, prefix_hashes: list[bytes], num_blocks_each: list[int]) -> int:
+        """Blocks that pinning these chunks would add: those not cached yet (counted at
+        `num_blocks_each`) or cached and not pinned."""
+        total = 0
+        for h, n in zip(prefix_hashes, num_blocks_each, strict=True):
+            chunk = self._chunks.get(h)
+            if chunk is None or not chunk.pinned:
+                total += n
+        return total
+
+    def reserve_pins(self, num_blocks: int) -> bool:
+        """Book room for `num_blocks` more pinned blocks (a warm about to run); False over the cap."""
+        if self.num_pinned_blocks + self.num_reserved_pin_blocks + num_blocks > self.max_pinned_blocks:
             return False
-        if pinned and not chunk.pinned:
-            self.policy.remove(prefix_hash)
-        chunk.pinned = pinned
-        self._maybe_evictable(chunk)
+        self.num_reserved_pin_blocks += num_blocks
         return True
 
+    def release_pin_reservation(self, num_blocks: int) -> None:
+        self.num_reserved_pin_blocks -= num_blocks
+        assert self.num_reserved_pin_blocks >= 0
+
     def _maybe_evictable(self, chunk: CachedChunk) -> None:
-        if chunk.num_users == 0 and not chunk.pinned:
+        if chunk.evictable:
             self.policy.add(chunk.prefix_hash)
 
     # --- eviction --------------------------------------------------------------------------------
     def evict(self, num_blocks: int) -> int:
-        """Evict chunks until `num_blocks` blocks were freed or nothing is evictable; returns blocks freed."""
+        """Evict chunks, leaves first, until `num_blocks` blocks were freed or nothing is evictable;
+        returns blocks freed. A parent left childless becomes a candidate in its turn."""
         freed = 0
         while freed < num_blocks:
             victim = self.policy.pop_victim()
@@ -117,10 +198,16 @@ class ChunkStore:
 
     def _drop(self, prefix_hash: bytes) -> int:
         chunk = self._chunks.pop(prefix_hash)
-        assert chunk.num_users == 0 and not chunk.pinned
+        assert chunk.evictable
         self.policy.forget(prefix_hash)
+        if chunk.parent is not None:
+            parent = self._chunks[chunk.parent]
+            parent.num_children -= 1
+            self._maybe_evictable(parent)
         self.pool.release(chunk.block_ids)
         self.num_cached_blocks -= len(chunk.block_ids)
+        for hook in self.on_drop:
+            hook(prefix_hash)
         return sum(1 for b in chunk.block_ids if self.pool.ref_counts[b] == 0)
 
     # --- facts -----------------------------------------------------------------------------------
@@ -128,13 +215,32 @@ class ChunkStore:
     def num_pinned_chunks(self) -> int:
         return sum(1 for c in self._chunks.values() if c.pinned)
 
+    @property
+    def num_pin_owners(self) -> int:
+        return len(self._pins)
+
     def chunks(self) -> list[CachedChunk]:
         return list(self._chunks.values())
 
     def check_integrity(self) -> None:
         assert self.num_cached_blocks == sum(len(c.block_ids) for c in self._chunks.values())
+        children = dict.fromkeys(self._chunks, 0)
+        pins = dict.fromkeys(self._chunks, 0)
+        for owner, held in self._pins.items():
+            assert held and len(set(held)) == len(held), f"owner {owner.hex()[:8]} pins a chunk twice"
+            for h in held:
+                pins[h] += 1
         for h, chunk in self._chunks.items():
             assert chunk.prefix_hash == h
             assert len(chunk.block_ids) == -(-chunk.num_tokens // self.pool.block_size)
             for b in chunk.block_ids:
                 assert self.pool.ref_counts[b] >= 1, f"cached chunk holds free block {b}"
+            if chunk.parent is not None:
+                assert chunk.parent in self._chunks, f"chunk {h.hex()[:8]} is cached but its parent is not"
+                children[chunk.parent] += 1
+        for h, chunk in self._chunks.items():
+            assert chunk.num_children == children[h], "child count mismatch"
+            assert chunk.num_pins == pins[h], "pin count does not match the owners' pins"
+        assert self.num_pinned_blocks == sum(len(c.block_ids) for c in self._chunks.values() if c.pinned)
+        assert self.num_pinned_blocks <= self.max_pinned_blocks
+        assert self.policy.candidates() == {h for h, c in self._chunks.items() if c.evictable}

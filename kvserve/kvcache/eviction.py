@@ -1,8 +1,9 @@
 """Eviction policies over cached chunks, chosen by config name.
 
 A policy only ever sees *evictable* chunks: the chunk store adds a chunk when no request references
-it and it is not pinned, and removes it when that stops being true. So `pop_victim` never returns a
-pinned or referenced chunk. Both policies are O(log n) per operation (heap with lazy deletion).
+it, it is not pinned and it has no cached children (leaves only, so eviction never orphans a chunk),
+and removes it when that stops being true. So `pop_victim` never returns a pinned, referenced or
+inner chunk. Both policies are O(log n) per operation (heap with lazy deletion).
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ class EvictionPolicy(ABC):
     """Tracks evictable chunks and picks the next victim."""
 
     @abstractmethod
-    def touch(self, chunk_hash: bytes, depth: int) -> None:
+    def touch(self, chunk_hash: bytes) -> None:
         """Record a use (a hit, or the insertion) of a chunk."""
 
     @abstractmethod
@@ -35,41 +36,47 @@ class EvictionPolicy(ABC):
     def forget(self, chunk_hash: bytes) -> None:
         """Drop all state of an evicted or deleted chunk."""
 
+    @abstractmethod
+    def candidates(self) -> set[bytes]:
+        """The chunks the policy holds as evictable (for integrity checks)."""
+
 
 class _HeapPolicy(EvictionPolicy):
     """Min-heap of (priority, tie-breakers) over evictable chunks with lazy invalidation."""
 
     def __init__(self) -> None:
-        self._heap: list[tuple[float, int, int, int, bytes]] = []
+        self._heap: list[tuple[float, int, int, bytes]] = []
         self._live: dict[bytes, int] = {}  # evictable chunk -> version of its heap entry
-        self._stats: dict[bytes, tuple[float, int, int]] = {}  # chunk -> (priority, last_tick, depth)
+        self._stats: dict[bytes, tuple[float, int]] = {}  # chunk -> (priority, last_tick)
         self._versions = itertools.count()
         self._tick = 0
 
     def _priority(self, chunk_hash: bytes, previous: float | None) -> float:
         raise NotImplementedError
 
-    def touch(self, chunk_hash: bytes, depth: int) -> None:
+    def touch(self, chunk_hash: bytes) -> None:
         self._tick += 1
         previous = self._stats.get(chunk_hash)
         priority = self._priority(chunk_hash, previous[0] if previous else None)
-        self._stats[chunk_hash] = (priority, self._tick, depth)
+        self._stats[chunk_hash] = (priority, self._tick)
         if chunk_hash in self._live:
             self.add(chunk_hash)  # re-push with the new priority
 
     def add(self, chunk_hash: bytes) -> None:
-        priority, tick, depth = self._stats[chunk_hash]
+        priority, tick = self._stats[chunk_hash]
         version = next(self._versions)
         self._live[chunk_hash] = version
-        # ties: older first, then deeper chunks first (a child is useless without its parent)
-        heapq.heappush(self._heap, (priority, tick, -depth, version, chunk_hash))
+        heapq.heappush(self._heap, (priority, tick, version, chunk_hash))  # ties: least recently used
+        if len(self._heap) > 2 * len(self._live) + 64:  # stale entries pile up without evictions
+            self._heap = [e for e in self._heap if self._live.get(e[3]) == e[2]]
+            heapq.heapify(self._heap)
 
     def remove(self, chunk_hash: bytes) -> None:
         self._live.pop(chunk_hash, None)
 
     def pop_victim(self) -> bytes | None:
         while self._heap:
-            priority, _, _, version, chunk_hash = heapq.heappop(self._heap)
+            priority, _, version, chunk_hash = heapq.heappop(self._heap)
             if self._live.get(chunk_hash) == version:
                 del self._live[chunk_hash]
                 self._on_evict(priority)
@@ -82,6 +89,9 @@ class _HeapPolicy(EvictionPolicy):
     def forget(self, chunk_hash: bytes) -> None:
         self._live.pop(chunk_hash, None)
         self._stats.pop(chunk_hash, None)
+
+    def candidates(self) -> set[bytes]:
+        return set(self._live)
 
     def __len__(self) -> int:
         return len(self._live)

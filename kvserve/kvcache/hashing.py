@@ -54,3 +54,8 @@ def prompt_chunk_hashes(token_ids: Sequence[int], chunk_size: int, root: bytes) 
     if full < len(token_ids):
         hashes.append(tail_hash(hashes[-1] if hashes else root, token_ids[full:]))
     return hashes
+
+
+def owner_hash(root: bytes, token_ids: Sequence[int]) -> bytes:
+    """Identity of a pinned text (warm with pin): its pins are counted and released together."""
+    return hashlib.sha256(b"owner\0" + root + _token_bytes(token_ids)).digest()

@@ -1,8 +1,9 @@
 """SegmentIndex: content hash of a prompt piece -> where its KV lives in the cache.
 
 A segment is a token range [start_pos, start_pos + num_tokens) of an earlier prompt whose KV is held
-by cached chunks (listed by prefix hash). It owns nothing: a lookup checks that every chunk it
-points into is still cached, so eviction never leaves a dangling segment (stale ones are dropped).
+by cached chunks (listed by prefix hash). It owns nothing. The index is bounded by the store: when the
+store evicts a chunk, every segment pointing into it is dropped (ChunkStore.on_drop), so each entry
+points into cached chunks only.
 """
 
 from __future__ import annotations
@@ -33,22 +34,50 @@ class SegmentIndex:
     def __init__(self, store: ChunkStore):
         self.store = store
         self._segments: dict[bytes, Segment] = {}
+        self._by_chunk: dict[bytes, set[bytes]] = {}  # chunk prefix hash -> content hashes into it
+        store.on_drop.append(self._on_chunk_dropped)
 
     def __len__(self) -> int:
         return len(self._segments)
 
     def add(self, segment: Segment) -> None:
-        self._segments[segment.content_hash] = segment  # the newest copy wins
+        """Index a segment whose chunks are all cached; the newest copy of a content hash wins."""
+        assert all(h in self.store for h in segment.chunk_hashes), "segment points at uncached chunks"
+        self._remove(segment.content_hash)
+        self._segments[segment.content_hash] = segment
+        for h in segment.chunk_hashes:
+            self._by_chunk.setdefault(h, set()).add(segment.content_hash)
+
+    def _remove(self, content_hash: bytes) -> None:
+        old = self._segments.pop(content_hash, None)
+        if old is None:
+            return
+        for h in old.chunk_hashes:
+            keys = self._by_chunk.get(h)
+            if keys is not None:
+                keys.discard(content_hash)
+                if not keys:
+                    del self._by_chunk[h]
+
+    def _on_chunk_dropped(self, prefix_hash: bytes) -> None:
+        for content_hash in list(self._by_chunk.get(prefix_hash, ())):
+            self._remove(content_hash)
+
+    def check_integrity(self) -> None:
+        for content_hash, segment in self._segments.items():
+            for h in segment.chunk_hashes:
+                assert h in self.store, "an indexed segment points at an evicted chunk"
+                assert content_hash in self._by_chunk[h]
+        assert sum(len(v) for v in self._by_chunk.values()) == sum(
+            len(s.chunk_hashes) for s in self._segments.values()
+        )
 
     def lookup(self, content_hash: bytes) -> SegmentHit | None:
         segment = self._segments.get(content_hash)
         if segment is None:
             return None
-        chunks = [self.store.get(h) for h in segment.chunk_hashes]
-        if any(c is None for c in chunks):
-            del self._segments[content_hash]  # evicted underneath: stale
-            return None
-        live = [c for c in chunks if c is not None]
+        live = [c for c in map(self.store.get, segment.chunk_hashes) if c is not None]
+        assert len(live) == len(segment.chunk_hashes), "the index holds a segment of an evicted chunk"
         bs, chunk_size = self.store.pool.block_size, self.store.chunk_size
         slots = []
         for p in range(segment.start_pos, segment.start_pos + segment.num_tokens):

@@ -11,7 +11,7 @@ from kvserve.scheduler.sequence import Sequence
 @dataclass
 class ScheduledSeq:
     seq: Sequence
-    num_new_tokens: int  # computes token_ids[num_computed_tokens : num_computed_tokens + num_new_tokens]
+    num_new_tokens: int  # computes token_ids[kv.num_computed_tokens : + num_new_tokens]
     sample: bool  # this step reaches the end of the known tokens: sample the next one
 
 
@@ -71,10 +71,13 @@ class ScheduledBatch:
     items: list[ScheduledSeq] = field(default_factory=list)
     blends: list[BlendPlan] = field(default_factory=list)
     preempted: list[Sequence] = field(default_factory=list)
+    # sequences that can never get their blocks (pinned memory leaves too little): the engine fails
+    # them with the reason instead of letting them wait forever
+    refused: list[tuple[Sequence, str]] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:
         return sum(i.num_new_tokens for i in self.items)
 
     def __bool__(self) -> bool:
-        return bool(self.items) or bool(self.blends)
+        return bool(self.items) or bool(self.blends) or bool(self.refused)

@@ -2,7 +2,9 @@
 
 Pieces are cut by the Segmenter (fixed or content-defined), keyed by a content hash salted with
 the request's cache namespace (so tenants never share), and indexed once the chunks holding their
-KV are cached. Only KV computed with the true preceding context is ever indexed.
+KV are cached. Only KV computed with the true preceding context is ever indexed, and only prompts
+that opted into content reuse (`reuse=any`, by request or server default) and warmed texts are
+indexed: exact-only traffic pays no hashing and no index memory. The index is bounded by the store.
 """
 
 from __future__ import annotations
@@ -31,23 +33,25 @@ class ContentMatcher:
         self.num_recomputed_tokens = 0
 
     def _key(self, seq: Sequence, start: int, end: int) -> bytes:
-        return content_hash(seq.root_hash.hex(), seq.token_ids[start:end])
+        return content_hash(seq.cache.root_hash.hex(), seq.token_ids[start:end])
+
+    def _mode(self, seq: Sequence) -> str:
+        opts = seq.request.reuse
+        return opts.reuse if opts is not None and opts.reuse is not None else self.config.reuse
 
     def prepare(self, seq: Sequence) -> None:
-        if self.enabled:
-            seq.segments = self.segmenter.segments(seq.request.prompt_token_ids)
+        """Cut the prompt into pieces if it will be indexed (warmed, or opted into content reuse)."""
+        if self.enabled and (seq.request.warm_only or self._mode(seq) == "any"):
+            seq.reuse.segments = self.segmenter.segments(seq.request.prompt_token_ids)
 
     def wants(self, seq: Sequence) -> bool:
-        if not self.enabled or seq.request.warm_only:
-            return False
-        opts = seq.request.reuse
-        mode = opts.reuse if opts is not None and opts.reuse is not None else self.config.reuse
-        return mode == "any"
+        """Whether to look for content matches for this sequence."""
+        return self.enabled and not seq.request.warm_only and self._mode(seq) == "any"
 
     def find_hits(self, seq: Sequence, prefix_len: int) -> list[ContentHit]:
         """Cached pieces after the exact prefix; the last prompt token is always computed."""
         hits = []
-        for start, end in seq.segments:
+        for start, end in seq.reuse.segments:
             if start < prefix_len or end > seq.num_prompt_tokens - 1:
                 continue
             hit = self.index.lookup(self._key(seq, start, end))
@@ -78,10 +82,9 @@ class ContentMatcher:
     def register(self, seq: Sequence, num_cached_tokens: int, chunk_hashes: list[bytes]) -> None:
         """Index the prompt pieces whose KV now lies in cached chunks: [0, num_cached_tokens) is held
         by chunk_hashes (one per chunk_size tokens, the last may be a tail piece)."""
-        if not self.enabled:
-            return
-        while seq.num_segments_registered < len(seq.segments):
-            start, end = seq.segments[seq.num_segments_registered]
+        reuse = seq.reuse
+        while reuse.num_segments_registered < len(reuse.segments):
+            start, end = reuse.segments[reuse.num_segments_registered]
             if end > num_cached_tokens:
                 break
             first, last = start // self.chunk_size, (end - 1) // self.chunk_size
@@ -92,7 +95,7 @@ class ContentMatcher:
                     num_tokens=end - start,
                     chunk_hashes=tuple(chunk_hashes[first : last + 1]),
                     first_chunk_pos=first * self.chunk_size,
-                    source_id=seq.source_id,
+                    source_id=reuse.source_id,
                 )
             )
-            seq.num_segments_registered += 1
+            reuse.num_segments_registered += 1

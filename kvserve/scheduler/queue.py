@@ -25,7 +25,7 @@ class AdmissionQueue:
         return sum(len(g) for g in self._groups.values())
 
     def _key(self, seq: Sequence) -> bytes | str:
-        return seq.prefix_hashes[0] if seq.prefix_hashes else seq.request_id
+        return seq.cache.prefix_hashes[0] if seq.cache.prefix_hashes else seq.request_id
 
     def add(self, seq: Sequence, front: bool = False) -> None:
         key = self._key(seq)
@@ -53,6 +53,6 @@ class AdmissionQueue:
     def candidates(self, now: float, is_deferred: Callable[[Sequence], bool]) -> Iterator[Sequence]:
         """Admissible sequences in admission order (the caller removes the ones it admits)."""
         for seq in self:
-            if seq.admitted_once or now - seq.request.metrics.arrival_time >= self.batch_window_s:
+            if seq.reuse.admitted_once or now - seq.request.metrics.arrival_time >= self.batch_window_s:
                 if not is_deferred(seq):
                     yield seq

@@ -1,5 +1,11 @@
-"""Sequence: the engine's mutable state of one Request. The request owns its state; batch tensors
-are derived from it once per step (ModelRunner.prepare_inputs)."""
+"""Sequence: the engine's mutable state of one Request, split by the resource each part describes.
+The request owns its state; batch tensors are derived from it once per step (ModelRunner).
+
+  SeqKV      its hold on the KV pool: blocks and how many tokens' KV they hold (scheduler)
+  SeqCache   its relation to the chunk store: hashes, chunks it uses, chunks it will register (scheduler)
+  SeqReuse   what the cache saved it, and its content pieces for approximate reuse (scheduler, content)
+  SeqOutput  the text it produced and what was streamed (engine.output.OutputProcessor)
+"""
 
 from __future__ import annotations
 
@@ -19,36 +25,57 @@ class SeqStatus(enum.Enum):
 
 
 @dataclass
-class Sequence:
-    request: Request
-    generator: torch.Generator
-    detokenizer: IncrementalDetokenizer | None
-    root_hash: bytes
-    token_ids: list[int] = field(default_factory=list)  # prompt + generated
-    num_computed_tokens: int = 0  # tokens whose KV is in the pool: [0, num_computed_tokens)
+class SeqKV:
     block_ids: list[int] = field(default_factory=list)  # owned, one pool ref each, in position order
+    num_computed_tokens: int = 0  # tokens whose KV is in the pool: [0, num_computed_tokens)
+
+
+@dataclass
+class SeqCache:
+    root_hash: bytes  # namespace + cache_salt
     prefix_hashes: list[bytes] = field(default_factory=list)  # of the full chunks of token_ids
     used_chunks: list[bytes] = field(default_factory=list)  # cached chunks this sequence is a user of
-    num_chunks_in_store: int = 0  # leading chunks known to be cached (matched or registered)
-    num_cached_tokens: int = 0  # prompt tokens reused from the cache (first admission)
-    in_flight: list[bytes] = field(default_factory=list)  # prompt chunks this sequence will compute
-    status: SeqStatus = SeqStatus.WAITING
-    finish_reason: FinishReason | None = None
-    stop_reason: str | int | None = None
-    error: str | None = None
-    text: str = ""
-    num_emitted_tokens: int = 0
-    num_emitted_chars: int = 0
-    logprobs: list[TokenLogprob] = field(default_factory=list)
-    admitted_once: bool = False
-    # content reuse
+    num_chunks_in_store: int = 0  # leading chunks cached and held (matched, registered or adopted)
+    in_flight: list[bytes] = field(default_factory=list)  # prompt chunks it computes and will register
+    register_limit: int | None = None  # chunks from this index on hold approximate KV: never registered
+
+
+@dataclass
+class SeqReuse:
     source_id: int = 0  # unique per sequence: identifies runs of pieces from one prompt
     segments: list[tuple[int, int]] = field(default_factory=list)  # prompt pieces for content matching
     num_segments_registered: int = 0
-    register_limit: int | None = None  # chunks from this index on hold approximate KV: never registered
-    num_approx_cached_tokens: int = 0
-    num_recomputed_tokens: int = 0
-    compute_fraction: float | None = None
+    admitted_once: bool = False
+    # what the cache saved, fixed at the first admission (re-admission after preemption keeps them)
+    num_exact_cached_tokens: int = 0
+    num_approx_cached_tokens: int = 0  # moved from content matches and not recomputed
+    num_recomputed_tokens: int = 0  # moved, then recomputed by the repair
+    compute_fraction: float | None = None  # repair forwards: token-layers computed / a full prefill's
+
+
+@dataclass
+class SeqOutput:
+    detokenizer: IncrementalDetokenizer | None  # None for warm requests (they generate nothing)
+    text: str = ""
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+    num_emitted_tokens: int = 0
+    num_emitted_chars: int = 0
+    finish_reason: FinishReason | None = None
+    stop_reason: str | int | None = None
+    error: str | None = None
+
+
+@dataclass
+class Sequence:
+    request: Request
+    generator: torch.Generator
+    cache: SeqCache
+    out: SeqOutput
+    token_ids: list[int] = field(default_factory=list)  # prompt + generated
+    kv: SeqKV = field(default_factory=SeqKV)
+    reuse: SeqReuse = field(default_factory=SeqReuse)
+    status: SeqStatus = SeqStatus.WAITING
+    num_reserved_pin_blocks: int = 0  # a pinning warm's booking in the store's pin budget
 
     def __post_init__(self) -> None:
         if not self.token_ids:

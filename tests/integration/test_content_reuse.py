@@ -29,36 +29,6 @@ def test_content_reuse_is_available_and_self_checked(llms: tuple[LLM, LLM]):
     assert stats["available"] and stats["reason"] == ""
 
 
-def test_chunk_moved_back_to_its_original_place_and_context_is_exact(llms: tuple[LLM, LLM]):
-    cached, cold = llms
-    engine = cached.engine
-    base = corpus_token_ids(cached, 4 * CHUNK + 3, seed=1)
-    cached.generate([base], GREEDY)
-    prefix_hashes = _prefix_hashes(cached, base)
-    for h in prefix_hashes[1:]:  # evict only chunk 0: later chunks survive but cannot be prefix-matched
-        engine.store.set_pinned(h, True)
-    engine.store.evict(10**6)
-    for h in prefix_hashes[1:]:
-        engine.store.set_pinned(h, False)
-    assert prefix_hashes[0] not in engine.store and prefix_hashes[1] in engine.store
-    prompt = base[: 4 * CHUNK] + corpus_token_ids(cached, 9, seed=2)
-    none = ReuseOptions(reuse="any", recompute_strategy="none")
-    engine.logits_sink, engine.check_integrity_each_step = {}, True
-    (out,) = cached.generate([prompt], GREEDY, reuse=none)
-    warm_logits = torch.stack(engine.logits_sink[out.request_id])
-    engine.logits_sink = None
-    (_ref,), (ref_logits,) = generate_with_logits(cold, [prompt], GREEDY)
-    assert out.num_exact_cached_tokens == 0 and out.num_approx_cached_tokens == 3 * CHUNK
-    assert out.token_ids == _ref.token_ids
-    assert (warm_logits - ref_logits).abs().max().item() <= 1e-4
-
-
-def _prefix_hashes(llm: LLM, tokens: list[int]) -> list[bytes]:
-    from kvserve.kvcache.hashing import chunk_prefix_hashes, root_hash
-
-    return chunk_prefix_hashes(tokens, CHUNK, root_hash(llm.engine.info.namespace))
-
-
 def _rag_prompt(llm: LLM, docs: list[list[int]], order: list[int], seed: int) -> list[int]:
     prompt = corpus_token_ids(llm, 2 * CHUNK, seed=100 + seed)  # a header that is not cached
     for i in order:
