@@ -11,6 +11,7 @@ cpu_paged backend keeps to its torch-ops path.
 from __future__ import annotations
 
 import functools
+import hashlib
 import logging
 import os
 import shutil
@@ -56,6 +57,17 @@ def unavailable_reason() -> str:
     return ""
 
 
+def _build_directory(name: str) -> Path:
+    """One build directory per source tree: torch writes absolute source paths into build.ninja, so two
+    checkouts sharing a directory rebuild over each other (minutes each) and wait on each other's lock."""
+    from torch.utils.cpp_extension import _get_build_directory
+
+    tree = hashlib.sha256(str(CSRC).encode()).hexdigest()[:10]
+    path = Path(_get_build_directory(name, verbose=False)).with_name(f"{name}-{tree}")
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
 def _venv_ninja() -> bool:
     return (Path(sys.executable).parent / "ninja").exists()
 
@@ -73,12 +85,14 @@ def load() -> ModuleType:
     if bin_dir not in os.environ.get("PATH", "").split(os.pathsep):
         os.environ["PATH"] = bin_dir + os.pathsep + os.environ.get("PATH", "")
     capability = cpu_capability()
+    name = f"kvserve_cpu_ext_{capability.lower()}"
     t0 = time.perf_counter()
     module = load_extension(
-        name=f"kvserve_cpu_ext_{capability.lower()}",
+        name=name,
         sources=[str(CSRC / s) for s in SOURCES],
         extra_cflags=FLAGS + ISA_FLAGS.get(capability, []),
         extra_ldflags=["-fopenmp"],
+        build_directory=str(_build_directory(name)),
         verbose=os.environ.get("KVSERVE_VERBOSE_BUILD") == "1",
     )
     elapsed = time.perf_counter() - t0
