@@ -21,8 +21,8 @@ from typing import Any
 import torch
 
 from kvserve.attention.base import AttentionMetadata
+from kvserve.attention.forward_context import ForwardContext, forward_context
 from kvserve.attention.positional import PositionalBackend
-from kvserve.engine.forward_context import ForwardContext, forward_context
 from kvserve.kvcache.kv_storage import LayerKV
 from kvserve.kvcache.rope import RopeRotator
 from kvserve.models.hf_adapter import PoolCache

@@ -78,6 +78,8 @@ class Engine:
     def add_request(self, request: Request) -> None:
         """Validate and queue. Raises InvalidRequestError (the engine state is unchanged then)."""
         self._validate(request)
+        root = root_hash(self.info.namespace, request.cache_salt)
+        pin_owner = owner_hash(root, request.prompt_token_ids) if request.warm_only and request.pin else None
         if request.warm_only and not self.content.enabled:  # only whole chunks can be prefix-matched
             usable = len(request.prompt_token_ids) // self.config.chunk_size * self.config.chunk_size
             request.prompt_token_ids = request.prompt_token_ids[:usable]
@@ -89,12 +91,13 @@ class Engine:
         seq = Sequence(
             request=request,
             generator=torch.Generator().manual_seed(seed),
-            cache=SeqCache(root_hash=root_hash(self.info.namespace, request.cache_salt)),
+            cache=SeqCache(root_hash=root),
             out=SeqOutput(detokenizer),
+            pin_owner=pin_owner,
         )
         self.scheduler.prepare(seq)
         self._check_capacity(seq)
-        if request.warm_only and request.pin:
+        if seq.pin_owner is not None:
             self._reserve_pins(seq)
         self._seqs[request.request_id] = seq
         self.scheduler.enqueue(seq)
@@ -149,14 +152,14 @@ class Engine:
             )
 
     # --- pins --------------------------------------------------------------------------------------
-    def _pin_keys(self, seq: Sequence) -> tuple[bytes, list[bytes], list[int]]:
-        """(owner, the chunk keys a warm of this text leaves in the store, blocks of each)."""
+    def _pin_keys(self, seq: Sequence) -> tuple[list[bytes], list[int]]:
+        """(the chunk keys a warm of this text leaves in the store, blocks of each)."""
         tokens, chunk, root = seq.request.prompt_token_ids, self.config.chunk_size, seq.cache.root_hash
         hashes = prompt_chunk_hashes(tokens, chunk, root)
         blocks = [self.store.blocks_per_chunk] * (len(tokens) // chunk)
         if len(hashes) > len(blocks):  # the tail piece (kept when content reuse is available)
             blocks.append(-(-(len(tokens) % chunk) // self.config.block_size))
-        return owner_hash(root, tokens), hashes, blocks
+        return hashes, blocks
 
     def _pin_error(self, num_new_blocks: int) -> InvalidRequestError:
         store, f = self.store, self.config.max_pinned_fraction
@@ -169,7 +172,7 @@ class Engine:
         )
 
     def _reserve_pins(self, seq: Sequence) -> None:
-        _, hashes, blocks = self._pin_keys(seq)
+        hashes, blocks = self._pin_keys(seq)
         new = self.store.unpinned_blocks(hashes, blocks)
         if not self.store.reserve_pins(new):
             raise self._pin_error(new)
@@ -179,14 +182,15 @@ class Engine:
         """Pin a finished warm's chunks under its owner; the error if that would exceed the cap."""
         self.store.release_pin_reservation(seq.num_reserved_pin_blocks)
         seq.num_reserved_pin_blocks = 0
-        owner, hashes, _ = self._pin_keys(seq)
+        assert seq.pin_owner is not None
+        hashes, _ = self._pin_keys(seq)
         cached = [h for h in hashes if h in self.store]
         chunks = [self.store.get(h) for h in cached]
         new = sum(len(c.block_ids) for c in chunks if c is not None and not c.pinned)
         if not self.store.reserve_pins(new):  # pins changed while it ran
             return self._pin_error(new).message
         self.store.release_pin_reservation(new)
-        self.store.pin(owner, cached)
+        self.store.pin(seq.pin_owner, cached)
         return None
 
     def unpin(self, token_ids: list[int], cache_salt: str | None = None) -> int:
@@ -200,6 +204,13 @@ class Engine:
             return False
         self._finish(seq, FinishReason.ABORT, error=reason)
         return True
+
+    def abort_all(self, reason: str = "aborted") -> int:
+        """Abort every unfinished request (their final outputs come with the next step); returns how many."""
+        seqs = list(self._seqs.values())
+        for seq in seqs:
+            self._finish(seq, FinishReason.ABORT, error=reason)
+        return len(seqs)
 
     def has_unfinished_requests(self) -> bool:
         return bool(self._seqs) or bool(self._pending)
@@ -314,7 +325,7 @@ class Engine:
 
     def _finish_warm(self, seq: Sequence) -> None:
         self.scheduler.register_tail(seq)
-        error = self._pin(seq) if seq.request.pin else None
+        error = self._pin(seq) if seq.pin_owner is not None else None
         if error is not None:
             self._finish(seq, FinishReason.ERROR, error=error)
         else:

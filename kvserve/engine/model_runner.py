@@ -8,7 +8,7 @@ from typing import Any
 import torch
 
 from kvserve.attention.base import AttentionBackend, AttentionMetadata
-from kvserve.engine.forward_context import ForwardContext, forward_context
+from kvserve.attention.forward_context import ForwardContext, forward_context
 from kvserve.kvcache.kv_storage import LayerKV
 from kvserve.models.hf_adapter import PoolCache
 from kvserve.scheduler.batch import ScheduledBatch

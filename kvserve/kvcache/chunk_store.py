@@ -219,6 +219,9 @@ class ChunkStore:
     def num_pin_owners(self) -> int:
         return len(self._pins)
 
+    def pin_owners(self) -> list[bytes]:
+        return list(self._pins)
+
     def chunks(self) -> list[CachedChunk]:
         return list(self._chunks.values())
 

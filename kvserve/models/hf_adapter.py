@@ -13,7 +13,7 @@ import torch
 from transformers import AttentionInterface
 from transformers.cache_utils import Cache
 
-from kvserve.engine.forward_context import get_forward_context
+from kvserve.attention.forward_context import get_forward_context
 from kvserve.errors import UnsupportedModelError
 
 ATTN_IMPLEMENTATION = "kvserve"

@@ -75,6 +75,7 @@ class Sequence:
     kv: SeqKV = field(default_factory=SeqKV)
     reuse: SeqReuse = field(default_factory=SeqReuse)
     status: SeqStatus = SeqStatus.WAITING
+    pin_owner: bytes | None = None  # a pinning warm: the owner its pins are counted under
     num_reserved_pin_blocks: int = 0  # a pinning warm's booking in the store's pin budget
 
     def __post_init__(self) -> None:
