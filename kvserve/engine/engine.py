@@ -107,8 +107,9 @@ class Engine:
     def _validate(self, request: Request) -> None:
         n = len(request.prompt_token_ids)
         limit = self.info.max_model_len
-        if request.request_id in self._seqs:
-            raise InvalidRequestError(f"request id {request.request_id!r} is already in use")
+        rid = request.request_id
+        if rid in self._seqs or any(out.request_id == rid for out in self._pending):
+            raise InvalidRequestError(f"request id {rid!r} is already in use")
         if n == 0 and not request.warm_only:
             raise InvalidRequestError("the prompt is empty; send at least one token", param="prompt")
         if n >= limit and not request.warm_only:

@@ -37,7 +37,7 @@ CODECS = ("auto", "bf16", "fp8_e4m3", "int8", "int4", "turbo4")
 SALTS = (None, "tenant-a", "tenant-b")
 
 _ENGINES: dict[str, tuple[LLM, LLM]] = {}
-_REFERENCE: dict[tuple, list[int]] = {}
+_REFERENCE: dict[tuple[str, tuple[int, ...], str], list[int]] = {}
 
 
 def engines(codec: str) -> tuple[LLM, LLM]:
@@ -158,7 +158,7 @@ class EngineMachine(RuleBasedStateMachine):
         exact = request.reuse is None  # the server default here is prefix-only reuse
         if request.warm_only or not params.greedy or not exact:
             return
-        key = (self.codec, tuple(request.prompt_token_ids), params)
+        key = (self.codec, tuple(request.prompt_token_ids), repr(params))
         if key not in _REFERENCE:
             (ref,) = self.cold.generate([request.prompt_token_ids], params)
             _REFERENCE[key] = ref.token_ids
