@@ -12,11 +12,12 @@ import torch
 from kvserve.attention.base import AttentionBackend
 from kvserve.attention.registry import create_backend
 from kvserve.config import ServeConfig
-from kvserve.errors import ConfigError
+from kvserve.errors import ConfigError, InvalidRequestError
 from kvserve.kvcache.kv_storage import LayerKV
 from kvserve.models.hf_adapter import ATTN_IMPLEMENTATION, check_supported
 from kvserve.models.loader import model_fingerprint, resolve_model_path
 from kvserve.quant.storage import create_layer_kv
+from kvserve.request import ReuseOptions
 from kvserve.tokenizer import Tokenizer
 
 log = logging.getLogger("kvserve.engine")
@@ -211,3 +212,24 @@ def check_content_reuse(model: Any) -> tuple[Any, str]:
         return None, f"RoPE self-check failed ({detail})"
     log.info("RoPE self-check passed: %s", detail)
     return rotator, ""
+
+
+def require_content_reuse(reuse: str, rotator: Any, reason: str) -> None:
+    """Start-up: a server whose default is `--reuse any` must be able to honour it (ConfigError)."""
+    if reuse == "any" and rotator is None:
+        raise ConfigError(
+            f"--reuse any needs approximate reuse, which is unavailable here: {reason}; "
+            "start with --reuse prefix (exact prefix reuse only)",
+            param="reuse",
+        )
+
+
+def check_reuse_request(options: ReuseOptions | None, available: bool, reason: str) -> None:
+    """Per request: reuse='any' where approximate reuse is unavailable is a 400 naming `reuse`, never
+    a silently prefix-only answer."""
+    if options is not None and options.reuse == "any" and not available:
+        raise InvalidRequestError(
+            f"reuse='any' (approximate reuse) is unavailable on this server: {reason}; "
+            "send reuse='prefix' or leave it out",
+            param="reuse",
+        )
