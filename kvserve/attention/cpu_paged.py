@@ -221,6 +221,19 @@ class CpuPagedBackend(AttentionBackend):
     def __init__(self, use_extension: bool = True):
         self.ext = cpu_ext.load_or_none() if use_extension else None
 
+    @classmethod
+    def is_available(
+        cls, device: torch.device, *, head_dim: int | None = None, dtype: torch.dtype | None = None
+    ) -> tuple[bool, str]:
+        """CPU tensors only (the C++ extension, torch's CPU flash kernel); any head_dim and dtype (what
+        the extension does not take goes through torch ops)."""
+        if device.type == "cpu":
+            return True, ""
+        return False, (
+            f"cpu_paged runs on CPU tensors only, got device {device}: use --attention-backend auto "
+            "(triton or the cuda extension, else the slow torch reference) or --device cpu"
+        )
+
     def forward(
         self, query: torch.Tensor, kv: LayerKV, meta: AttentionMetadata, scale: float
     ) -> torch.Tensor:

@@ -42,16 +42,36 @@ class CudaBackend(AttentionBackend):
         )  # fmt: skip
 
     @classmethod
-    def is_available(cls, device: torch.device) -> tuple[bool, str]:
-        if device.type != "cuda":
-            return False, f"the CUDA extension runs on CUDA devices, got {device}"
+    def is_available(
+        cls, device: torch.device, *, head_dim: int | None = None, dtype: torch.dtype | None = None
+    ) -> tuple[bool, str]:
+        """CUDA devices with compute capability >= 8.0 where the extension builds; the launcher's head
+        dims and dtypes (cuda_ext.paged_attention), checked here so no request meets them. Builds the
+        extension (minutes the first time) once the cheap checks pass."""
         from kvserve.kernels import cuda_ext
 
+        if device.type != "cuda":
+            return False, (
+                f"the CUDA extension runs on CUDA devices, got {device}: use --attention-backend auto or cpu_paged"
+            )
+        if head_dim is not None and head_dim not in (64, 128):  # check_paged_args' head_dims
+            return False, (
+                f"the CUDA extension takes head_dim 64 or 128, this model has head_dim {head_dim}: "
+                "use --attention-backend auto (on GPUs: the torch reference, slow)"
+            )
+        if dtype is not None and dtype not in cuda_ext.COMPUTE_DTYPES:
+            return False, (
+                f"the CUDA extension computes in float16 or bfloat16, got {dtype}: use --dtype bfloat16 "
+                "(or float16), or --attention-backend triton"
+            )
         reason = cuda_ext.unavailable_reason()
         if reason:
-            return False, reason
+            return False, f"{reason}: use --attention-backend auto"
         try:
             cuda_ext.load()
         except Exception as exc:  # noqa: BLE001 - a failed build makes the backend unavailable
-            return False, f"building the CUDA extension failed: {str(exc)[-500:]}"
+            return (
+                False,
+                f"building the CUDA extension failed ({str(exc)[-500:]}): use --attention-backend auto",
+            )
         return True, ""

@@ -49,3 +49,10 @@ class ReferenceBackend(AttentionBackend):
             out[start : start + q_len] = attention_one_sequence(query[start : start + q_len], k, v, scale)
             start += q_len
         return out
+
+    @classmethod
+    def is_available(
+        cls, device: torch.device, *, head_dim: int | None = None, dtype: torch.dtype | None = None
+    ) -> tuple[bool, str]:
+        """Plain torch ops: any device, head_dim and dtype (slow: the last resort of `auto`)."""
+        return True, ""

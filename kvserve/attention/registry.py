@@ -1,13 +1,21 @@
-"""Attention backends by config name. Kernel-backed backends import their kernels lazily."""
+"""Attention backends by config name. Kernel-backed backends import their kernels lazily.
+
+Each backend's `is_available(device, head_dim=, dtype=)` says whether it can run every step of this
+model here (kernels that would reject the model's head_dim or dtype at the first request count as
+unavailable), so a server that starts can serve.
+"""
 
 from __future__ import annotations
 
 import importlib
+import logging
 
 import torch
 
 from kvserve.attention.base import AttentionBackend
 from kvserve.errors import ConfigError
+
+log = logging.getLogger("kvserve.attention")
 
 # name -> "module:Class"; modules are imported only when picked
 BACKENDS: dict[str, str] = {
@@ -17,6 +25,10 @@ BACKENDS: dict[str, str] = {
     "cuda": "kvserve.attention.cuda_backend:CudaBackend",
 }
 
+# what `auto` tries, fastest first; the torch reference runs on any device and is the last resort
+# (triton before cuda: both GPU paths still await their first real-GPU run, and cuda JIT-builds)
+AUTO_ORDER = {"cuda": ("triton", "cuda"), "cpu": ("cpu_paged",)}
+
 
 def _load(name: str) -> type[AttentionBackend]:
     module_name, class_name = BACKENDS[name].split(":")
@@ -25,26 +37,54 @@ def _load(name: str) -> type[AttentionBackend]:
 
 def backend_class(name: str) -> type[AttentionBackend]:
     if name not in BACKENDS:
-        raise ConfigError(f"attention_backend must be one of auto, {', '.join(BACKENDS)} (got {name!r})")
+        raise ConfigError(
+            f"attention_backend must be one of auto, {', '.join(BACKENDS)} (got {name!r})",
+            param="attention_backend",
+        )
     return _load(name)
 
 
-def create_backend(name: str, device: torch.device) -> AttentionBackend:
-    """`auto`: triton, then the cuda extension on GPUs; cpu_paged on CPU."""
-    if name == "auto":
-        # triton first: both GPU paths still await their first real-GPU run, and cuda JIT-builds (minutes)
-        candidates = ["triton", "cuda"] if device.type == "cuda" else ["cpu_paged"]
-        for candidate in candidates:
-            try:
-                cls = _load(candidate)
-            except ImportError:
-                continue
-            ok, _ = cls.is_available(device)
-            if ok:
-                return cls()
-        return _load("cpu_paged")()
-    cls = backend_class(name)
-    ok, reason = cls.is_available(device)
+def _availability(name: str, device: torch.device, facts: dict) -> tuple[bool, str]:
+    try:
+        cls = _load(name)
+    except ImportError as exc:
+        return False, f"cannot be imported ({exc})"
+    return cls.is_available(device, **facts)
+
+
+def create_backend(
+    name: str, device: torch.device, *, head_dim: int | None = None, dtype: torch.dtype | None = None
+) -> AttentionBackend:
+    """A backend that runs on `device` for a model of this head_dim and dtype (None: not checked).
+
+    `auto`: triton, then the cuda extension on GPUs; cpu_paged on CPU; else the torch reference
+    (slow; logged). A named backend that cannot run here is a ConfigError that says what to do.
+    """
+    facts = {"head_dim": head_dim, "dtype": dtype}
+    if name != "auto":
+        cls = backend_class(name)
+        ok, reason = cls.is_available(device, **facts)
+        if not ok:
+            raise ConfigError(
+                f"attention_backend {name!r} is not available here: {reason}", param="attention_backend"
+            )
+        return cls()
+    reasons = []
+    for candidate in AUTO_ORDER.get(device.type, ()):
+        ok, reason = _availability(candidate, device, facts)
+        if ok:
+            return _load(candidate)()
+        reasons.append(f"{candidate}: {reason}")
+    ok, reason = _availability("reference", device, facts)
     if not ok:
-        raise ConfigError(f"attention_backend {name!r} is not available here: {reason}")
-    return cls()
+        raise ConfigError(
+            f"no attention backend runs on {device} ({'; '.join([*reasons, f'reference: {reason}'])})",
+            param="attention_backend",
+        )
+    if reasons:
+        log.warning(
+            "attention_backend auto: using the torch reference backend on %s, which is slow (%s)",
+            device,
+            "; ".join(reasons),
+        )
+    return _load("reference")()

@@ -52,14 +52,28 @@ class TritonBackend(AttentionBackend):
         return paged_prefill(*args, max_query_len=meta.max_query_len, scale=scale)
 
     @classmethod
-    def is_available(cls, device: torch.device) -> tuple[bool, str]:
+    def is_available(
+        cls, device: torch.device, *, head_dim: int | None = None, dtype: torch.dtype | None = None
+    ) -> tuple[bool, str]:
+        """CUDA devices (CPU only under TRITON_INTERPRET=1, the parity tests); the launchers' head dims
+        and dtypes (kvserve/kernels/checks.py check_paged_args), checked here so no request meets them."""
+        from kvserve.kernels.checks import KERNEL_DTYPES
+
+        interpreted = device.type == "cpu" and os.environ.get("TRITON_INTERPRET") == "1"
+        if device.type != "cuda" and not interpreted:
+            return False, (
+                f"triton kernels run on CUDA devices (on CPU only under TRITON_INTERPRET=1), got {device}: "
+                "use --attention-backend auto or cpu_paged"
+            )
+        if device.type == "cuda" and not torch.cuda.is_available():
+            return False, "no CUDA device is visible (torch.cuda.is_available() is False): use --device cpu"
         if importlib.util.find_spec("triton") is None:
-            return False, "triton is not installed (pip install triton)"
-        if device.type == "cuda":
-            return (True, "") if torch.cuda.is_available() else (False, "no CUDA device")
-        if device.type == "cpu" and os.environ.get("TRITON_INTERPRET") == "1":
-            return True, ""
-        return (
-            False,
-            f"triton kernels run on CUDA devices (on CPU only under TRITON_INTERPRET=1), got {device}",
-        )
+            return False, "triton is not installed: pip install triton, or use --attention-backend auto"
+        if head_dim is not None and head_dim not in (64, 128):  # check_paged_args' head_dims
+            return False, (
+                f"the triton kernels take head_dim 64 or 128, this model has head_dim {head_dim}: "
+                "use --attention-backend auto (on GPUs: the torch reference, slow)"
+            )
+        if dtype is not None and dtype not in KERNEL_DTYPES:
+            return False, f"the triton kernels compute in {KERNEL_DTYPES}, got {dtype}: use --dtype bfloat16"
+        return True, ""

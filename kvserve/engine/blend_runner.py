@@ -59,11 +59,11 @@ class BlendRunner:
         delta = torch.cat([torch.full((h.num_tokens,), h.delta) for h in plan.hits])
         dst = self._slots(block_ids, dst_pos.to(self.device))
         moved = bool((delta != 0).any())
-        rotation = self.rotator.rotation(delta, self.layers[0].compute_dtype, self.device) if moved else None
+        rotation = self.rotator.rotation(delta, self.device) if moved else None  # float32 cos, sin
         for layer in self.layers:
-            k, v = layer.read_slots(src)
+            k, v = layer.read_slots(src)  # [T, H_kv, D] compute_dtype
             if rotation is not None:
-                k = self.rotator.apply(k, rotation)
+                k = self.rotator.apply(k, rotation)  # rotated in float32, rounded once to compute_dtype
             layer.write(dst, k, v)
         return dst_pos
 

@@ -12,11 +12,12 @@ import torch
 from kvserve.attention.base import AttentionBackend
 from kvserve.attention.registry import create_backend
 from kvserve.config import ServeConfig
-from kvserve.errors import ConfigError
+from kvserve.errors import ConfigError, InvalidRequestError
 from kvserve.kvcache.kv_storage import LayerKV
 from kvserve.models.hf_adapter import ATTN_IMPLEMENTATION, check_supported
 from kvserve.models.loader import model_fingerprint, resolve_model_path
 from kvserve.quant.storage import create_layer_kv
+from kvserve.request import ReuseOptions
 from kvserve.tokenizer import Tokenizer
 
 log = logging.getLogger("kvserve.engine")
@@ -52,13 +53,22 @@ def resolve_device(name: str) -> torch.device:
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if name == "cuda" and not torch.cuda.is_available():
-        raise ConfigError("device cuda requested but no CUDA device is available; use --device cpu")
+        why = (
+            "this torch build has no CUDA support"
+            if torch.version.cuda is None
+            else "no CUDA device is visible"
+        )
+        raise ConfigError(f"device cuda requested but {why}; use --device cpu", param="device")
     return torch.device(name)
 
 
 def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    """auto: float32 on CPU; bfloat16 on GPUs that compute it natively (compute capability >= 8.0),
+    else float16 (bfloat16 is emulated, slowly, before Ampere)."""
     if name == "auto":
-        return torch.float32 if device.type == "cpu" else torch.bfloat16
+        if device.type == "cpu":
+            return torch.float32
+        return torch.bfloat16 if torch.cuda.get_device_capability(device) >= (8, 0) else torch.float16
     return DTYPES[name]
 
 
@@ -111,6 +121,8 @@ def build_parts(config: ServeConfig) -> EngineParts:
     num_layers = mc.num_hidden_layers
     num_kv_heads = getattr(mc, "num_key_value_heads", None) or mc.num_attention_heads
     head_dim = getattr(mc, "head_dim", None) or mc.hidden_size // mc.num_attention_heads
+    # before the pool is allocated: a backend that cannot run this model here fails start-up, not a request
+    backend = create_backend(config.attention_backend, device, head_dim=head_dim, dtype=dtype)
     codec = resolve_codec_name(config, dtype)
     probe = create_layer_kv(codec, 1, config.block_size, num_kv_heads, head_dim, dtype, torch.device("cpu"))
     bytes_per_block = probe.bytes_per_block() * num_layers
@@ -132,7 +144,6 @@ def build_parts(config: ServeConfig) -> EngineParts:
         create_layer_kv(codec, num_blocks, config.block_size, num_kv_heads, head_dim, dtype, device, i)
         for i in range(num_layers)
     ]
-    backend = create_backend(config.attention_backend, device)
     max_model_len = config.max_model_len or int(getattr(mc, "max_position_embeddings", 2048))
     eos = _eos_ids(model, tokenizer)
     namespace = "|".join(
@@ -201,3 +212,24 @@ def check_content_reuse(model: Any) -> tuple[Any, str]:
         return None, f"RoPE self-check failed ({detail})"
     log.info("RoPE self-check passed: %s", detail)
     return rotator, ""
+
+
+def require_content_reuse(reuse: str, rotator: Any, reason: str) -> None:
+    """Start-up: a server whose default is `--reuse any` must be able to honour it (ConfigError)."""
+    if reuse == "any" and rotator is None:
+        raise ConfigError(
+            f"--reuse any needs approximate reuse, which is unavailable here: {reason}; "
+            "start with --reuse prefix (exact prefix reuse only)",
+            param="reuse",
+        )
+
+
+def check_reuse_request(options: ReuseOptions | None, available: bool, reason: str) -> None:
+    """Per request: reuse='any' where approximate reuse is unavailable is a 400 naming `reuse`, never
+    a silently prefix-only answer."""
+    if options is not None and options.reuse == "any" and not available:
+        raise InvalidRequestError(
+            f"reuse='any' (approximate reuse) is unavailable on this server: {reason}; "
+            "send reuse='prefix' or leave it out",
+            param="reuse",
+        )
