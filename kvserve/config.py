@@ -27,7 +27,9 @@ class ServeConfig:
     device: str = field(default="auto", metadata={"help": "auto, cpu or cuda"})
     dtype: str = field(
         default="auto",
-        metadata={"help": "auto (float32 on CPU, bfloat16 on GPU), float32, bfloat16 or float16"},
+        metadata={
+            "help": "auto (float32 on CPU, bfloat16 on GPUs of compute capability 8.0+, else float16), float32, bfloat16 or float16"
+        },
     )
     max_model_len: int = field(
         default=0, metadata={"help": "context length in tokens; 0 = the model's max_position_embeddings"}

@@ -74,8 +74,10 @@ class AttentionBackend(ABC):
         ...
 
     @classmethod
-    def is_available(cls, device: torch.device) -> tuple[bool, str]:
-        """(available, reason if not)."""
+    def is_available(
+        cls, device: torch.device, *, head_dim: int | None = None, dtype: torch.dtype | None = None
+    ) -> tuple[bool, str]:
+        """(available, reason if not) for this device and, when given, the model's head_dim and dtype."""
         return True, ""
 
 

@@ -25,8 +25,8 @@ def attention_one_sequence(
     k = k.to(acc).repeat_interleave(group, dim=1)  # [seq_len, H, D]
     v = v.to(acc).repeat_interleave(group, dim=1)
     scores = torch.einsum("qhd,khd->hqk", q.to(acc), k) * scale  # [H, q_len, seq_len]
-    q_pos = torch.arange(seq_len - q_len, seq_len).unsqueeze(1)
-    k_pos = torch.arange(seq_len).unsqueeze(0)
+    q_pos = torch.arange(seq_len - q_len, seq_len, device=q.device).unsqueeze(1)
+    k_pos = torch.arange(seq_len, device=q.device).unsqueeze(0)
     scores = scores.masked_fill(k_pos > q_pos, float("-inf"))
     probs = torch.softmax(scores, dim=-1)
     return torch.einsum("hqk,khd->qhd", probs, v).to(q.dtype)

@@ -19,7 +19,12 @@ import torch
 
 from kvserve.config import ServeConfig
 from kvserve.engine.blend_runner import BlendRunner
-from kvserve.engine.builder import build_parts, check_content_reuse
+from kvserve.engine.builder import (
+    build_parts,
+    check_content_reuse,
+    check_reuse_request,
+    require_content_reuse,
+)
 from kvserve.engine.model_runner import ModelRunner
 from kvserve.engine.output import OutputProcessor
 from kvserve.engine.sampler import sample_one
@@ -54,8 +59,7 @@ class Engine:
         rotator, reason = check_content_reuse(self.model)
         self.content = ContentMatcher(config, SegmentIndex(self.store), rotator is not None, reason)
         self.blend_runner = BlendRunner(self.model, self.layers, rotator, device) if rotator else None
-        if config.reuse == "any" and rotator is None:
-            log.warning("approximate reuse disabled: %s", reason)
+        require_content_reuse(config.reuse, rotator, reason)
         self.scheduler = Scheduler(
             self.pool,
             self.store,
@@ -107,6 +111,8 @@ class Engine:
     def _validate(self, request: Request) -> None:
         n = len(request.prompt_token_ids)
         limit = self.info.max_model_len
+        if not request.warm_only:
+            check_reuse_request(request.reuse, self.content.enabled, self.content.disabled_reason)
         rid = request.request_id
         if rid in self._seqs or any(out.request_id == rid for out in self._pending):
             raise InvalidRequestError(f"request id {rid!r} is already in use")

@@ -117,12 +117,6 @@ def reuse_unavailable(monkeypatch: pytest.MonkeyPatch) -> str:
     return reason
 
 
-WIRING = (
-    "Engine wiring (kvserve/engine/engine.py, the lead's): see check_reuse_request / require_content_reuse"
-)
-
-
-@pytest.mark.xfail(strict=True, reason=WIRING)
 def test_engine_refuses_a_reuse_any_request_it_cannot_honour(reuse_unavailable: str):
     llm = make("float32")
     prompt = corpus_token_ids(llm, 3 * CHUNK, seed=1)
@@ -132,7 +126,6 @@ def test_engine_refuses_a_reuse_any_request_it_cannot_honour(reuse_unavailable: 
     assert out.finish_reason is not None
 
 
-@pytest.mark.xfail(strict=True, reason=WIRING)
 def test_engine_with_reuse_any_it_cannot_honour_fails_at_start_up(reuse_unavailable: str):
     with pytest.raises(ConfigError, match="made to fail"):
         make("float32", reuse="any")

@@ -77,11 +77,6 @@ def test_reference_backend_claims_every_device():
         assert ReferenceBackend.is_available(device, head_dim=16, dtype=torch.bfloat16) == (True, "")
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="kvserve/attention/reference.py builds its causal mask with torch.arange on the CPU; "
-    "fix: device=q.device on both aranges in attention_one_sequence",
-)
 def test_reference_backend_runs_off_the_cpu():
     """`meta` stands in for cuda: a CPU tensor mixed into the computation fails the same way."""
     from kvserve.kernels.paged_batch import make_batch
