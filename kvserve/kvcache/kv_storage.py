@@ -55,6 +55,14 @@ class LayerKV(ABC):
     def on_block_freed(self, block_id: int) -> None:  # noqa: B027 - optional hook
         """Called by the pool when a block returns to the free list (codecs drop side state)."""
 
+    def hold_exact(self, block_ids: list[int]) -> None:  # noqa: B027 - optional hook
+        """The blocks are about to be assembled out of order, with rows rewritten after their block
+        filled (content reuse: moved rows, then fresh and repaired rows). Until `release_exact`, a
+        rewrite must leave the block as if its final rows had been written once, in order."""
+
+    def release_exact(self, block_ids: list[int]) -> None:  # noqa: B027 - optional hook
+        """The assembly of `hold_exact` is over: drop what it kept."""
+
 
 class DenseLayerKV(LayerKV):
     """Unquantized K/V in `dtype`."""
