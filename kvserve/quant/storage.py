@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from kvserve.kvcache.kernel_view import PagedKV
 from kvserve.kvcache.kv_storage import DenseLayerKV, LayerKV
 from kvserve.quant.base import Packed, TensorCodec
 from kvserve.quant.registry import make_codec
@@ -231,6 +232,23 @@ class QuantizedLayerKV(LayerKV):
                 self.closed.add(dst)
             if src in self.open_k:
                 self.open_k.open(dst, init=self.open_k.get(src), written=self.open_k.written[src])
+
+    def kernel_view(self, dtype: torch.dtype | None = None) -> PagedKV | None:
+        """Stored-as-is formats (in `dtype`, if given), fp8_e4m3 and int8 KIVI (its open-K shadows in
+        `dtype`, if given) are read in place; other codecs are not."""
+        k, v = self.k_blocks.fields, self.v_blocks.fields
+        codec = self.codec
+        if codec.passthrough_dtype is not None:
+            same = dtype is None or codec.passthrough_dtype == dtype
+            return PagedKV("dense", k["x"], v["x"]) if same else None
+        if codec.name == "fp8_e4m3":
+            return PagedKV("fp8_e4m3", k["codes"], v["codes"], k_scale=k["scale"], v_scale=v["scale"])
+        if codec.name != "int8" or (dtype is not None and self.open_k.pool.dtype != dtype):
+            return None
+        return PagedKV(
+            "int8", k["codes"], v["codes"], k_scale=k["scale"], k_zero=k["zero"], v_scale=v["scale"],
+            v_zero=v["zero"], k_open=self.open_k.pool, k_open_slot=self.open_k.slot_of_block,
+        )  # fmt: skip
 
     def bytes_per_block(self) -> int:
         return self.codec.bytes_per_block(self.block_size)
