@@ -79,7 +79,21 @@ class BlendRunner:
 
     @torch.inference_mode()
     def execute(self, plan: BlendPlan) -> tuple[torch.Tensor, BlendReport]:
-        """Returns float32 logits [vocab] of the last prompt token and what was computed."""
+        """Returns float32 logits [vocab] of the last prompt token and what was computed.
+
+        The blocks past the prefix get their rows out of order (moved, then fresh and repaired):
+        storage holds them (LayerKV.hold_exact) so that each ends up encoded from its final rows,
+        and lets a layer's go once that layer's forward has written its last rows."""
+        assembled = plan.seq.block_ids[plan.prefix_len // self.block_size :]
+        for kv in self.layers:
+            kv.hold_exact(assembled)
+        try:
+            return self._execute(plan, assembled)
+        finally:
+            for kv in self.layers:
+                kv.release_exact(assembled)
+
+    def _execute(self, plan: BlendPlan, assembled: list[int]) -> tuple[torch.Tensor, BlendReport]:
         seq = plan.seq
         n = seq.num_prompt_tokens
         block_ids = torch.tensor(seq.kv.block_ids, dtype=torch.long, device=self.device)
@@ -108,6 +122,7 @@ class BlendRunner:
                 keep = self._blend_select(plan, block_ids, positions, reused_pos, stored_kv, fresh)
                 hidden, positions = hidden[:, keep], positions[keep]
             hidden = self._run_layer(layer, hidden, positions, block_ids, n)
+            self.layers[idx].release_exact(assembled)  # layer idx's rows are final
             token_layers.append(int(positions.numel()))
         hidden = self.decoder.norm(hidden[:, -1:])
         logits = self.lm_head(hidden)[0, -1].float()

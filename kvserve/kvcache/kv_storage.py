@@ -12,6 +12,8 @@ from abc import ABC, abstractmethod
 
 import torch
 
+from kvserve.kvcache.kernel_view import PagedKV
+
 
 class LayerKV(ABC):
     """One layer's K/V blocks.
@@ -52,8 +54,23 @@ class LayerKV(ABC):
         flat = (-1, self.num_kv_heads, self.head_dim)
         return k.reshape(flat)[rows], v.reshape(flat)[rows]
 
+    def kernel_view(self, dtype: torch.dtype | None = None) -> PagedKV | None:
+        """The tensors kernels read in place (kernel_view.py), or None: no kernel reads this pool in
+        place, or `dtype` is given (GPU kernels: values must be in the query dtype) and the values
+        they would read are in another. Without `dtype` (the CPU extension converts any float
+        dtype), any view kernels can read."""
+        return None
+
     def on_block_freed(self, block_id: int) -> None:  # noqa: B027 - optional hook
         """Called by the pool when a block returns to the free list (codecs drop side state)."""
+
+    def hold_exact(self, block_ids: list[int]) -> None:  # noqa: B027 - optional hook
+        """The blocks are about to be assembled out of order, with rows rewritten after their block
+        filled (content reuse: moved rows, then fresh and repaired rows). Until `release_exact`, a
+        rewrite must leave the block as if its final rows had been written once, in order."""
+
+    def release_exact(self, block_ids: list[int]) -> None:  # noqa: B027 - optional hook
+        """The assembly of `hold_exact` is over: drop what it kept."""
 
 
 class DenseLayerKV(LayerKV):
@@ -96,6 +113,10 @@ class DenseLayerKV(LayerKV):
     def copy_blocks(self, src_block_ids: torch.Tensor, dst_block_ids: torch.Tensor) -> None:
         self.k_cache.index_copy_(0, dst_block_ids, self.k_cache.index_select(0, src_block_ids))
         self.v_cache.index_copy_(0, dst_block_ids, self.v_cache.index_select(0, src_block_ids))
+
+    def kernel_view(self, dtype: torch.dtype | None = None) -> PagedKV | None:
+        """Always in place: dense storage holds the compute dtype, which is the query's."""
+        return PagedKV("dense", self.k_cache, self.v_cache)
 
     def bytes_per_block(self) -> int:
         return 2 * self.block_size * self.num_kv_heads * self.head_dim * self.k_cache.element_size()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from kvserve.kvcache.kernel_view import PagedKV
 from kvserve.kvcache.kv_storage import DenseLayerKV, LayerKV
 from kvserve.quant.base import Packed, TensorCodec
 from kvserve.quant.registry import make_codec
@@ -46,15 +47,18 @@ class OpenKeyShadows:
     `pool` [capacity, block_size, H, D] in the compute dtype; `slot_of_block` [num_blocks] int32 maps a
     block id to its row of `pool` (-1: the block has no shadow, read its packed codes). Capacity
     doubles when every slot is taken (kernels read the attributes at call time), and stays bounded by
-    the number of blocks open at once: one per running sequence, plus cached tail pieces.
+    the number of blocks open at once: one per running sequence, plus cached tail pieces, plus the
+    blocks a content-reuse prefill has partly written. `written[block_id]` has bit i set once row i
+    of the block was written; rows not written read as zeros.
     """
 
     def __init__(self, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int, dtype, device):
         self.block_shape = (block_size, num_kv_heads, head_dim)
+        self.full_mask = (1 << block_size) - 1
         self.pool = torch.zeros((0, *self.block_shape), dtype=dtype, device=device)
         self.slot_of_block = torch.full((num_blocks,), -1, dtype=torch.int32, device=device)
         self.slots: dict[int, int] = {}  # block id -> pool row (host copy of slot_of_block)
-        self.fill: dict[int, int] = {}  # block id -> slots written so far
+        self.written: dict[int, int] = {}  # block id -> bit mask of the rows written
         self.free: list[int] = []
 
     def __contains__(self, block_id: int) -> bool:
@@ -64,8 +68,8 @@ class OpenKeyShadows:
         """The block's shadow [block_size, H, D], a view of `pool`."""
         return self.pool[self.slots[block_id]]
 
-    def open(self, block_id: int, init: torch.Tensor | None = None, fill: int = 0) -> torch.Tensor:
-        """A shadow for the block (zeros, or `init`), written `fill` slots so far."""
+    def open(self, block_id: int, init: torch.Tensor | None = None, written: int = 0) -> torch.Tensor:
+        """A shadow for the block (zeros, or `init`) whose rows in the mask `written` are written."""
         if block_id not in self.slots:
             if not self.free:
                 self._grow()
@@ -76,14 +80,19 @@ class OpenKeyShadows:
             shadow.zero_()
         else:
             shadow.copy_(init)
-        self.fill[block_id] = fill
+        self.written[block_id] = written
         return shadow
+
+    def mark(self, block_id: int, offset: int, num_rows: int) -> bool:
+        """Rows [offset, offset + num_rows) of the block were written; True when all rows are."""
+        self.written[block_id] |= ((1 << num_rows) - 1) << offset
+        return self.written[block_id] == self.full_mask
 
     def drop(self, block_id: int) -> None:
         slot = self.slots.pop(block_id, None)
         if slot is None:
             return
-        self.fill.pop(block_id, None)
+        self.written.pop(block_id, None)
         self.slot_of_block[block_id] = -1
         self.free.append(slot)
 
@@ -102,13 +111,22 @@ class OpenKeyShadows:
 class QuantizedLayerKV(LayerKV):
     """K/V stored in a codec's format, quantized as they are written.
 
-    Per-token codecs encode each written token at once. A block codec (KIVI's per-channel K) needs
-    the whole block: the open block's K stays in `compute_dtype` in a shadow (a row of
-    `open_k.pool`, see OpenKeyShadows; dropped when the block fills or is freed) and is encoded when
-    its last slot is written. Blocks fill in slot order; a write at offset 0 into a block that is not closed
-    starts it afresh; a write into a closed block (recomputed tokens, moved KV) decodes it, patches
-    the rows and re-encodes it. A block stays closed until the pool frees it (on_block_freed). `bytes_per_block` counts packed blocks only; `shadow_bytes` reports the
-    full-precision shadow, bounded by the number of open blocks (one per running sequence).
+    Per-token codecs encode each written token at once, so rows may arrive in any order. A block
+    codec (KIVI's per-channel K) encodes a block's K from all its rows at once; a block's K is
+
+      unwritten  freed by the pool (on_block_freed) or never used: its codes are a previous owner's
+                 and no row of them is ever read back as content
+      open       some rows written: they wait in `compute_dtype` in a shadow (a row of
+                 `open_k.pool`, which kernels read) with the mask of rows written (OpenKeyShadows)
+      closed     every row written: encoded once from exactly those rows, shadow dropped
+
+    so its codes depend only on the final rows written, never on their order. A write into a
+    closed block (content reuse repairing moved rows) re-encodes it with the new rows patched into
+    its old ones: while the block is held (`hold_exact`, a content-reuse prefill), the old rows are
+    the exact ones, kept in `exact_k` when the block closed, and the result is again the encoding of
+    the final rows; outside a hold they are the decoded codes, so the other rows are quantized a
+    second time (the engine writes closed blocks only while holding them). `bytes_per_block` counts
+    packed blocks only; `shadow_bytes` reports the full-precision K (open shadows, held exact rows).
     """
 
     def __init__(
@@ -129,7 +147,9 @@ class QuantizedLayerKV(LayerKV):
         self.k_blocks = PackedBlocks(self.codec.k, num_blocks, block_size, device)
         self.v_blocks = PackedBlocks(self.codec.v, num_blocks, block_size, device)
         self.open_k = OpenKeyShadows(num_blocks, block_size, num_kv_heads, head_dim, compute_dtype, device)
-        self.closed: set[int] = set()  # blocks whose K filled and is encoded, until the pool frees them
+        self.closed: set[int] = set()  # blocks whose K rows were all written and are encoded
+        self.held: set[int] = set()  # blocks under hold_exact
+        self.exact_k: dict[int, torch.Tensor] = {}  # held closed block -> its K rows [bs, H, D]
 
     def write(self, slot_mapping: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> None:
         keep = slot_mapping >= 0
@@ -141,34 +161,59 @@ class QuantizedLayerKV(LayerKV):
         if self.codec.k.per_token:
             self.k_blocks.write_tokens(slot_mapping, key)
         else:
-            self._write_open_k(slot_mapping, key)
+            self._write_block_k(slot_mapping, key)
 
-    def _write_open_k(self, slot_mapping: torch.Tensor, key: torch.Tensor) -> None:
+    def _write_block_k(self, slot_mapping: torch.Tensor, key: torch.Tensor) -> None:
+        bs = self.block_size
         slots = slot_mapping.tolist()
-        full: dict[int, torch.Tensor] = {}  # block id -> its filled K [block_size, H, D]
+        encode: dict[int, torch.Tensor] = {}  # block id -> all its K rows [bs, H, D], to encode below
         start = 0
         while start < len(slots):  # one run of consecutive slots in one block per iteration
-            block_id, offset = divmod(slots[start], self.block_size)
+            block_id, offset = divmod(slots[start], bs)
             end = start + 1
-            while end < len(slots) and slots[end] == slots[end - 1] + 1 and slots[end] % self.block_size:
+            while end < len(slots) and slots[end] == slots[end - 1] + 1 and slots[end] % bs:
                 end += 1
-            if offset == 0 and block_id not in self.closed:
-                self.open_k.open(block_id)
-            elif block_id in full:  # filled earlier in this write, now patched
-                self.open_k.open(block_id, init=full.pop(block_id), fill=self.block_size)
-            elif block_id not in self.open_k:  # rewriting rows of a closed block: decode, patch, re-encode
-                closed = self.k_blocks.read(torch.tensor([block_id], device=self.device))[0]
-                self.open_k.open(block_id, init=closed, fill=self.block_size)
-            self.open_k.get(block_id)[offset : offset + end - start] = key[start:end]
-            self.open_k.fill[block_id] = max(self.open_k.fill[block_id], offset + end - start)
-            if self.open_k.fill[block_id] == self.block_size:
-                full[block_id] = self.open_k.get(block_id).clone()
-                self.open_k.drop(block_id)
+            rows = key[start:end]
+            if block_id in self.closed:  # rows rewritten after the block filled
+                if block_id not in encode:
+                    encode[block_id] = self._closed_rows(block_id)
+                encode[block_id][offset : offset + end - start] = rows
+            elif end - start == bs and block_id not in self.open_k:  # a whole block at once
+                encode[block_id] = rows.to(self.compute_dtype, copy=True)
                 self.closed.add(block_id)
+            else:
+                shadow = self.open_k.get(block_id) if block_id in self.open_k else self.open_k.open(block_id)
+                shadow[offset : offset + end - start] = rows
+                if self.open_k.mark(block_id, offset, end - start):
+                    encode[block_id] = shadow.clone()
+                    self.open_k.drop(block_id)
+                    self.closed.add(block_id)
             start = end
-        if full:
-            block_ids = torch.tensor(list(full), dtype=torch.int64, device=self.device)
-            self.k_blocks.write_blocks(block_ids, torch.stack(list(full.values())))  # [n, bs, H, D]
+        if encode:
+            block_ids = torch.tensor(list(encode), dtype=torch.int64, device=self.device)
+            self.k_blocks.write_blocks(block_ids, torch.stack(list(encode.values())))  # [n, bs, H, D]
+            self.exact_k.update((b, rows) for b, rows in encode.items() if b in self.held)
+
+    def _closed_rows(self, block_id: int) -> torch.Tensor:
+        """A closed block's K rows [bs, H, D] in compute_dtype, to patch: the exact rows of a held
+        block (kept from then on), else the decoded codes."""
+        if block_id in self.exact_k:
+            return self.exact_k[block_id]
+        ids = torch.tensor([block_id], device=self.device)
+        return self.k_blocks.read(ids)[0].to(self.compute_dtype)
+
+    def hold_exact(self, block_ids: list[int]) -> None:
+        """Until `release_exact`, a closed block among `block_ids` keeps its exact K rows, so that
+        a rewrite re-encodes it from its final rows (rows written before the hold count as their
+        codes decode). Costs one compute_dtype copy of K per held closed block; per-token codecs
+        need nothing."""
+        if not self.codec.k.per_token:
+            self.held.update(block_ids)
+
+    def release_exact(self, block_ids: list[int]) -> None:
+        for block_id in block_ids:
+            self.held.discard(block_id)
+            self.exact_k.pop(block_id, None)
 
     def gather(self, block_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         k = self.k_blocks.read(block_ids).to(self.compute_dtype)
@@ -186,19 +231,39 @@ class QuantizedLayerKV(LayerKV):
             if src in self.closed:
                 self.closed.add(dst)
             if src in self.open_k:
-                self.open_k.open(dst, init=self.open_k.get(src), fill=self.open_k.fill[src])
+                self.open_k.open(dst, init=self.open_k.get(src), written=self.open_k.written[src])
+
+    def kernel_view(self, dtype: torch.dtype | None = None) -> PagedKV | None:
+        """Stored-as-is formats (in `dtype`, if given), fp8_e4m3 and int8 KIVI (its open-K shadows in
+        `dtype`, if given) are read in place; other codecs are not."""
+        k, v = self.k_blocks.fields, self.v_blocks.fields
+        codec = self.codec
+        if codec.passthrough_dtype is not None:
+            same = dtype is None or codec.passthrough_dtype == dtype
+            return PagedKV("dense", k["x"], v["x"]) if same else None
+        if codec.name == "fp8_e4m3":
+            return PagedKV("fp8_e4m3", k["codes"], v["codes"], k_scale=k["scale"], v_scale=v["scale"])
+        if codec.name != "int8" or (dtype is not None and self.open_k.pool.dtype != dtype):
+            return None
+        return PagedKV(
+            "int8", k["codes"], v["codes"], k_scale=k["scale"], k_zero=k["zero"], v_scale=v["scale"],
+            v_zero=v["zero"], k_open=self.open_k.pool, k_open_slot=self.open_k.slot_of_block,
+        )  # fmt: skip
 
     def bytes_per_block(self) -> int:
         return self.codec.bytes_per_block(self.block_size)
 
     def shadow_bytes(self) -> int:
-        """Bytes of full-precision K held for open (not yet full) blocks."""
-        return self.open_k.used_bytes()
+        """Bytes of full-precision K: shadows of open blocks plus exact rows of held closed blocks."""
+        held = sum(rows.numel() * rows.element_size() for rows in self.exact_k.values())
+        return self.open_k.used_bytes() + held
 
     def on_block_freed(self, block_id: int) -> None:
-        """The pool freed the block: its next owner starts it afresh at offset 0."""
+        """The pool freed the block: whatever its next owner writes starts from nothing."""
         self.open_k.drop(block_id)
         self.closed.discard(block_id)
+        self.held.discard(block_id)
+        self.exact_k.pop(block_id, None)
 
 
 def create_layer_kv(
