@@ -84,7 +84,7 @@ class BlendRunner:
         The blocks past the prefix get their rows out of order (moved, then fresh and repaired):
         storage holds them (LayerKV.hold_exact) so that each ends up encoded from its final rows,
         and lets a layer's go once that layer's forward has written its last rows."""
-        assembled = plan.seq.block_ids[plan.prefix_len // self.block_size :]
+        assembled = plan.seq.kv.block_ids[plan.prefix_len // self.block_size :]
         for kv in self.layers:
             kv.hold_exact(assembled)
         try:

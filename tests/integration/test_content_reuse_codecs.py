@@ -57,8 +57,8 @@ def _check_against_oracle(llm: LLM, codec: str, plan: BlendPlan, forward_writes:
     bs = llm.engine.config.block_size
     n, prefix_len = plan.seq.num_prompt_tokens, plan.prefix_len
     assert prefix_len % bs == 0
-    block_ids = torch.tensor(plan.seq.block_ids[prefix_len // bs : -(-n // bs)])
-    pos_of_block = {b: i * bs for i, b in enumerate(plan.seq.block_ids)}
+    block_ids = torch.tensor(plan.seq.kv.block_ids[prefix_len // bs : -(-n // bs)])
+    pos_of_block = {b: i * bs for i, b in enumerate(plan.seq.kv.block_ids)}
     moved = {p for h in plan.hits for p in range(h.dst_start, h.dst_start + h.num_tokens)}
     cases = set()
     if any(h.dst_start % bs for h in plan.hits):
@@ -127,7 +127,7 @@ def _spy(
         try:  # the engine turns an exception in here into a failed request: keep it for the test
             assert all(len(w) == 2 for w in writes), "one write moves the hits, one is the forward's"
             cases.append(_check_against_oracle(llm, codec, plan, [w[1] for w in writes]))
-            if earlier_blocks & set(plan.seq.block_ids):
+            if earlier_blocks & set(plan.seq.kv.block_ids):
                 cases[-1].add("block recycled from an earlier owner")
         except AssertionError as e:
             failures.append(str(e))
