@@ -126,14 +126,8 @@ def build_parts(config: ServeConfig) -> EngineParts:
     codec = resolve_codec_name(config, dtype)
     probe = create_layer_kv(codec, 1, config.block_size, num_kv_heads, head_dim, dtype, torch.device("cpu"))
     bytes_per_block = probe.bytes_per_block() * num_layers
-    # block codecs (KIVI K) keep each sequence's open block in full precision: reserve that first
-    codec_k = getattr(getattr(probe, "codec", None), "k", None)
-    open_block_reserve = 0
-    if codec_k is not None and not codec_k.per_token:
-        elem = torch.empty((), dtype=dtype).element_size()
-        open_block_reserve = (
-            config.max_num_seqs * config.block_size * num_kv_heads * head_dim * elem * num_layers
-        )
+    # block codecs (KIVI K) keep each running sequence's open block in full precision: reserve that
+    open_block_reserve = config.max_num_seqs * probe.open_block_bytes() * num_layers
     num_blocks = max(0, config.max_cache_bytes - open_block_reserve) // bytes_per_block
     if num_blocks < 2:
         raise ConfigError(

@@ -331,7 +331,9 @@ class Engine:
         self._finish(seq, FinishReason.ERROR, error=f"internal error while {stage}: {type(exc).__name__}")
 
     def _finish_warm(self, seq: Sequence) -> None:
-        self.scheduler.register_tail(seq)
+        open_block = self.scheduler.register_tail(seq)
+        for layer in self.layers:  # the cached tail's last block will never fill: encode it now
+            layer.seal(open_block)
         error = self._pin(seq) if seq.pin_owner is not None else None
         if error is not None:
             self._finish(seq, FinishReason.ERROR, error=error)

@@ -61,6 +61,15 @@ class LayerKV(ABC):
         dtype), any view kernels can read."""
         return None
 
+    def open_block_bytes(self) -> int:
+        """Full-precision bytes one partly written block costs beside its packed bytes (storage that
+        encodes each token as it is written: 0)."""
+        return 0
+
+    def seal(self, block_ids: list[int]) -> None:  # noqa: B027 - optional hook
+        """These blocks will not be written again (a cached piece that ends mid-block): storage that
+        keeps a partly written block in full precision until it fills encodes it now."""
+
     def on_block_freed(self, block_id: int) -> None:  # noqa: B027 - optional hook
         """Called by the pool when a block returns to the free list (codecs drop side state)."""
 

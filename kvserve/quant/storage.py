@@ -47,9 +47,9 @@ class OpenKeyShadows:
     `pool` [capacity, block_size, H, D] in the compute dtype; `slot_of_block` [num_blocks] int32 maps a
     block id to its row of `pool` (-1: the block has no shadow, read its packed codes). Capacity
     doubles when every slot is taken (kernels read the attributes at call time), and stays bounded by
-    the number of blocks open at once: one per running sequence, plus cached tail pieces, plus the
-    blocks a content-reuse prefill has partly written. `written[block_id]` has bit i set once row i
-    of the block was written; rows not written read as zeros.
+    the number of blocks open at once: one per running sequence plus the blocks a content-reuse
+    prefill has partly written (a cached piece that ends mid-block is sealed: LayerKV.seal).
+    `written[block_id]` has bit i set once row i of the block was written; unwritten rows read as 0.
     """
 
     def __init__(self, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int, dtype, device):
@@ -257,6 +257,32 @@ class QuantizedLayerKV(LayerKV):
         """Bytes of full-precision K: shadows of open blocks plus exact rows of held closed blocks."""
         held = sum(rows.numel() * rows.element_size() for rows in self.exact_k.values())
         return self.open_k.used_bytes() + held
+
+    def open_block_bytes(self) -> int:
+        if self.codec.k.per_token:
+            return 0
+        return self.block_size * self.num_kv_heads * self.head_dim * self.open_k.pool.element_size()
+
+    def seal(self, block_ids: list[int]) -> None:
+        """Encode open blocks that will not fill: from the rows written, the unwritten rows (never
+        read) taking the first written row's values so they do not widen any channel's range. The
+        shadow is dropped, so a cached piece that ends mid-block costs its packed bytes only."""
+        sealed: dict[int, torch.Tensor] = {}
+        for block_id in block_ids:
+            if block_id not in self.open_k:
+                continue
+            written = self.open_k.written[block_id]
+            rows = [i for i in range(self.block_size) if written >> i & 1]
+            shadow = self.open_k.get(block_id).clone()
+            if rows:
+                missing = [i for i in range(self.block_size) if not written >> i & 1]
+                shadow[missing] = shadow[rows[0]].clone()
+            sealed[block_id] = shadow
+            self.open_k.drop(block_id)
+            self.closed.add(block_id)
+        if sealed:
+            ids = torch.tensor(list(sealed), dtype=torch.int64, device=self.device)
+            self.k_blocks.write_blocks(ids, torch.stack(list(sealed.values())))
 
     def on_block_freed(self, block_id: int) -> None:
         """The pool freed the block: whatever its next owner writes starts from nothing."""

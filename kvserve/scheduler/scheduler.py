@@ -309,8 +309,9 @@ class Scheduler:
             num_cached = cache.num_chunks_in_store * self.chunk_size
             self.content.register(seq, num_cached, cache.prefix_hashes[: cache.num_chunks_in_store])
 
-    def register_tail(self, seq: Sequence) -> None:
-        """Cache the prompt's final piece shorter than a chunk (warmed documents), for content matches."""
+    def register_tail(self, seq: Sequence) -> list[int]:
+        """Cache the prompt's final piece shorter than a chunk (warmed documents), for content matches;
+        returns its last block when this call cached it and it ends mid-block (to seal), else []."""
         full = seq.num_prompt_tokens // self.chunk_size
         tail_len = seq.num_prompt_tokens - full * self.chunk_size
         cache = seq.cache
@@ -321,19 +322,22 @@ class Scheduler:
             or cache.num_chunks_in_store < full
             or cache.register_limit is not None
         ):
-            return
+            return []
         parent = cache.prefix_hashes[full - 1] if full else None
         tokens = seq.token_ids[full * self.chunk_size : seq.num_prompt_tokens]
         h = tail_hash(parent or cache.root_hash, tokens)
         chunk = self.store.get(h)
+        open_block: list[int] = []
         if chunk is None:
             first = full * self.store.blocks_per_chunk
             blocks = seq.kv.block_ids[first : first + _cdiv(tail_len, self.block_size)]
             self.store.insert(h, blocks, full, parent, tail_len)
+            open_block = blocks[-1:] if tail_len % self.block_size else []
         else:
             self.store.acquire(chunk, hit=False)
         cache.used_chunks.append(h)
         self.content.register(seq, seq.num_prompt_tokens, cache.prefix_hashes[:full] + [h])
+        return open_block
 
     def _drop_in_flight(self, seq: Sequence, h: bytes) -> None:
         if h in seq.cache.in_flight:

@@ -181,3 +181,17 @@ def test_warm_without_content_reuse_keeps_no_tail_pieces(monkeypatch: pytest.Mon
     assert not llm.stats()["content_reuse"]["available"]
     result = llm.warm(corpus_token_ids(llm, 2 * CHUNK + 10, seed=490), pin=True)
     assert result.num_new_chunks == 2 and len(llm.engine.store) == 2, "a tail piece nobody can use"
+
+
+def test_cached_tail_pieces_hold_no_full_precision_shadow():
+    """KIVI keeps a block's K in full precision until the block fills; a warmed text's tail piece ends
+    mid-block and never fills, so unsealed it would hold a shadow (uncounted by the budget) for as long
+    as it stays cached."""
+    llm = make(kv_cache_dtype="int8")
+    for i in range(6):
+        llm.warm(corpus_token_ids(llm, 2 * CHUNK + 7 + i, seed=500 + i), pin=False)
+    assert sum(layer.shadow_bytes() for layer in llm.engine.layers) == 0  # type: ignore[attr-defined]
+    doc = corpus_token_ids(llm, 2 * CHUNK + 9, seed=500 + 2)
+    prompt = corpus_token_ids(llm, CHUNK, seed=510) + doc + [5, 6]
+    (out,) = llm.generate([prompt], GREEDY, reuse=ReuseOptions(reuse="any", recompute_strategy="none"))
+    assert out.num_approx_cached_tokens == 2 * CHUNK, "the warmed text is still found and reused"

@@ -165,3 +165,25 @@ def test_held_block_keeps_filling_after_release_and_frees_clean(name):
     for block_id in BLOCKS:
         kv.on_block_freed(block_id)  # ...then freed: nothing of it is kept
     assert kv.shadow_bytes() == 0
+
+
+@pytest.mark.parametrize("codec", ["int8", "int4", "int2"])
+def test_seal_encodes_a_partly_written_block_from_its_written_rows(codec: str):
+    """A sealed block equals the block encoded with its unwritten rows copied from its first written
+    row (so they widen no channel range), and drops its full-precision shadow."""
+    from kvserve.quant.storage import create_layer_kv
+
+    torch.manual_seed(0)
+    kv = create_layer_kv(codec, 4, 16, 2, 16, torch.float32, "cpu")
+    rows = torch.randn(16, 2, 16) * 3
+    written = list(range(3, 12))
+    kv.write(torch.tensor([16 + i for i in written]), rows[written], rows[written])
+    assert kv.shadow_bytes() > 0
+    kv.seal([1])
+    assert kv.shadow_bytes() == 0
+    padded = rows.clone()
+    padded[[i for i in range(16) if i not in written]] = rows[written[0]]
+    oracle = create_layer_kv(codec, 4, 16, 2, 16, torch.float32, "cpu")
+    oracle.write(torch.arange(16, 32), padded, padded)
+    got, want = kv.gather(torch.tensor([1]))[0][0], oracle.gather(torch.tensor([1]))[0][0]
+    assert torch.equal(got[written], want[written])
