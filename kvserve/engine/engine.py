@@ -27,12 +27,13 @@ from kvserve.engine.builder import (
 )
 from kvserve.engine.model_runner import ModelRunner
 from kvserve.engine.output import OutputProcessor
+from kvserve.engine.pins import WarmPins
 from kvserve.engine.sampler import sample_one
 from kvserve.engine.stats import engine_stats
 from kvserve.errors import InvalidRequestError
 from kvserve.kvcache.block_pool import BlockPool
 from kvserve.kvcache.chunk_store import ChunkStore
-from kvserve.kvcache.hashing import owner_hash, prompt_chunk_hashes, root_hash
+from kvserve.kvcache.hashing import root_hash
 from kvserve.kvcache.segment_index import SegmentIndex
 from kvserve.request import FinishReason, Request, RequestOutput
 from kvserve.scheduler.batch import BlendPlan, ScheduledBatch, ScheduledSeq
@@ -55,6 +56,7 @@ class Engine:
             self.pool.on_free.append(layer.on_block_freed)
         max_pinned = int(config.max_pinned_fraction * self.info.num_blocks)
         self.store = ChunkStore(self.pool, config.chunk_size, config.eviction_policy, max_pinned)
+        self.pins = WarmPins(self.store, config.chunk_size, config.block_size, config.max_pinned_fraction)
         device = torch.device(self.info.device)
         rotator, reason = check_content_reuse(self.model)
         self.content = ContentMatcher(config, SegmentIndex(self.store), rotator is not None, reason)
@@ -83,7 +85,9 @@ class Engine:
         """Validate and queue. Raises InvalidRequestError (the engine state is unchanged then)."""
         self._validate(request)
         root = root_hash(self.info.namespace, request.cache_salt)
-        pin_owner = owner_hash(root, request.prompt_token_ids) if request.warm_only and request.pin else None
+        pin_owner = (
+            WarmPins.owner(root, request.prompt_token_ids) if request.warm_only and request.pin else None
+        )
         if request.warm_only and not self.content.enabled:  # only whole chunks can be prefix-matched
             usable = len(request.prompt_token_ids) // self.config.chunk_size * self.config.chunk_size
             request.prompt_token_ids = request.prompt_token_ids[:usable]
@@ -102,7 +106,7 @@ class Engine:
         self.scheduler.prepare(seq)
         self._check_capacity(seq)
         if seq.pin_owner is not None:
-            self._reserve_pins(seq)
+            self.pins.reserve(seq)
         self._seqs[request.request_id] = seq
         self.scheduler.enqueue(seq)
         if request.warm_only and not request.prompt_token_ids:
@@ -158,51 +162,9 @@ class Engine:
                 param="max_tokens",
             )
 
-    # --- pins --------------------------------------------------------------------------------------
-    def _pin_keys(self, seq: Sequence) -> tuple[list[bytes], list[int]]:
-        """(the chunk keys a warm of this text leaves in the store, blocks of each)."""
-        tokens, chunk, root = seq.request.prompt_token_ids, self.config.chunk_size, seq.cache.root_hash
-        hashes = prompt_chunk_hashes(tokens, chunk, root)
-        blocks = [self.store.blocks_per_chunk] * (len(tokens) // chunk)
-        if len(hashes) > len(blocks):  # the tail piece (kept when content reuse is available)
-            blocks.append(-(-(len(tokens) % chunk) // self.config.block_size))
-        return hashes, blocks
-
-    def _pin_error(self, num_new_blocks: int) -> InvalidRequestError:
-        store, f = self.store, self.config.max_pinned_fraction
-        pinned = store.num_pinned_blocks + store.num_reserved_pin_blocks
-        return InvalidRequestError(
-            f"pinning this text would pin {pinned + num_new_blocks} of the pool's {self.pool.num_blocks} "
-            f"KV blocks, above max_pinned_fraction={f:g} ({store.max_pinned_blocks} blocks); unpin warmed "
-            "text (DELETE /v1/warm), warm it with pin=false, or raise --max-pinned-fraction",
-            param="pin",
-        )
-
-    def _reserve_pins(self, seq: Sequence) -> None:
-        hashes, blocks = self._pin_keys(seq)
-        new = self.store.unpinned_blocks(hashes, blocks)
-        if not self.store.reserve_pins(new):
-            raise self._pin_error(new)
-        seq.num_reserved_pin_blocks = new
-
-    def _pin(self, seq: Sequence) -> str | None:
-        """Pin a finished warm's chunks under its owner; the error if that would exceed the cap."""
-        self.store.release_pin_reservation(seq.num_reserved_pin_blocks)
-        seq.num_reserved_pin_blocks = 0
-        assert seq.pin_owner is not None
-        hashes, _ = self._pin_keys(seq)
-        cached = [h for h in hashes if h in self.store]
-        chunks = [self.store.get(h) for h in cached]
-        new = sum(len(c.block_ids) for c in chunks if c is not None and not c.pinned)
-        if not self.store.reserve_pins(new):  # pins changed while it ran
-            return self._pin_error(new).message
-        self.store.release_pin_reservation(new)
-        self.store.pin(seq.pin_owner, cached)
-        return None
-
     def unpin(self, token_ids: list[int], cache_salt: str | None = None) -> int:
         """Release the pins a warm of this text holds; returns how many chunks it pinned (0: none)."""
-        return self.store.unpin(owner_hash(root_hash(self.info.namespace, cache_salt), token_ids))
+        return self.pins.unpin(root_hash(self.info.namespace, cache_salt), token_ids)
 
     # --- aborts ------------------------------------------------------------------------------------
     def abort_request(self, request_id: str, reason: str = "aborted") -> bool:
@@ -334,7 +296,7 @@ class Engine:
         open_block = self.scheduler.register_tail(seq)
         for layer in self.layers:  # the cached tail's last block will never fill: encode it now
             layer.seal(open_block)
-        error = self._pin(seq) if seq.pin_owner is not None else None
+        error = self.pins.pin(seq) if seq.pin_owner is not None else None
         if error is not None:
             self._finish(seq, FinishReason.ERROR, error=error)
         else:
@@ -344,9 +306,7 @@ class Engine:
         if self._seqs.get(seq.request_id) is not seq:  # already finished
             return
         self.scheduler.finish(seq, reason, error)  # a no-op for one the scheduler finished (refused)
-        if seq.num_reserved_pin_blocks:
-            self.store.release_pin_reservation(seq.num_reserved_pin_blocks)
-            seq.num_reserved_pin_blocks = 0
+        self.pins.release(seq)
         seq.request.metrics.finished_time = time.monotonic()
         del self._seqs[seq.request_id]
         self._pending.append(self.outputs.final(seq))

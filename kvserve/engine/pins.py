@@ -1,0 +1,76 @@
+"""WarmPins: what pinning a warmed text takes and gives back, on top of the chunk store's counted pins.
+
+A warm with pin=true books room in the store's pin budget when it is accepted (a 400 when pinned
+memory would pass --max-pinned-fraction), pins its cached chunks under its owner (the text as sent
+plus its cache salt) when it finishes, and gives the booking back whatever happens. Unpinning a text
+releases that owner's pins only: chunks other texts still pin stay pinned.
+"""
+
+from __future__ import annotations
+
+from kvserve.errors import InvalidRequestError
+from kvserve.kvcache.chunk_store import ChunkStore
+from kvserve.kvcache.hashing import owner_hash, prompt_chunk_hashes
+from kvserve.scheduler.sequence import Sequence
+
+
+class WarmPins:
+    def __init__(self, store: ChunkStore, chunk_size: int, block_size: int, max_pinned_fraction: float):
+        self.store = store
+        self.chunk_size, self.block_size = chunk_size, block_size
+        self.max_pinned_fraction = max_pinned_fraction
+
+    @staticmethod
+    def owner(root: bytes, token_ids: list[int]) -> bytes:
+        return owner_hash(root, token_ids)
+
+    def _keys(self, seq: Sequence) -> tuple[list[bytes], list[int]]:
+        """(the chunk keys a warm of this text leaves in the store, blocks of each)."""
+        tokens = seq.request.prompt_token_ids
+        hashes = prompt_chunk_hashes(tokens, self.chunk_size, seq.cache.root_hash)
+        blocks = [self.store.blocks_per_chunk] * (len(tokens) // self.chunk_size)
+        if len(hashes) > len(blocks):  # the tail piece (kept when content reuse is available)
+            blocks.append(-(-(len(tokens) % self.chunk_size) // self.block_size))
+        return hashes, blocks
+
+    def _error(self, num_new_blocks: int) -> InvalidRequestError:
+        store = self.store
+        pinned = store.num_pinned_blocks + store.num_reserved_pin_blocks
+        return InvalidRequestError(
+            f"pinning this text would pin {pinned + num_new_blocks} of the pool's {store.pool.num_blocks} "
+            f"KV blocks, above max_pinned_fraction={self.max_pinned_fraction:g} ({store.max_pinned_blocks} "
+            "blocks); unpin warmed text (DELETE /v1/warm), warm it with pin=false, or raise "
+            "--max-pinned-fraction",
+            param="pin",
+        )
+
+    def reserve(self, seq: Sequence) -> None:
+        """Book the blocks pinning this warm would add; InvalidRequestError past the cap."""
+        hashes, blocks = self._keys(seq)
+        new = self.store.unpinned_blocks(hashes, blocks)
+        if not self.store.reserve_pins(new):
+            raise self._error(new)
+        seq.num_reserved_pin_blocks = new
+
+    def release(self, seq: Sequence) -> None:
+        """Give back the warm's booking (finished, aborted or failed)."""
+        if seq.num_reserved_pin_blocks:
+            self.store.release_pin_reservation(seq.num_reserved_pin_blocks)
+            seq.num_reserved_pin_blocks = 0
+
+    def pin(self, seq: Sequence) -> str | None:
+        """Pin a finished warm's cached chunks under its owner; the error if that would pass the cap."""
+        assert seq.pin_owner is not None
+        self.release(seq)
+        hashes, _ = self._keys(seq)
+        chunks = [c for c in map(self.store.get, hashes) if c is not None]
+        new = sum(len(c.block_ids) for c in chunks if not c.pinned)
+        if not self.store.reserve_pins(new):  # pins changed while it ran
+            return self._error(new).message
+        self.store.release_pin_reservation(new)
+        self.store.pin(seq.pin_owner, [c.prefix_hash for c in chunks])
+        return None
+
+    def unpin(self, root: bytes, token_ids: list[int]) -> int:
+        """Release the pins a warm of this text holds; returns how many chunks it pinned (0: none)."""
+        return self.store.unpin(self.owner(root, token_ids))
