@@ -209,9 +209,25 @@ def test_short_soak_runs_the_pipeline_and_the_pool_returns_to_idle(tmp_path: Pat
     assert rc == (0 if judged["passed"] else 1)
 
 
+@pytest.fixture(scope="module")
+def half_minute_soak(tmp_path_factory: pytest.TempPathFactory) -> tuple[int, dict]:
+    return run_soak(tmp_path_factory.mktemp("soak"), 0.5, timeout_s=900)
+
+
+@pytest.mark.slow
+def test_half_minute_soak_of_the_whole_mix_returns_to_idle_without_growing(half_minute_soak) -> None:
+    _, result = half_minute_soak
+    judged = result["judged"]
+    assert {o["kind"] for o in judged["outcomes"]} >= {k for k, v in soak.KINDS.items() if v.weight}
+    met = _met(judged)
+    for target in ("RSS growth after warm-up", "server idle after the load",
+                   "blocks held by requests at idle", "pinned chunks at idle"):  # fmt: skip
+        assert met[target], judged["targets"]
+
+
 @pytest.mark.slow
 @pytest.mark.xfail(strict=True, reason=LOGIT_BIAS_DEFECT)
-def test_half_minute_soak_of_the_whole_mix_meets_every_target(tmp_path: Path) -> None:
-    rc, result = run_soak(tmp_path, 0.5, timeout_s=900)
-    assert {o["kind"] for o in result["judged"]["outcomes"]} >= {k for k, v in soak.KINDS.items() if v.weight}
-    assert result["judged"]["passed"] and rc == 0, result["judged"]["targets"]
+def test_half_minute_soak_of_the_whole_mix_has_no_unexpected_outcome(half_minute_soak) -> None:
+    rc, result = half_minute_soak
+    assert result["judged"]["unexpected"] == 0, result["run"]["failures"]
+    assert rc == 0
