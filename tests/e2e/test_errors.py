@@ -67,7 +67,7 @@ def test_400_names_the_parameter(server: Server) -> None:
     assert info.value.body["param"] == "prompt" and "4096" in info.value.message  # type: ignore[index]
     with pytest.raises(openai.BadRequestError) as info:
         client.chat.completions.create(model=TINY, messages=[{"role": "robot", "content": "x"}])  # type: ignore[misc,list-item]
-    assert info.value.body["param"] == "messages"  # type: ignore[index]
+    assert info.value.body["param"] == "messages.0.role"  # type: ignore[index]
     with pytest.raises(openai.BadRequestError) as info:
         client.completions.create(model=TINY, prompt="x", n=3)  # more than --max-queue-size could ever admit
     assert info.value.body["param"] == "n"  # type: ignore[index]
