@@ -25,8 +25,8 @@ def llms() -> tuple[LLM, LLM]:
 
 
 def test_content_reuse_is_available_and_self_checked(llms: tuple[LLM, LLM]):
-    stats = llms[0].stats()["content_reuse"]
-    assert stats["available"] and stats["reason"] == ""
+    stats = llms[0].stats().content_reuse
+    assert stats.available and stats.reason == ""
 
 
 def test_chunk_moved_back_to_its_original_place_and_context_is_exact(llms: tuple[LLM, LLM]):
