@@ -11,6 +11,7 @@ The default run uses a small example budget; `-m slow` runs the same fuzzing wit
 
 from __future__ import annotations
 
+import copy
 import json
 from collections import Counter
 from collections.abc import Iterator
@@ -49,7 +50,9 @@ def fuzz_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
 
 def constrained(doc: dict[str, Any]) -> dict[str, Any]:
     """The server's document with generation kept small: max_tokens-like fields <= MAX_NEW_TOKENS,
-    n <= 2. Only the fuzzer's copy changes; the server still accepts the full ranges."""
+    n <= 2. Only valid requests are drawn from it (invalid ones from the document itself, so that a
+    value the server rightly accepts is never counted as an accepted invalid one)."""
+    doc = copy.deepcopy(doc)
     schemas = doc["components"]["schemas"]
     for name in ("CompletionRequest", "ChatCompletionRequest"):
         props = schemas[name]["properties"]
@@ -63,11 +66,13 @@ def constrained(doc: dict[str, Any]) -> dict[str, Any]:
 
 
 @pytest.fixture(scope="module")
-def api_schema(fuzz_server: Server) -> Any:
+def api_schema(fuzz_server: Server) -> tuple[Any, Any]:
+    """(the document to draw valid requests from, the server's document for invalid ones)"""
     doc = httpx.get(fuzz_server.base_url + "/openapi.json", timeout=30).json()
-    schema = schemathesis.openapi.from_dict(constrained(doc))
-    schema.config.update(base_url=fuzz_server.base_url, request_timeout=30)
-    return schema
+    schemas = (schemathesis.openapi.from_dict(constrained(doc)), schemathesis.openapi.from_dict(doc))
+    for schema in schemas:
+        schema.config.update(base_url=fuzz_server.base_url, request_timeout=30)
+    return schemas
 
 
 # every documented operation (the first test checks this list against the document)
@@ -97,10 +102,13 @@ def error_envelope(ctx: Any, response: Any, case: Any) -> None:
     assert set(error) == {"message", "type", "param", "code"} and error["message"], body
 
 
-def fuzz(schema: Any, operation: str, max_examples: int) -> None:
+def fuzz(schemas: tuple[Any, Any], operation: str, max_examples: int) -> None:
     method, path = operation.split()
-    api_operation = schema[path][method]
-    strategy = st.one_of(*(api_operation.as_strategy(mode) for mode in schemathesis.GenerationMode))
+    valid, invalid = (schema[path][method] for schema in schemas)
+    strategy = st.one_of(
+        valid.as_strategy(schemathesis.GenerationMode.POSITIVE),
+        invalid.as_strategy(schemathesis.GenerationMode.NEGATIVE),
+    )
 
     @given(case=strategy)
     @settings(
@@ -120,17 +128,17 @@ def fuzz(schema: Any, operation: str, max_examples: int) -> None:
     call()
 
 
-def test_every_documented_operation_is_fuzzed(api_schema: Any) -> None:
+def test_every_documented_operation_is_fuzzed(api_schema: tuple[Any, Any]) -> None:
     documented = [
         f"{method.upper()} {path}"
-        for path, methods in api_schema.raw_schema["paths"].items()
+        for path, methods in api_schema[1].raw_schema["paths"].items()
         for method in methods
     ]
     assert sorted(documented) == sorted(OPERATIONS)
 
 
 @pytest.mark.parametrize("operation", OPERATIONS)
-def test_fuzz(api_schema: Any, operation: str) -> None:
+def test_fuzz(api_schema: tuple[Any, Any], operation: str) -> None:
     fuzz(api_schema, operation, FUZZ_EXAMPLES)
 
 
@@ -148,5 +156,5 @@ def test_after_fuzzing_generation_was_reached_and_the_server_is_healthy(fuzz_ser
 
 @pytest.mark.slow
 @pytest.mark.parametrize("operation", OPERATIONS)
-def test_fuzz_slow(api_schema: Any, operation: str) -> None:
+def test_fuzz_slow(api_schema: tuple[Any, Any], operation: str) -> None:
     fuzz(api_schema, operation, SLOW_FUZZ_EXAMPLES)
