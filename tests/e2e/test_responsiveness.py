@@ -47,6 +47,18 @@ def _poll_while(server: Server, busy: threading.Thread, paths: tuple[str, ...]) 
     return times
 
 
+def _check_quick(what: str, seconds: float, times: list[tuple[str, float]]) -> None:
+    """Every answer under QUICK_S and far shorter than the work it overlapped (a reader that waits
+    for the work takes about as long as it)."""
+    worst = {p: round(max(t for q, t in times if q == p), 3) for p, _ in times}
+    print(f"\nduring a {seconds:.1f} s {what}: {len(times)} answers, slowest {worst}")
+    assert times, f"no answer at all during a {seconds:.1f} s {what}"
+    slowest = max(worst.values())
+    assert slowest < QUICK_S and 4 * slowest < seconds, (
+        f"slow answers during a {seconds:.1f} s {what}: {worst}"
+    )
+
+
 def test_stats_and_health_answer_during_a_long_prefill(server: Server) -> None:
     rng = random.Random(7)
     prompt = [rng.randrange(1000, 40000) for _ in range(2000)]
@@ -64,9 +76,7 @@ def test_stats_and_health_answer_during_a_long_prefill(server: Server) -> None:
     times = _poll_while(server, busy, ("/health", "/v1/stats", "/metrics"))
     busy.join()
     assert result["status"] == 200
-    assert float(result["seconds"]) > 3 * QUICK_S, f"the prefill was too short to tell: {result}"  # type: ignore[arg-type]
-    slow = [(p, round(t, 2)) for p, t in times if t > QUICK_S]
-    assert len(times) >= 6 and not slow, f"slow answers during a {result['seconds']:.1f} s prefill: {slow}"
+    _check_quick("prefill", float(result["seconds"]), times)  # type: ignore[arg-type]
 
 
 def test_health_answers_while_a_huge_prompt_is_tokenized(server: Server) -> None:
@@ -87,11 +97,7 @@ def test_health_answers_while_a_huge_prompt_is_tokenized(server: Server) -> None
     times = _poll_while(server, busy, ("/health", "/v1/stats"))
     busy.join()
     assert result["status"] == 400  # far longer than the context: rejected after tokenizing
-    assert float(result["seconds"]) > 3 * QUICK_S, f"tokenizing was too fast to tell: {result}"  # type: ignore[arg-type]
-    slow = [(p, round(t, 2)) for p, t in times if t > QUICK_S]
-    assert len(times) >= 4 and not slow, (
-        f"slow answers during a {result['seconds']:.1f} s tokenization: {slow}"
-    )
+    _check_quick("tokenization", float(result["seconds"]), times)  # type: ignore[arg-type]
 
 
 def test_sigterm_during_generation_shuts_down_cleanly(tmp_path_factory: pytest.TempPathFactory) -> None:
