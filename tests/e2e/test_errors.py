@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 
 import httpx
 import openai
@@ -143,6 +143,16 @@ def test_500_is_an_envelope_and_the_connection_survives(tmp_path: object) -> Non
     async def boom() -> None:
         raise RuntimeError("secret internal detail")
 
+    @app.get("/boom-stream")
+    async def boom_stream() -> object:
+        from kvserve.api.streaming import sse_response
+
+        async def events() -> AsyncIterator[str]:
+            yield "first"
+            raise RuntimeError("secret internal detail")
+
+        return sse_response(events())
+
     port = free_port()
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="critical"))
     thread = threading.Thread(target=server.run, daemon=True)
@@ -156,8 +166,13 @@ def test_500_is_an_envelope_and_the_connection_survives(tmp_path: object) -> Non
             assert "secret" not in r.text and "Traceback" not in r.text
             again = h.get("/health")
             assert again.status_code == 200
-            ports = [x.extensions["network_stream"].get_extra_info("client_addr")[1] for x in (r, again)]
-            assert ports[0] == ports[1], "the connection was not kept alive"
+            # a stream that fails after it began ends where it was (no [DONE]), the connection stays
+            cut = h.get("/boom-stream")
+            assert cut.status_code == 200 and "data: first" in cut.text and "secret" not in cut.text
+            last = h.get("/health")
+            responses = (r, again, cut, last)
+            ports = {x.extensions["network_stream"].get_extra_info("client_addr")[1] for x in responses}
+            assert len(ports) == 1, "the connection was not kept alive"
     finally:
         server.should_exit = True
         thread.join(10)
