@@ -97,18 +97,16 @@ def warm_up(engine: Any, texts: Sequence[str]) -> None:
     """Compute and pin `texts` before serving (drives the engine directly: the worker is not started)."""
     from tqdm import tqdm
 
-    from kvserve.request import Request, SamplingParams
+    from kvserve.llm import warm
 
     for i, text in enumerate(tqdm(texts, desc="warm-up", unit="prefix", disable=not texts)):
-        rid = f"startup-warm-{i}"
-        engine.add_request(
-            Request(
-                rid, engine.tokenizer.encode(text), SamplingParams(max_tokens=1), warm_only=True, pin=True
-            )
-        )
-        done = False
-        while not done:
-            done = any(out.finished and out.request_id == rid for out in engine.step())
+        warm(engine, f"startup-warm-{i}", engine.tokenizer.encode(text), pin=True)
+
+
+# SIGTERM: requests in flight get this long to finish, then a clean error; uvicorn's own limit
+# (after which it cancels tasks, with tracebacks) is longer
+SHUTDOWN_GRACE_S = 2.0
+UVICORN_GRACEFUL_S = 5
 
 
 def serve(config: ServeConfig, log_level: str) -> None:
@@ -122,7 +120,7 @@ def serve(config: ServeConfig, log_level: str) -> None:
     engine = Engine(config)
     print(describe(config, engine.info), flush=True)
     warm_up(engine, config.warm)
-    metrics = Metrics(config.served_model_name or config.model)
+    metrics = Metrics(config.served_model_name or config.model, engine.info.max_model_len)
     async_engine = AsyncEngine(engine, config.max_queue_size, observer=metrics.observe)
     async_engine.start()
     app = create_app(config, async_engine, metrics)
@@ -130,7 +128,20 @@ def serve(config: ServeConfig, log_level: str) -> None:
         f"kvserve: serving {config.served_model_name or config.model} on http://{config.host}:{config.port}",
         flush=True,
     )
-    uvicorn.run(app, host=config.host, port=config.port, log_level=log_level, timeout_graceful_shutdown=5)
+
+    class Server(uvicorn.Server):
+        async def shutdown(self, sockets: Any = None) -> None:
+            await async_engine.drain(SHUTDOWN_GRACE_S)  # before uvicorn waits for (or cancels) requests
+            await super().shutdown(sockets)
+
+    uv_config = uvicorn.Config(
+        app,
+        host=config.host,
+        port=config.port,
+        log_level=log_level,
+        timeout_graceful_shutdown=UVICORN_GRACEFUL_S,
+    )
+    Server(uv_config).run()
 
 
 def main(argv: Sequence[str] | None = None) -> int:

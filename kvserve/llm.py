@@ -2,15 +2,23 @@
 
 from __future__ import annotations
 
-import dataclasses
 import itertools
 from collections.abc import Sequence
 from typing import Any
 
 from kvserve.config import ServeConfig, make_config
 from kvserve.engine.engine import Engine
+from kvserve.engine.stats import EngineStats
 from kvserve.errors import InvalidRequestError
-from kvserve.request import Request, RequestOutput, ReuseOptions, SamplingParams, WarmResult
+from kvserve.request import (
+    Request,
+    RequestOutput,
+    ReuseOptions,
+    SamplingParams,
+    WarmResult,
+    sample_requests,
+    warm_request,
+)
 
 Messages = list[dict[str, Any]]
 PromptLike = str | list[int] | Messages
@@ -64,45 +72,54 @@ class LLM:
             params_list = [sampling_params or SamplingParams()] * len(prompt_list)
         else:
             params_list = list(sampling_params)
-        request_ids: list[str] = []
+        requests: list[Request] = []
         for prompt, params in zip(prompt_list, params_list):
             token_ids = self.to_token_ids(prompt)
-            for i in range(params.n):
-                sample_params = params
-                if params.n > 1 and params.seed is not None:
-                    sample_params = dataclasses.replace(params, seed=params.seed + i)
-                rid = f"gen-{next(self._ids)}"
-                self.engine.add_request(
-                    Request(rid, list(token_ids), sample_params, cache_salt=cache_salt, reuse=reuse)
-                )
-                request_ids.append(rid)
-        done = self._run(set(request_ids))
-        return [done[rid] for rid in request_ids]
-
-    def _run(self, request_ids: set[str]) -> dict[str, RequestOutput]:
-        done: dict[str, RequestOutput] = {}
-        while len(done) < len(request_ids):
-            for out in self.engine.step():
-                if out.finished and out.request_id in request_ids:
-                    done[out.request_id] = out
-        return done
+            requests += sample_requests(f"gen-{next(self._ids)}", token_ids, params, cache_salt, reuse)
+        done = run_to_completion(self.engine, requests)
+        return [done[r.request_id] for r in requests]
 
     # --- cache control -----------------------------------------------------------------------------
     def warm(self, prompt: PromptLike, pin: bool = True, cache_salt: str | None = None) -> WarmResult:
         """Compute and cache the KV of `prompt` (chat messages render as a shared chat prefix)."""
         token_ids = self.to_token_ids(prompt, add_generation_prompt=False)
-        rid = f"warm-{next(self._ids)}"
-        request = Request(
-            rid, list(token_ids), SamplingParams(max_tokens=1), cache_salt=cache_salt, warm_only=True, pin=pin
-        )
-        self.engine.add_request(request)
-        out = self._run({rid})[rid]
-        if out.error:
-            raise InvalidRequestError(f"warm failed: {out.error}")
-        return WarmResult.from_output(len(token_ids), out, self.config.chunk_size, pin)
+        return warm(self.engine, f"warm-{next(self._ids)}", token_ids, pin, cache_salt)
 
     def unpin(self, prompt: PromptLike, cache_salt: str | None = None) -> int:
         return self.engine.unpin(self.to_token_ids(prompt, add_generation_prompt=False), cache_salt)
 
-    def stats(self) -> dict[str, Any]:
-        return self.engine.stats()
+    def stats(self) -> EngineStats:
+        return EngineStats.of(self.engine)
+
+
+def run_to_completion(engine: Engine, requests: Sequence[Request]) -> dict[str, RequestOutput]:
+    """Add `requests` (all or none: a refused one aborts those already added) and step the engine
+    until each has its final output."""
+    added: list[str] = []
+    try:
+        for request in requests:
+            engine.add_request(request)
+            added.append(request.request_id)
+    except BaseException:
+        for request_id in added:
+            engine.abort_request(request_id, "another request of the call was refused")
+        while engine.has_unfinished_requests():  # flush their final outputs
+            engine.step()
+        raise
+    done: dict[str, RequestOutput] = {}
+    while len(done) < len(added):
+        for out in engine.step():
+            if out.finished and out.request_id in added:
+                done[out.request_id] = out
+    return done
+
+
+def warm(
+    engine: Engine, request_id: str, token_ids: Sequence[int], pin: bool = True, cache_salt: str | None = None
+) -> WarmResult:
+    """Compute, register and (if `pin`) pin the KV of `token_ids` by driving `engine` directly."""
+    request = warm_request(request_id, token_ids, pin, cache_salt)
+    out = run_to_completion(engine, [request])[request_id]
+    if out.error:
+        raise InvalidRequestError(f"warm failed: {out.error}")
+    return WarmResult.from_output(len(token_ids), out, engine.config.chunk_size, pin)

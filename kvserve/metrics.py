@@ -1,7 +1,7 @@
 """Counters and histograms behind /v1/stats and /metrics.
 
 Latencies and token rates are observed from RequestOutputs on the engine's worker thread; cache and
-queue facts come from an engine.stats() snapshot taken when /metrics or /v1/stats is read.
+queue facts come from the EngineStats snapshot the worker last published (`engine_stats`).
 Prometheus names follow vLLM's where one exists (with the `kvserve:` prefix).
 """
 
@@ -10,11 +10,11 @@ from __future__ import annotations
 import threading
 from collections import deque
 from collections.abc import Iterator
-from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
+from kvserve.engine.stats import EngineStats
 from kvserve.request import RequestOutput
 
 WINDOW_S = 60.0
@@ -36,10 +36,23 @@ _LATENCY_BUCKETS = (
     10.0,
     20.0,
 )
+_QUEUE_BUCKETS = (*_LATENCY_BUCKETS, 30.0, 60.0, 120.0, 300.0, 600.0)
+
+
+def one_two_five_buckets(limit: int) -> tuple[float, ...]:
+    """1, 2, 5, 10, 20, 50, ... up to `limit` (vLLM's buckets for token counts)."""
+    buckets: list[float] = []
+    scale = 1
+    while True:
+        for m in (1, 2, 5):
+            if m * scale > limit:
+                return tuple(buckets)
+            buckets.append(float(m * scale))
+        scale *= 10
 
 
 class Metrics:
-    def __init__(self, model_name: str):
+    def __init__(self, model_name: str, max_model_len: int = 131072):
         self.model_name = model_name
         self.registry = CollectorRegistry()
         labels = ["model_name"]
@@ -64,6 +77,20 @@ class Metrics:
             buckets=_LATENCY_BUCKETS,
             registry=self.registry,
         )
+        self.queue_time = Histogram(
+            "kvserve:request_queue_time_seconds",
+            "Time a request waited from arrival to its first scheduled step.",
+            labels,
+            buckets=_QUEUE_BUCKETS,
+            registry=self.registry,
+        )
+        self.prompt_tokens = Histogram(
+            "kvserve:request_prompt_tokens",
+            "Prompt tokens per finished request.",
+            labels,
+            buckets=one_two_five_buckets(max_model_len),
+            registry=self.registry,
+        )
         self.finished = Counter(
             "kvserve:request_success",
             "Finished requests by finish reason.",
@@ -82,7 +109,7 @@ class Metrics:
         self._events: deque[tuple[float, int, int]] = deque()  # (time, prompt tokens, generated tokens)
         self._ttft_s: deque[float] = deque(maxlen=4096)
         self._itl_s: deque[float] = deque(maxlen=4096)
-        self.engine_stats: dict[str, Any] = {}
+        self.engine_stats: EngineStats | None = None
 
     # --- observation (worker thread) -----------------------------------------------------------------
     def observe(self, out: RequestOutput, now: float) -> None:
@@ -109,8 +136,12 @@ class Metrics:
         if out.finished:
             reason = out.finish_reason.value if out.finish_reason else "error"
             self.finished.labels(self.model_name, reason).inc()
-            if out.metrics.e2e_s is not None:
-                self.e2e.labels(self.model_name).observe(out.metrics.e2e_s)
+            m = out.metrics
+            if m.e2e_s is not None:
+                self.e2e.labels(self.model_name).observe(m.e2e_s)
+            if m.first_scheduled_time is not None:
+                self.queue_time.labels(self.model_name).observe(m.first_scheduled_time - m.arrival_time)
+            self.prompt_tokens.labels(self.model_name).observe(out.num_prompt_tokens)
 
     def on_rejected(self) -> None:
         self.rejected.labels(self.model_name).inc()
@@ -156,19 +187,21 @@ class _EngineStatsCollector:
 
     def collect(self) -> Iterator[Metric]:
         s = self.metrics.engine_stats
-        if not s:
+        if s is None:
             return
         name = self.metrics.model_name
-        pool, store = s["pool"], s["store"]
-        used_frac = 1.0 - pool["num_free_blocks"] / pool["num_blocks"] if pool["num_blocks"] else 0.0
         gauges = [
-            ("kvserve:num_requests_running", "Requests in the running batch.", s["num_running"]),
-            ("kvserve:num_requests_waiting", "Requests waiting to be scheduled.", s["num_waiting"]),
-            ("kvserve:kv_cache_usage_perc", "Fraction of KV pool blocks in use.", used_frac),
-            ("kvserve:cached_bytes", "Bytes of KV held by cached chunks.", store["cached_bytes"]),
-            ("kvserve:cache_budget_bytes", "KV memory budget (max_cache_bytes).", store["max_cache_bytes"]),
-            ("kvserve:cached_chunks", "Chunks in the prefix cache.", store["num_chunks"]),
-            ("kvserve:pinned_chunks", "Pinned chunks in the prefix cache.", store["num_pinned_chunks"]),
+            ("kvserve:num_requests_running", "Requests in the running batch.", s.num_running),
+            ("kvserve:num_requests_waiting", "Requests waiting to be scheduled.", s.num_waiting),
+            (
+                "kvserve:kv_cache_usage_perc",
+                "Fraction of KV pool blocks in use (blocks of evictable cached chunks count as free).",
+                s.pool.usage,
+            ),
+            ("kvserve:cached_bytes", "Bytes of KV held by cached chunks.", s.store.cached_bytes),
+            ("kvserve:cache_budget_bytes", "KV memory budget (max_cache_bytes).", s.store.max_cache_bytes),
+            ("kvserve:cached_chunks", "Chunks in the prefix cache.", s.store.num_chunks),
+            ("kvserve:pinned_chunks", "Pinned chunks in the prefix cache.", s.store.num_pinned_chunks),
         ]
         for metric_name, doc, value in gauges:
             g = GaugeMetricFamily(metric_name, doc, labels=["model_name"])
@@ -178,27 +211,27 @@ class _EngineStatsCollector:
             (
                 "kvserve:prefix_cache_queries",
                 "Prompt tokens looked up in the prefix cache.",
-                s["num_query_tokens"],
+                s.num_query_tokens,
             ),
-            ("kvserve:prefix_cache_hits", "Prompt tokens found in the prefix cache.", s["num_hit_tokens"]),
-            ("kvserve:prompt_tokens", "Prompt tokens of admitted requests.", s["num_query_tokens"]),
+            ("kvserve:prefix_cache_hits", "Prompt tokens found in the prefix cache.", s.num_hit_tokens),
+            ("kvserve:prompt_tokens", "Prompt tokens of admitted requests.", s.num_query_tokens),
             (
                 "kvserve:prompt_tokens_computed",
                 "Prompt tokens computed (not cached).",
-                s["num_prompt_tokens_computed"],
+                s.num_prompt_tokens_computed,
             ),
-            ("kvserve:generation_tokens", "Generated tokens.", s["num_generated_tokens"]),
-            ("kvserve:cache_evictions", "Chunks evicted from the prefix cache.", s["num_evictions"]),
-            ("kvserve:num_preemptions", "Sequences preempted for memory.", s["num_preemptions"]),
+            ("kvserve:generation_tokens", "Generated tokens.", s.num_generated_tokens),
+            ("kvserve:cache_evictions", "Chunks evicted from the prefix cache.", s.num_evictions),
+            ("kvserve:num_preemptions", "Sequences preempted for memory.", s.num_preemptions),
             (
                 "kvserve:approx_reused_tokens",
                 "Prompt tokens reused from content matches (position-independent, before repair).",
-                s["content_reuse"]["num_approx_hit_tokens"],
+                s.content_reuse.num_approx_hit_tokens,
             ),
             (
                 "kvserve:repair_recomputed_tokens",
                 "Reused tokens recomputed by the repair (selective / cacheblend).",
-                s["content_reuse"]["num_recomputed_tokens"],
+                s.content_reuse.num_recomputed_tokens,
             ),
         ]
         for metric_name, doc, value in counters:

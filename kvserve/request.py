@@ -1,13 +1,74 @@
 """The plain values that cross layer boundaries: SamplingParams, Request (API -> engine) and
-RequestOutput (engine -> API)."""
+RequestOutput (engine -> API); the documented range of every numeric request parameter, the one
+vocabulary check, and the two ways requests are made (n samples of a prompt, warming a prefix)."""
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from kvserve.errors import InvalidRequestError
+
+INT32_MAX = 2**31 - 1
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
+# vLLM's floor for a positive temperature: logits / 1e-45 overflow float32 and sampling gets inf/nan
+MIN_TEMPERATURE = 1e-2
+
+
+@dataclass(frozen=True)
+class Range:
+    """A numeric parameter's documented interval: [low, high], or (low, high] when `low_open`.
+    NaN is in no range."""
+
+    low: float
+    high: float
+    low_open: bool = False
+
+    def __contains__(self, value: float) -> bool:
+        above = value > self.low if self.low_open else value >= self.low
+        return bool(above and value <= self.high)
+
+    def __str__(self) -> str:
+        return f"{'(' if self.low_open else '['}{self.low}, {self.high}]"
+
+    def check(self, param: str, value: float) -> None:
+        if value not in self:
+            raise InvalidRequestError(f"{param} must be in {self} (got {value})", param=param)
+
+
+# Every numeric parameter of /v1/completions and /v1/chat/completions, after OpenAI's ranges where
+# OpenAI documents one (temperature's is [0, 2]; we allow vLLM's wider use), vLLM's otherwise, and
+# otherwise a bound that keeps float32 sampling finite and integers inside int32 / int64.
+RANGES: dict[str, Range] = {
+    "max_tokens": Range(1, INT32_MAX),  # more than the context left is clipped (finish reason length)
+    "temperature": Range(0.0, 100.0),  # 0 = greedy; (0, 0.01) is raised to 0.01 as vLLM does
+    "top_p": Range(0.0, 1.0, low_open=True),
+    "top_k": Range(-1, INT32_MAX),  # -1 or 0 = off
+    "min_p": Range(0.0, 1.0),
+    "repetition_penalty": Range(0.01, 100.0),  # 1 = off; logits are divided or multiplied by it
+    "presence_penalty": Range(-2.0, 2.0),
+    "frequency_penalty": Range(-2.0, 2.0),
+    "logit_bias": Range(-100.0, 100.0),  # each value; each key a token id
+    "seed": Range(INT64_MIN, INT64_MAX),
+    "logprobs": Range(0, 20),
+    "n": Range(1, 16),
+    "recompute_tokens": Range(0, INT32_MAX),
+    "recompute_ratio": Range(0.0, 1.0),
+    "blend_check_layer": Range(0, INT32_MAX),
+}
+
+
+def check_token_ids(token_ids: Sequence[int], vocab_size: int, param: str) -> None:
+    """The one vocabulary check (prompts, /detokenize, logit_bias keys, stop_token_ids): raises
+    InvalidRequestError naming `param` unless every id is in [0, vocab_size)."""
+    if token_ids and (min(token_ids) < 0 or max(token_ids) >= vocab_size):
+        bad = next(t for t in token_ids if not 0 <= t < vocab_size)
+        raise InvalidRequestError(
+            f"{param}: token id {bad} is outside the vocabulary (0..{vocab_size - 1})", param=param
+        )
 
 
 class FinishReason(str, enum.Enum):
@@ -43,39 +104,46 @@ class SamplingParams:
             object.__setattr__(self, "stop", (self.stop,))
         object.__setattr__(self, "stop", tuple(self.stop))
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
+        if 0.0 < self.temperature < MIN_TEMPERATURE:
+            object.__setattr__(self, "temperature", MIN_TEMPERATURE)
         self.validate()
 
     def validate(self) -> None:
-        def bad(param: str, why: str) -> InvalidRequestError:
-            return InvalidRequestError(f"{param} {why}", param=param)
-
-        if self.max_tokens < 1:
-            raise bad("max_tokens", f"must be at least 1 (got {self.max_tokens})")
-        if not 0.0 <= self.temperature <= 100.0:
-            raise bad("temperature", f"must be in [0, 100] (got {self.temperature})")
-        if not 0.0 < self.top_p <= 1.0:
-            raise bad("top_p", f"must be in (0, 1] (got {self.top_p})")
-        if self.top_k < -1:
-            raise bad("top_k", f"must be -1, 0 (off) or positive (got {self.top_k})")
-        if not 0.0 <= self.min_p <= 1.0:
-            raise bad("min_p", f"must be in [0, 1] (got {self.min_p})")
-        if self.repetition_penalty <= 0.0:
-            raise bad("repetition_penalty", f"must be positive (got {self.repetition_penalty})")
-        for name in ("presence_penalty", "frequency_penalty"):
-            if not -2.0 <= getattr(self, name) <= 2.0:
-                raise bad(name, f"must be in [-2, 2] (got {getattr(self, name)})")
-        if self.logprobs is not None and not 0 <= self.logprobs <= 20:
-            raise bad("logprobs", f"must be in [0, 20] (got {self.logprobs})")
-        if not 1 <= self.n <= 16:
-            raise bad("n", f"must be in [1, 16] (got {self.n})")
+        """Every value in its documented range (RANGES); token ids are checked by check_vocab."""
+        for name in _RANGED:
+            RANGES[name].check(name, getattr(self, name))
+        if self.seed is not None:
+            RANGES["seed"].check("seed", self.seed)
+        if self.logprobs is not None:
+            RANGES["logprobs"].check("logprobs", self.logprobs)
+        for value in (self.logit_bias or {}).values():
+            RANGES["logit_bias"].check("logit_bias", value)
         if any(not s for s in self.stop):
-            raise bad("stop", "strings must be non-empty")
+            raise InvalidRequestError("stop strings must be non-empty", param="stop")
         if len(self.stop) > 8:
-            raise bad("stop", f"accepts at most 8 strings (got {len(self.stop)})")
+            raise InvalidRequestError(f"stop accepts at most 8 strings (got {len(self.stop)})", param="stop")
+
+    def check_vocab(self, vocab_size: int) -> None:
+        """logit_bias keys and stop_token_ids are token ids of this vocabulary."""
+        check_token_ids(list(self.logit_bias or ()), vocab_size, "logit_bias")
+        check_token_ids(self.stop_token_ids, vocab_size, "stop_token_ids")
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+
+_RANGED = (
+    "max_tokens",
+    "temperature",
+    "top_p",
+    "top_k",
+    "min_p",
+    "repetition_penalty",
+    "presence_penalty",
+    "frequency_penalty",
+    "n",
+)
 
 
 @dataclass(frozen=True)
@@ -96,12 +164,10 @@ class ReuseOptions:
                 f"recompute_strategy must be none, selective or cacheblend (got {self.recompute_strategy!r})",
                 param="recompute_strategy",
             )
-        if self.recompute_tokens is not None and self.recompute_tokens < 0:
-            raise InvalidRequestError("recompute_tokens must be >= 0", param="recompute_tokens")
-        if self.recompute_ratio is not None and not 0.0 <= self.recompute_ratio <= 1.0:
-            raise InvalidRequestError("recompute_ratio must be in [0, 1]", param="recompute_ratio")
-        if self.blend_check_layer is not None and self.blend_check_layer < 0:
-            raise InvalidRequestError("blend_check_layer must be >= 0", param="blend_check_layer")
+        for name in ("recompute_tokens", "recompute_ratio", "blend_check_layer"):
+            value = getattr(self, name)
+            if value is not None:
+                RANGES[name].check(name, value)
 
 
 @dataclass
@@ -137,6 +203,42 @@ class Request:
     pin: bool = False
     reuse: ReuseOptions | None = None
     metrics: RequestMetrics = field(default_factory=RequestMetrics)
+
+
+def sample_requests(
+    request_id: str,
+    prompt_token_ids: Sequence[int],
+    params: SamplingParams,
+    cache_salt: str | None = None,
+    reuse: ReuseOptions | None = None,
+) -> list[Request]:
+    """The `params.n` engine Requests of one prompt, ids `{request_id}-{j}`. Seeded samples get seeds
+    seed, seed+1, ... (wrapping inside int64), so sample j equals a single request with seed+j."""
+    requests = []
+    for j in range(params.n):
+        sample = params
+        if params.seed is not None and params.n > 1:
+            seed = (params.seed + j - INT64_MIN) % 2**64 + INT64_MIN
+            sample = dataclasses.replace(params, seed=seed)
+        requests.append(
+            Request(f"{request_id}-{j}", list(prompt_token_ids), sample, cache_salt=cache_salt, reuse=reuse)
+        )
+    return requests
+
+
+def warm_request(
+    request_id: str, token_ids: Sequence[int], pin: bool = True, cache_salt: str | None = None
+) -> Request:
+    """Computes and registers the KV of `token_ids` (pinned if `pin`) and generates nothing;
+    its final output feeds WarmResult.from_output."""
+    return Request(
+        request_id,
+        list(token_ids),
+        SamplingParams(max_tokens=1),
+        cache_salt=cache_salt,
+        warm_only=True,
+        pin=pin,
+    )
 
 
 @dataclass

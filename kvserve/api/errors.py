@@ -1,4 +1,8 @@
-"""One mapping from errors to the OpenAI envelope {"error": {"message", "type", "param", "code"}}."""
+"""One mapping from errors to the OpenAI envelope {"error": {"message", "type", "param", "code"}}.
+
+Internal errors are answered by ErrorEnvelopeMiddleware, not by an `Exception` handler: Starlette
+hands such a handler to its outermost middleware, which re-raises after answering, and uvicorn then
+closes the connection, so the client's next request on that keep-alive connection failed too."""
 
 from __future__ import annotations
 
@@ -9,8 +13,12 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.routing import Match
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from kvserve.api.protocol import FIELD_NAMES, FORMS
 from kvserve.errors import KVServeError
+from kvserve.request import RANGES
 
 log = logging.getLogger("kvserve.api")
 
@@ -61,21 +69,69 @@ def kvserve_error_body(exc: KVServeError) -> dict[str, Any]:
     return error_body(exc.message, exc.status, exc.error_type, exc.param, exc.code)
 
 
-def validation_param_and_message(exc: RequestValidationError) -> tuple[str | None, str]:
-    """The first validation error as (param, message): `param` is the dotted path inside the body."""
+_RANGE_ERRORS = frozenset(
+    {"greater_than", "greater_than_equal", "less_than", "less_than_equal", "finite_number"}
+)
+_RANGE_OF = {"max_completion_tokens": "max_tokens", "top_logprobs": "logprobs"}
+
+
+def _split(loc: tuple[Any, ...]) -> tuple[str, str | None]:
+    """A pydantic location (after "body") as (dotted path of fields and indices, the union member it
+    failed in). Union members appear in locations as type names ('str', 'list[int]'), not fields."""
+    path = [str(loc[0])] if loc else []
+    for part in loc[1:]:
+        if isinstance(part, int) or part in FIELD_NAMES:
+            path.append(str(part))
+        else:
+            return ".".join(path), str(part)
+    return ".".join(path), None
+
+
+def _in_body(error: Any) -> tuple[Any, ...]:
+    loc = tuple(error.get("loc", ()))
+    return loc[1:] if loc[:1] == ("body",) else loc
+
+
+def validation_param_and_message(
+    exc: RequestValidationError, expects: str = "a JSON object"
+) -> tuple[str | None, str]:
+    """The first validation error as (param, message): `param` is the dotted path inside the body;
+    `expects` says what the route's body holds."""
     errors = exc.errors()
     if not errors:
         return None, "invalid request body"
     first = errors[0]
-    loc = [str(p) for p in first.get("loc", ()) if p != "body"]
-    param = ".".join(loc) or None
-    if first.get("type") == "extra_forbidden":
-        return param, f"unsupported parameter: {param} (kvserve does not implement it)"
-    if first.get("type") == "json_invalid":
+    kind = first.get("type")
+    loc = _in_body(first)
+    if kind == "json_invalid":
         return None, "the request body is not valid JSON"
-    if first.get("type") == "missing":
+    if not loc:
+        if kind == "missing":
+            return None, f"the request body is missing: send {expects}"
+        return None, f"the request body must be {expects}"
+    param, member = _split(loc)
+    top = str(loc[0])
+    if kind == "extra_forbidden":
+        param = ".".join(str(p) for p in loc)
+        return param, f"unsupported parameter: {param} (kvserve does not implement it)"
+    if kind == "missing":
         return param, f"missing required parameter: {param}"
+    if kind == "unicode_surrogate":
+        return param, f"invalid value for {param}: {first.get('msg')}"
+    ranged = _RANGE_OF.get(top, top)
+    if kind in _RANGE_ERRORS and ranged in RANGES:
+        return param, f"{top} must be a finite number in {RANGES[ranged]} (got {first.get('input')!r})"
+    members = {m for p, m in (_split(_in_body(e)) for e in errors) if p == param and m}
+    form = FORMS.get(param.split(".")[-1])
+    if member and len(members) > 1 and form:  # failed every form of a union: say what they are
+        return param, f"invalid value for {param}: expected {form}"
     return param, f"invalid value for {param}: {first.get('msg', 'invalid')}"
+
+
+def _expects(request: Request) -> str:
+    body_field = getattr(request.scope.get("route"), "body_field", None)
+    model = getattr(getattr(body_field, "field_info", None), "annotation", None)
+    return str(getattr(model, "expects", "a JSON object"))
 
 
 def install_error_handlers(app: FastAPI) -> None:
@@ -85,18 +141,63 @@ def install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(RequestValidationError)
     async def _validation(request: Request, exc: RequestValidationError) -> JSONResponse:
-        param, message = validation_param_and_message(exc)
+        param, message = validation_param_and_message(exc, _expects(request))
         return error_response(message, 400, param=param)
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        headers = dict(exc.headers or {})
         if exc.status_code == 404:
-            return error_response(f"no route {request.method} {request.url.path}", 404)
-        return error_response(str(exc.detail), exc.status_code)
+            message = f"no route {request.method} {request.url.path}"
+        elif exc.status_code == 405:
+            headers["Allow"] = ", ".join(_allowed_methods(request))
+            message = f"{request.method} is not allowed on {request.url.path}; use {headers['Allow']}"
+        else:
+            message = str(exc.detail)
+        response = error_response(message, exc.status_code)
+        response.headers.update(headers)
+        return response
 
-    @app.exception_handler(Exception)
-    async def _internal(request: Request, exc: Exception) -> JSONResponse:
-        log.error(
-            "internal error on %s %s: %s", request.method, request.url.path, type(exc).__name__, exc_info=exc
-        )
-        return error_response("internal server error", 500)
+
+def _allowed_methods(request: Request) -> list[str]:
+    """Every method some route serves on this path (Starlette's own Allow names one route's)."""
+    methods: set[str] = set()
+    for route in request.app.routes:
+        if getattr(route, "methods", None) and route.matches(request.scope)[0] is not Match.NONE:
+            methods |= route.methods
+    return sorted(methods)
+
+
+class ErrorEnvelopeMiddleware:
+    """Answers an unhandled exception with the 500 envelope (no stack trace in the body; it goes to
+    the log) and keeps the connection usable: the exception does not reach the server. If the
+    response had started (a stream), it is ended where it was."""
+
+    def __init__(self, app: ASGIApp):
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        started = False
+
+        async def send_tracked(message: Message) -> None:
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_tracked)
+        except Exception as exc:
+            log.error(
+                "internal error on %s %s: %s",
+                scope.get("method"),
+                scope.get("path"),
+                type(exc).__name__,
+                exc_info=exc,
+            )
+            if started:
+                await send({"type": "http.response.body", "body": b"", "more_body": False})
+                return
+            await error_response("internal server error", 500)(scope, receive, send)

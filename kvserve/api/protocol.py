@@ -1,20 +1,87 @@
-"""OpenAI request models (unknown fields are 400s that name them) and their conversion to
-SamplingParams."""
+"""OpenAI request models and their conversion to SamplingParams.
+
+Types are strict (`"5"` is not an integer, `true` is not a token id, `"yes"` is not a boolean), numbers
+are finite and inside their documented range (kvserve.request.RANGES, also stated in the OpenAPI
+document), unknown fields are 400s that name them, and no string may hold a lone UTF-16 surrogate
+(JSON allows "\\ud800"; no tokenizer, hash or response can carry it). Token ids are checked against
+the vocabulary by the routes (kvserve.request.check_token_ids)."""
 
 from __future__ import annotations
 
-from typing import Any, Literal
+import re
+from typing import Annotated, Any, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
+from pydantic_core import PydanticCustomError
 
 from kvserve.errors import InvalidRequestError
-from kvserve.request import ReuseOptions, SamplingParams
+from kvserve.request import RANGES, ReuseOptions, SamplingParams
 
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
+TOKEN_ID_MARK = "x-kvserve-token-id"  # the OpenAPI document bounds these by the served vocabulary
+
+# what a field with several accepted forms takes (validation errors quote it)
+FORMS = {
+    "prompt": "a non-empty string, or a non-empty list of strings, of token ids or of token-id lists",
+    "stop": "a non-empty string or a list of up to 8 non-empty strings",
+    "content": "a string or a list of text parts (null is not accepted: kvserve has no tool calls)",
+}
+
+TokenId = Annotated[int, Field(json_schema_extra={TOKEN_ID_MARK: True})]
+TokenIds = Annotated[list[TokenId], Field(min_length=1)]
+Text = Annotated[str, Field(min_length=1)]
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def _ranged(name: str, description: str = "", default: Any = None) -> Any:
+    """A parameter limited to RANGES[name] (validated here and stated in the OpenAPI document)."""
+    r = RANGES[name]
+    return Field(
+        default=default,
+        description=f"{description} Range {r}.".strip(),
+        gt=r.low if r.low_open else None,
+        ge=None if r.low_open else r.low,
+        le=r.high,
+    )
+
+
+def _bounded(name: str) -> Any:
+    """RANGES[name] as Annotated metadata (for the values of a dict)."""
+    r = RANGES[name]
+    return Field(gt=r.low if r.low_open else None, ge=None if r.low_open else r.low, le=r.high)
+
+
+def _first_surrogate(value: Any) -> int | None:
+    """Index of the first lone surrogate in a string, or in the strings inside lists and dicts."""
+    if isinstance(value, str):
+        match = _SURROGATE.search(value)
+        return match.start() if match else None
+    if isinstance(value, dict):
+        value = [*value.keys(), *value.values()]
+    if isinstance(value, list) and value and not isinstance(value[0], int):  # token ids: skip
+        for item in value:
+            found = _first_surrogate(item)
+            if found is not None:
+                return found
+    return None
 
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
+    # what a body of this kind must hold, for the message when it is missing
+    expects: ClassVar[str] = "a JSON object"
+
+    @field_validator("*", mode="before")
+    @classmethod
+    def _valid_unicode(cls, value: Any, info: ValidationInfo) -> Any:
+        at = _first_surrogate(value)
+        if at is not None:
+            raise PydanticCustomError(
+                "unicode_surrogate",
+                "{field} contains a lone UTF-16 surrogate (character {at}); send valid Unicode text",
+                {"field": info.field_name, "at": at},
+            )
+        return value
 
 
 class StreamOptions(_Strict):
@@ -27,8 +94,8 @@ class TextPart(_Strict):
 
 
 class ChatMessage(_Strict):
-    role: str
-    content: str | list[TextPart] | None = None
+    role: Literal["system", "developer", "user", "assistant"]  # developer renders as system
+    content: str | list[TextPart] = Field(description=FORMS["content"])
 
     def as_dict(self) -> dict[str, Any]:
         content: Any = self.content
@@ -41,19 +108,23 @@ class _Sampling(_Strict):
     """Parameters shared by /v1/completions and /v1/chat/completions."""
 
     model: str | None = None
-    max_tokens: int | None = Field(default=None, ge=1)
-    temperature: float | None = None
-    top_p: float | None = None
-    top_k: int | None = None
-    min_p: float | None = None
-    n: int = 1
-    stop: str | list[str] | None = None
-    stop_token_ids: list[int] | None = None
-    seed: int | None = None
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
-    repetition_penalty: float | None = None
-    logit_bias: dict[str, float] | None = None
+    max_tokens: int | None = _ranged("max_tokens", "Tokens to generate at most.")
+    temperature: float | None = _ranged("temperature", "0 = greedy; below 0.01 counts as 0.01.")
+    top_p: float | None = _ranged("top_p")
+    top_k: int | None = _ranged("top_k", "-1 or 0 = off.")
+    min_p: float | None = _ranged("min_p")
+    n: int = _ranged("n", "Samples per prompt.", default=1)
+    stop: Text | Annotated[list[Text], Field(max_length=8)] | None = Field(
+        default=None, description=FORMS["stop"]
+    )
+    stop_token_ids: list[TokenId] | None = None
+    seed: int | None = _ranged("seed", "n > 1 samples use seed, seed+1, ...")
+    presence_penalty: float | None = _ranged("presence_penalty")
+    frequency_penalty: float | None = _ranged("frequency_penalty")
+    repetition_penalty: float | None = _ranged("repetition_penalty", "1 = off.")
+    logit_bias: dict[str, Annotated[float, _bounded("logit_bias")]] | None = Field(
+        default=None, description=f"Token id (a decimal string) -> bias in {RANGES['logit_bias']}."
+    )
     ignore_eos: bool = False
     stream: bool = False
     stream_options: StreamOptions | None = None
@@ -62,9 +133,9 @@ class _Sampling(_Strict):
     # kvserve extensions: opt in to approximate (position-independent) reuse and tune its repair
     reuse: Literal["prefix", "any"] | None = None
     recompute_strategy: Literal["none", "selective", "cacheblend"] | None = None
-    recompute_tokens: int | None = Field(default=None, ge=0)
-    recompute_ratio: float | None = Field(default=None, ge=0.0, le=1.0)
-    blend_check_layer: int | None = Field(default=None, ge=0)
+    recompute_tokens: int | None = _ranged("recompute_tokens")
+    recompute_ratio: float | None = _ranged("recompute_ratio")
+    blend_check_layer: int | None = _ranged("blend_check_layer")
 
     def reuse_options(self) -> ReuseOptions | None:
         fields = ("reuse", "recompute_strategy", "recompute_tokens", "recompute_ratio", "blend_check_layer")
@@ -107,23 +178,27 @@ def _logit_bias(bias: dict[str, float] | None) -> dict[int, float] | None:
         return None
     out: dict[int, float] = {}
     for key, value in bias.items():
-        try:
-            token_id = int(key)
-        except ValueError:
+        if not re.fullmatch(r"-?[0-9]{1,30}", key):
             raise InvalidRequestError(
-                f"logit_bias keys must be token ids (got {key!r})", param="logit_bias"
-            ) from None
-        if not -100.0 <= value <= 100.0:
-            raise InvalidRequestError(
-                f"logit_bias values must be in [-100, 100] (got {value})", param="logit_bias"
+                f"logit_bias keys must be token ids written as decimal strings (got {key!r})",
+                param="logit_bias",
             )
-        out[token_id] = value
+        out[int(key)] = value
     return out
 
 
 class CompletionRequest(_Sampling):
-    prompt: str | list[str] | list[int] | list[list[int]]
-    logprobs: int | None = Field(default=None, ge=0, le=20)
+    expects: ClassVar[str] = "a JSON object with prompt (and model, max_tokens, ...)"
+
+    prompt: (
+        Text
+        | Annotated[list[Text], Field(min_length=1)]
+        | TokenIds
+        | Annotated[list[TokenIds], Field(min_length=1)]
+    ) = Field(description=FORMS["prompt"])
+    logprobs: int | None = _ranged(
+        "logprobs", "Log probabilities of the chosen and the top alternative tokens."
+    )
     echo: bool = False
 
     def to_sampling_params(self) -> SamplingParams:
@@ -148,10 +223,12 @@ class CompletionRequest(_Sampling):
 
 
 class ChatCompletionRequest(_Sampling):
-    messages: list[ChatMessage]
-    max_completion_tokens: int | None = Field(default=None, ge=1)
+    expects: ClassVar[str] = "a JSON object with messages (and model, max_tokens, ...)"
+
+    messages: Annotated[list[ChatMessage], Field(min_length=1)]
+    max_completion_tokens: int | None = _ranged("max_tokens", "Tokens to generate at most.")
     logprobs: bool = False
-    top_logprobs: int | None = Field(default=None, ge=0, le=20)
+    top_logprobs: int | None = _ranged("logprobs", "Alternatives per token (with logprobs=true).")
 
     def to_sampling_params(self, max_tokens_left: int) -> SamplingParams:
         """`max_tokens_left`: the context left after the prompt, the default length."""
@@ -169,9 +246,11 @@ class ChatCompletionRequest(_Sampling):
 class WarmRequest(_Strict):
     """Exactly one of text, prompt_token_ids or messages (rendered as a chat prefix)."""
 
+    expects: ClassVar[str] = "a JSON object with exactly one of text, prompt_token_ids or messages"
+
     model: str | None = None
     text: str | None = None
-    prompt_token_ids: list[int] | None = None
+    prompt_token_ids: list[TokenId] | None = None
     messages: list[ChatMessage] | None = None
     pin: bool = True
     cache_salt: str | None = Field(default=None, min_length=1)
@@ -179,10 +258,15 @@ class WarmRequest(_Strict):
     def check(self) -> None:
         given = [k for k in ("text", "prompt_token_ids", "messages") if getattr(self, k) is not None]
         if len(given) != 1:
-            raise InvalidRequestError("give exactly one of text, prompt_token_ids or messages", param="text")
+            raise InvalidRequestError(
+                f"give exactly one of text, prompt_token_ids or messages (got {', '.join(given) or 'none'})",
+                param="text",
+            )
 
 
 class TokenizeRequest(_Strict):
+    expects: ClassVar[str] = "a JSON object with exactly one of prompt or messages"
+
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
@@ -194,5 +278,18 @@ class TokenizeRequest(_Strict):
 
 
 class DetokenizeRequest(_Strict):
+    expects: ClassVar[str] = "a JSON object with tokens (a list of token ids)"
+
     model: str | None = None
-    tokens: list[int]
+    tokens: list[TokenId]
+
+
+REQUEST_MODELS: tuple[type[_Strict], ...] = (
+    CompletionRequest,
+    ChatCompletionRequest,
+    WarmRequest,
+    TokenizeRequest,
+    DetokenizeRequest,
+)
+_ALL_MODELS: tuple[type[BaseModel], ...] = (*REQUEST_MODELS, ChatMessage, TextPart, StreamOptions)
+FIELD_NAMES = frozenset(name for model in _ALL_MODELS for name in model.model_fields)

@@ -6,7 +6,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from kvserve.errors import KVServeError, RequestTimeoutError
+from kvserve.engine.async_engine import SHUTTING_DOWN
+from kvserve.errors import KVServeError, OverloadedError, RequestTimeoutError
 from kvserve.request import FinishReason, RequestOutput, TokenLogprob
 from kvserve.tokenizer import Tokenizer
 
@@ -54,6 +55,10 @@ def raise_for_failure(out: RequestOutput) -> None:
     if out.error == "timeout":
         raise RequestTimeoutError(
             "the request took longer than the server's request_timeout_s", code="timeout"
+        )
+    if out.error == SHUTTING_DOWN:
+        raise OverloadedError(
+            "the server is shutting down and stopped this request; retry it", code="shutting_down"
         )
     raise KVServeError(f"the request did not complete: {out.error or 'aborted'}")
 

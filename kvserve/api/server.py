@@ -1,24 +1,47 @@
-"""The FastAPI app: OpenAI routes, tokenizer routes, cache warming, stats and metrics."""
+"""The FastAPI app: OpenAI routes, tokenizer routes, cache warming, stats and metrics.
+
+The event loop only routes: tokenizing and chat templating run on a tokenizer thread, engine work on
+the engine's worker thread, and /v1/stats and /metrics read the snapshot that worker published, so
+/health and running streams never wait for a long prefill or a huge prompt."""
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
+import functools
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
-from dataclasses import dataclass
-from typing import Any
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
 
 from fastapi import FastAPI
-from fastapi.responses import JSONResponse, Response
+from fastapi import Request as HTTPRequest
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
 
 import kvserve
 from kvserve.api import responses as R
-from kvserve.api.errors import install_error_handlers
+from kvserve.api.errors import ErrorEnvelopeMiddleware, install_error_handlers
 from kvserve.api.middleware import MAX_BODY_BYTES, EdgeMiddleware
+from kvserve.api.openapi import (
+    ChatCompletionResponse,
+    CompletionResponse,
+    DetokenizeResponse,
+    Health,
+    ModelList,
+    Stats,
+    TokenizeResponse,
+    UnpinResponse,
+    Version,
+    WarmResponse,
+    install_openapi,
+    responses,
+)
 from kvserve.api.protocol import (
     ChatCompletionRequest,
+    ChatMessage,
     CompletionRequest,
     DetokenizeRequest,
     TokenizeRequest,
@@ -28,9 +51,20 @@ from kvserve.api.stats import stats_body
 from kvserve.api.streaming import sse_response, stream_events
 from kvserve.config import ServeConfig
 from kvserve.engine.async_engine import AsyncEngine, RequestStream
-from kvserve.errors import InvalidRequestError, ModelNotFoundError, OverloadedError
+from kvserve.errors import ModelNotFoundError, OverloadedError
 from kvserve.metrics import Metrics
-from kvserve.request import Request, RequestOutput, SamplingParams, WarmResult
+from kvserve.request import (
+    Request,
+    RequestOutput,
+    SamplingParams,
+    WarmResult,
+    check_token_ids,
+    sample_requests,
+    warm_request,
+)
+
+T = TypeVar("T")
+CLIENT_CLOSED = 499  # nginx's status for a request whose client went away (nobody receives it)
 
 
 @dataclass
@@ -40,6 +74,10 @@ class ServerState:
     metrics: Metrics
     model_name: str
     started: int
+    # one thread: Hugging Face tokenizers are not safe to call from several threads at once
+    tokenizer_thread: ThreadPoolExecutor = field(
+        default_factory=lambda: ThreadPoolExecutor(1, thread_name_prefix="kvserve-tokenizer")
+    )
 
     @property
     def tokenizer(self) -> Any:
@@ -49,6 +87,10 @@ class ServerState:
     def info(self) -> Any:
         return self.engine.engine.info
 
+    @property
+    def vocab_size(self) -> int:
+        return int(self.info.vocab_size)
+
     def check_model(self, model: str | None) -> None:
         if model is not None and model not in (self.model_name, self.config.model):
             raise ModelNotFoundError(
@@ -56,6 +98,16 @@ class ServerState:
                 param="model",
                 code="model_not_found",
             )
+
+    async def off_loop(self, fn: Callable[..., T], *args: Any) -> T:
+        """Tokenizer work on the tokenizer thread, so that the event loop keeps serving."""
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self.tokenizer_thread, functools.partial(fn, *args))
+
+    async def chat_ids(self, messages: Sequence[ChatMessage], add_generation_prompt: bool) -> list[int]:
+        return await self.off_loop(
+            self.tokenizer.apply_chat_template, [m.as_dict() for m in messages], add_generation_prompt
+        )
 
     async def submit(self, requests: list[Request]) -> RequestStream:
         try:
@@ -75,28 +127,31 @@ def create_app(
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         yield
         engine.shutdown()
+        state.tokenizer_thread.shutdown(wait=False, cancel_futures=True)
 
     app = FastAPI(title="kvserve", version=kvserve.__version__, lifespan=lifespan)
     app.state.kvserve = state
     install_error_handlers(app)
     app.add_middleware(EdgeMiddleware, api_key=config.api_key, max_body_bytes=max_body_bytes)
+    app.add_middleware(ErrorEnvelopeMiddleware)
     _info_routes(app, state)
     _generation_routes(app, state)
     _cache_routes(app, state)
     _stats_routes(app, state)
+    install_openapi(app, lambda: state.vocab_size, (state.model_name, config.model))
     return app
 
 
 def _info_routes(app: FastAPI, state: ServerState) -> None:
-    @app.get("/health")
+    @app.get("/health", response_model=None, responses=responses(Health, path="/health"))
     async def health() -> dict[str, str]:
         return {"status": "ok"}
 
-    @app.get("/version")
+    @app.get("/version", response_model=None, responses=responses(Version))
     async def version() -> dict[str, str]:
         return {"version": kvserve.__version__}
 
-    @app.get("/v1/models")
+    @app.get("/v1/models", response_model=None, responses=responses(ModelList))
     async def models() -> dict[str, Any]:
         card = {
             "id": state.model_name,
@@ -108,51 +163,61 @@ def _info_routes(app: FastAPI, state: ServerState) -> None:
         }
         return {"object": "list", "data": [card]}
 
-    @app.post("/tokenize")
+    @app.post("/tokenize", response_model=None, responses=responses(TokenizeResponse, 400, 404, 413))
     async def tokenize(body: TokenizeRequest) -> dict[str, Any]:
         state.check_model(body.model)
         body.check()
-        tok = state.tokenizer
         if body.messages is not None:
-            ids = tok.apply_chat_template([m.as_dict() for m in body.messages], body.add_generation_prompt)
+            ids = await state.chat_ids(body.messages, body.add_generation_prompt)
         else:
-            ids = tok.encode(body.prompt or "")
+            ids = await state.off_loop(state.tokenizer.encode, body.prompt or "")
         return {"tokens": ids, "count": len(ids), "max_model_len": state.info.max_model_len}
 
-    @app.post("/detokenize")
+    @app.post("/detokenize", response_model=None, responses=responses(DetokenizeResponse, 400, 404, 413))
     async def detokenize(body: DetokenizeRequest) -> dict[str, Any]:
         state.check_model(body.model)
-        _check_token_ids(body.tokens, state.tokenizer.vocab_size, "tokens")
-        return {"prompt": state.tokenizer.decode(body.tokens)}
-
-
-def _check_token_ids(token_ids: list[int], vocab_size: int, param: str) -> None:
-    bad = [t for t in token_ids if not 0 <= t < vocab_size]
-    if bad:
-        raise InvalidRequestError(
-            f"token id {bad[0]} is outside the vocabulary (0..{vocab_size - 1})", param=param
-        )
+        check_token_ids(body.tokens, state.vocab_size, "tokens")
+        return {"prompt": await state.off_loop(state.tokenizer.decode, body.tokens)}
 
 
 def _generation_routes(app: FastAPI, state: ServerState) -> None:
-    @app.post("/v1/completions", response_model=None)
-    async def completions(body: CompletionRequest) -> Response | dict[str, Any]:
+    errors = (400, 404, 413, 503, 504)
+
+    @app.post(
+        "/v1/completions", response_model=None, responses=responses(CompletionResponse, *errors, stream=True)
+    )
+    async def completions(body: CompletionRequest, http: HTTPRequest) -> Response | dict[str, Any]:
         state.check_model(body.model)
         params = body.to_sampling_params()
-        tok = state.tokenizer
+        params.check_vocab(state.vocab_size)
         raw = body.prompts()
-        prompts = [tok.encode(p) if isinstance(p, str) else list(p) for p in raw]
-        echo = [(p if isinstance(p, str) else tok.decode(p)) if body.echo else "" for p in raw]
+        prompts, echo = await state.off_loop(_completion_prompts, state.tokenizer, raw, body.echo)
+        for prompt in prompts:
+            check_token_ids(prompt, state.vocab_size, "prompt")
         job, requests = _make_job("completion", state, prompts, params, body, echo, body.logprobs)
-        return await _run(state, job, requests, body.stream, body.include_usage)
+        return await _run(state, job, requests, body.stream, body.include_usage, http)
 
-    @app.post("/v1/chat/completions", response_model=None)
-    async def chat(body: ChatCompletionRequest) -> Response | dict[str, Any]:
+    @app.post(
+        "/v1/chat/completions",
+        response_model=None,
+        responses=responses(ChatCompletionResponse, *errors, stream=True),
+    )
+    async def chat(body: ChatCompletionRequest, http: HTTPRequest) -> Response | dict[str, Any]:
         state.check_model(body.model)
-        prompt = state.tokenizer.apply_chat_template(body.message_dicts(), add_generation_prompt=True)
+        prompt = await state.chat_ids(body.messages, add_generation_prompt=True)
         params = body.to_sampling_params(state.info.max_model_len - len(prompt))
+        params.check_vocab(state.vocab_size)
         job, requests = _make_job("chat", state, [prompt], params, body, [""], params.logprobs)
-        return await _run(state, job, requests, body.stream, body.include_usage)
+        return await _run(state, job, requests, body.stream, body.include_usage, http)
+
+
+def _completion_prompts(
+    tok: Any, raw: list[str | list[int]], echo: bool
+) -> tuple[list[list[int]], list[str]]:
+    """Token ids of each prompt, and each prompt's text to echo ("" without echo)."""
+    prompts = [tok.encode(p) if isinstance(p, str) else list(p) for p in raw]
+    texts = [(p if isinstance(p, str) else tok.decode(p)) if echo else "" for p in raw]
+    return prompts, texts
 
 
 def _make_job(
@@ -164,31 +229,34 @@ def _make_job(
     echo: list[str],
     logprobs: int | None,
 ) -> tuple[R.Job, list[Request]]:
-    """n engine Requests per prompt; seeded samples get seeds seed, seed+1, ..."""
+    """The job's choices and its engine Requests: n per prompt (kvserve.request.sample_requests)."""
     job_id = ("cmpl-" if kind == "completion" else "chatcmpl-") + uuid.uuid4().hex
     choices: list[R.Choice] = []
     requests: list[Request] = []
     for i, prompt in enumerate(prompts):
-        for j in range(params.n):
-            sample = params
-            if params.seed is not None and params.n > 1:
-                sample = dataclasses.replace(params, seed=params.seed + j)
-            rid = f"{job_id}-{i}-{j}"
-            choices.append(R.Choice(len(choices), rid, i, echo[i]))
-            requests.append(
-                Request(rid, list(prompt), sample, cache_salt=body.cache_salt, reuse=body.reuse_options())
-            )
+        for request in sample_requests(
+            f"{job_id}-{i}", prompt, params, body.cache_salt, body.reuse_options()
+        ):
+            choices.append(R.Choice(len(choices), request.request_id, i, echo[i]))
+            requests.append(request)
     job = R.Job(kind, state.model_name, prompts, choices, logprobs is not None, id=job_id)
     return job, requests
 
 
 async def _run(
-    state: ServerState, job: R.Job, requests: list[Request], stream: bool, include_usage: bool
+    state: ServerState,
+    job: R.Job,
+    requests: list[Request],
+    stream: bool,
+    include_usage: bool,
+    http: HTTPRequest,
 ) -> Response | dict[str, Any]:
     outputs = await state.submit(requests)
-    if stream:
+    if stream:  # sse-starlette watches the connection and cancels the stream when the client leaves
         return sse_response(stream_events(job, state.tokenizer, outputs, include_usage))
-    finals = await _collect(outputs)
+    finals = await _unless_client_leaves(http, _collect(outputs))
+    if finals is None:
+        return Response(status_code=CLIENT_CLOSED)
     return R.full_response(job, state.tokenizer, finals)
 
 
@@ -206,34 +274,56 @@ async def _collect(outputs: RequestStream) -> dict[str, RequestOutput]:
     return finals
 
 
+async def _unless_client_leaves(http: HTTPRequest, work: Awaitable[T]) -> T | None:
+    """Await `work`, or cancel it when the client disconnects first (None then). Cancelling
+    _collect aborts the engine requests before the next step."""
+    task = asyncio.ensure_future(work)
+    gone = asyncio.ensure_future(_disconnected(http))
+    try:
+        await asyncio.wait({task, gone}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        gone.cancel()
+        if not task.done():
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)  # let its finally post the abort
+    if task.cancelled():
+        return None
+    return task.result()
+
+
+async def _disconnected(http: HTTPRequest) -> None:
+    """Returns when the client closes the connection (the body was read before the route ran)."""
+    while (await http.receive())["type"] != "http.disconnect":
+        pass
+
+
 def _cache_routes(app: FastAPI, state: ServerState) -> None:
-    def warm_token_ids(body: WarmRequest) -> list[int]:
+    async def warm_token_ids(body: WarmRequest) -> list[int]:
         state.check_model(body.model)
         body.check()
         if body.messages is not None:
-            return state.tokenizer.apply_chat_template([m.as_dict() for m in body.messages], False)
+            return await state.chat_ids(body.messages, add_generation_prompt=False)
         if body.text is not None:
-            return state.tokenizer.encode(body.text)
-        return list(body.prompt_token_ids or [])
+            return await state.off_loop(state.tokenizer.encode, body.text)
+        token_ids = list(body.prompt_token_ids or [])
+        check_token_ids(token_ids, state.vocab_size, "prompt_token_ids")
+        return token_ids
 
-    @app.post("/v1/warm")
-    async def warm(body: WarmRequest) -> dict[str, Any]:
-        token_ids = warm_token_ids(body)
-        request = Request(
-            f"warm-{uuid.uuid4().hex}",
-            list(token_ids),
-            SamplingParams(max_tokens=1),
-            cache_salt=body.cache_salt,
-            warm_only=True,
-            pin=body.pin,
+    @app.post("/v1/warm", response_model=None, responses=responses(WarmResponse, 400, 404, 413, 503, 504))
+    async def warm(body: WarmRequest, http: HTTPRequest) -> Response | dict[str, Any]:
+        token_ids = await warm_token_ids(body)
+        request = warm_request(f"warm-{uuid.uuid4().hex}", token_ids, body.pin, body.cache_salt)
+        finals = await _unless_client_leaves(http, _collect(await state.submit([request])))
+        if finals is None:
+            return Response(status_code=CLIENT_CLOSED)
+        final = finals[request.request_id]
+        return dataclasses.asdict(
+            WarmResult.from_output(len(token_ids), final, state.config.chunk_size, body.pin)
         )
-        final = (await _collect(await state.submit([request])))[request.request_id]
-        result = WarmResult.from_output(len(token_ids), final, state.config.chunk_size, body.pin)
-        return dataclasses.asdict(result)
 
-    @app.delete("/v1/warm")
+    @app.delete("/v1/warm", response_model=None, responses=responses(UnpinResponse, 400, 404, 413, 503))
     async def unwarm(body: WarmRequest) -> dict[str, Any]:
-        token_ids = warm_token_ids(body)
+        token_ids = await warm_token_ids(body)
         return {
             "num_tokens": len(token_ids),
             "num_unpinned_chunks": await state.engine.unpin(token_ids, body.cache_salt),
@@ -241,18 +331,28 @@ def _cache_routes(app: FastAPI, state: ServerState) -> None:
 
 
 def _stats_routes(app: FastAPI, state: ServerState) -> None:
-    @app.get("/v1/stats")
+    @app.get("/v1/stats", response_model=None, responses=responses(Stats))
     async def stats() -> JSONResponse:
-        snapshot = await state.engine.stats()
-        state.metrics.engine_stats = snapshot
+        snapshot = state.engine.snapshot
         body = stats_body(
-            snapshot, state.engine.counters, state.metrics, state.config, state.info, state.model_name
+            snapshot,
+            state.engine.num_in_system,
+            state.engine.counters,
+            state.metrics,
+            state.config,
+            state.info,
+            state.model_name,
         )
         return JSONResponse(body)
 
-    @app.get("/metrics")
+    @app.get(
+        "/metrics",
+        response_model=None,
+        response_class=PlainTextResponse,
+        responses=responses(None, text=True),
+    )
     async def metrics() -> Response:
-        state.metrics.engine_stats = await state.engine.stats()
+        state.metrics.engine_stats = state.engine.snapshot
         return Response(
             state.metrics.prometheus_text(), media_type="text/plain; version=0.0.4; charset=utf-8"
         )

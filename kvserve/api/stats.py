@@ -1,4 +1,4 @@
-"""The GET /v1/stats body, built on engine.stats()."""
+"""The GET /v1/stats body, built on the engine's published EngineStats snapshot."""
 
 from __future__ import annotations
 
@@ -8,35 +8,36 @@ from typing import Any
 
 from kvserve.config import ServeConfig
 from kvserve.engine.async_engine import QueueCounters
+from kvserve.engine.stats import EngineStats
 from kvserve.metrics import Metrics
 
 
 def stats_body(
-    engine_stats: dict[str, Any],
+    s: EngineStats,
+    num_in_system: int,
     counters: QueueCounters,
     metrics: Metrics,
     config: ServeConfig,
     info: Any,
     model_name: str,
 ) -> dict[str, Any]:
-    s = engine_stats
     snapshot = dataclasses.asdict(config)
     snapshot["api_key"] = "***" if config.api_key else ""
     snapshot["warm"] = [f"<{len(t)} chars>" for t in config.warm]  # prompts are not echoed
     return {
         "queue": {
-            "waiting": s["num_waiting"],
-            "running": s["num_running"],
-            "in_system": s.get("num_in_system", 0),
+            "waiting": s.num_waiting,
+            "running": s.num_running,
+            "in_system": num_in_system,
             "max_queue_size": config.max_queue_size,
             **dataclasses.asdict(counters),
-            "preemptions": s["num_preemptions"],
+            "preemptions": s.num_preemptions,
         },
         "cache": _cache(s),
         "throughput": metrics.throughput(time.monotonic()),
         "tokens": {
-            "prompt_tokens_computed": s["num_prompt_tokens_computed"],
-            "generated_tokens": s["num_generated_tokens"],
+            "prompt_tokens_computed": s.num_prompt_tokens_computed,
+            "generated_tokens": s.num_generated_tokens,
         },
         "latency": metrics.latency(),
         "model": {
@@ -51,23 +52,24 @@ def stats_body(
     }
 
 
-def _cache(s: dict[str, Any]) -> dict[str, Any]:
-    pool, store = s["pool"], s["store"]
-    blocks_used = pool["num_blocks"] - pool["num_free_blocks"]
+def _cache(s: EngineStats) -> dict[str, Any]:
+    pool, store = s.pool, s.store
     return {
-        "chunks": store["num_chunks"],
-        "pinned_chunks": store["num_pinned_chunks"],
-        "blocks_used": blocks_used,
-        "blocks_total": pool["num_blocks"],
-        "cached_blocks": store["num_cached_blocks"],
-        "bytes_used": int(blocks_used * s["bytes_per_token"] * pool["block_size"]),
-        "cached_bytes": store["cached_bytes"],
-        "bytes_budget": store["max_cache_bytes"],
-        "bytes_per_token": s["bytes_per_token"],
-        "codec": s["kv_codec"],
-        "hit_tokens": s["num_hit_tokens"],
-        "query_tokens": s["num_query_tokens"],
-        "hit_rate": s["hit_rate"],
-        "evictions": s["num_evictions"],
-        "reuse": s["content_reuse"],
+        "chunks": store.num_chunks,
+        "pinned_chunks": store.num_pinned_chunks,
+        "blocks_used": pool.num_used_blocks,
+        "blocks_total": pool.num_blocks,
+        "cached_blocks": store.num_cached_blocks,
+        "evictable_blocks": pool.num_evictable_blocks,
+        "usage": pool.usage,
+        "bytes_used": int(pool.num_used_blocks * s.bytes_per_token * pool.block_size),
+        "cached_bytes": store.cached_bytes,
+        "bytes_budget": store.max_cache_bytes,
+        "bytes_per_token": s.bytes_per_token,
+        "codec": s.kv_codec,
+        "hit_tokens": s.num_hit_tokens,
+        "query_tokens": s.num_query_tokens,
+        "hit_rate": s.hit_rate,
+        "evictions": s.num_evictions,
+        "reuse": dataclasses.asdict(s.content_reuse),
     }

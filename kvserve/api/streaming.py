@@ -23,6 +23,7 @@ from kvserve.request import RequestOutput
 from kvserve.tokenizer import Tokenizer
 
 DONE = "[DONE]"
+STREAM_SHUTDOWN_GRACE_S = 4.0
 
 
 def sse_response(events: AsyncIterator[dict[str, Any] | str]) -> EventSourceResponse:
@@ -30,7 +31,14 @@ def sse_response(events: AsyncIterator[dict[str, Any] | str]) -> EventSourceResp
         async for event in events:
             yield {"data": event if isinstance(event, str) else json.dumps(event, separators=(",", ":"))}
 
-    return EventSourceResponse(encoded(), ping=15, headers={"Cache-Control": "no-cache"})
+    # on shutdown, AsyncEngine.drain ends each stream with a result or an error event within
+    # SHUTDOWN_GRACE_S; sse-starlette must not cut it first
+    return EventSourceResponse(
+        encoded(),
+        ping=15,
+        headers={"Cache-Control": "no-cache"},
+        shutdown_grace_period=STREAM_SHUTDOWN_GRACE_S,
+    )
 
 
 async def stream_events(

@@ -4,6 +4,11 @@ Every engine call happens on the worker thread: the asyncio side posts commands 
 queue and receives outputs through per-submission asyncio queues fed with call_soon_threadsafe.
 A submitted request always ends with a finished output (invariant 5): on engine errors, on
 shutdown and when its client goes away.
+
+Readers of engine facts (/v1/stats, /metrics) never wait for a step: the worker publishes an
+EngineStats snapshot after steps and commands, at most once per PUBLISH_EVERY_COST times the cost
+of building one while the engine is busy, and always when it goes idle (so a client that got its
+answer reads stats that include it).
 """
 
 from __future__ import annotations
@@ -18,10 +23,14 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvserve.engine.engine import Engine
+from kvserve.engine.stats import EngineStats
 from kvserve.errors import InvalidRequestError, OverloadedError
 from kvserve.request import FinishReason, Request, RequestOutput
 
 log = logging.getLogger("kvserve.async_engine")
+
+SHUTTING_DOWN = "server shutting down"  # RequestOutput.error of requests failed by drain()
+PUBLISH_EVERY_COST = 20  # a busy worker spends at most 1/20 of its time publishing stats
 
 Command = Callable[[Engine], Any]
 OutputObserver = Callable[[RequestOutput, float], None]
@@ -86,7 +95,12 @@ class AsyncEngine:
         self._num_in_system = 0  # requests admitted and not yet finished (any kind)
         self._routes: dict[str, RequestStream] = {}  # worker thread only
         self._stopping = False
+        self._draining = False
         self._thread: threading.Thread | None = None
+        # replaced (never mutated) by the worker; built here while no worker runs
+        self.snapshot = EngineStats.of(engine)
+        self._published_at = 0.0
+        self._publish_cost_s = 0.0
 
     # --- lifecycle ---------------------------------------------------------------------------------
     def start(self) -> None:
@@ -98,6 +112,19 @@ class AsyncEngine:
         self._wake.set()
         if self._thread is not None:
             self._thread.join(timeout_s)
+
+    async def drain(self, grace_s: float) -> None:
+        """Refuse new requests (503), give the ones in flight `grace_s` to finish, then finish the
+        rest with the error SHUTTING_DOWN. Call before the HTTP server stops, so that every response
+        completes (a clean error or a result) instead of being cancelled."""
+        with self._lock:
+            self._draining = True
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + grace_s
+        while self._num_in_system and loop.time() < deadline:
+            await asyncio.sleep(0.02)
+        if self._num_in_system and self._thread is not None and self._thread.is_alive():
+            await self.call(lambda engine: self._fail_all(SHUTTING_DOWN))
 
     @property
     def num_in_system(self) -> int:
@@ -134,11 +161,6 @@ class AsyncEngine:
 
         self._post(run, _ignore)
 
-    async def stats(self) -> dict[str, Any]:
-        stats: dict[str, Any] = await self.call(lambda engine: engine.stats())
-        stats["num_in_system"] = self._num_in_system
-        return stats
-
     async def unpin(self, token_ids: list[int], cache_salt: str | None) -> int:
         result: int = await self.call(lambda engine: engine.unpin(token_ids, cache_salt))
         return result
@@ -151,7 +173,12 @@ class AsyncEngine:
                 param="n",
             )
         with self._lock:
-            if self._stopping or self._num_in_system + n > self.max_queue_size:
+            if self._stopping or self._draining:
+                self.counters.rejected += 1
+                raise OverloadedError(
+                    "the server is shutting down; retry on another instance", code="shutting_down"
+                )
+            if self._num_in_system + n > self.max_queue_size:
                 self.counters.rejected += 1
                 raise OverloadedError(
                     f"the server is at capacity ({self.max_queue_size} requests in the system); retry shortly",
@@ -189,8 +216,10 @@ class AsyncEngine:
     def _run(self) -> None:
         while not self._stopping:
             self._wake.clear()
-            self._run_commands()
+            ran = self._run_commands()
             if not self.engine.has_unfinished_requests():
+                if ran:
+                    self._publish(force=True)
                 self._wake.wait()
                 continue
             try:
@@ -198,25 +227,43 @@ class AsyncEngine:
             except Exception:  # the engine catches model errors; this is a bug: fail loudly, drop nothing
                 log.exception("engine step failed; failing every request in flight")
                 self._fail_all("internal error")
+                self._publish(force=True)
                 continue
+            self._publish(force=not self.engine.has_unfinished_requests())  # before clients hear
             self._dispatch(outputs)
             if not outputs:  # e.g. a batch window or a prefill piece: do not spin hot
                 self._wake.wait(0.001)
         self._run_commands()
-        self._fail_all("server shutting down")
+        self._fail_all(SHUTTING_DOWN)
 
-    def _run_commands(self) -> None:
+    def _run_commands(self) -> bool:
+        """Runs the queued commands; whether there were any."""
+        ran = False
         while True:
             try:
                 fn, done = self._commands.get_nowait()
             except queue.Empty:
-                return
+                return ran
+            ran = True
             try:
                 result = fn(self.engine)
             except BaseException as e:
                 done(None, e)
             else:
                 done(result, None)
+
+    def _publish(self, force: bool) -> None:
+        now = time.monotonic()
+        if not force and now - self._published_at < PUBLISH_EVERY_COST * self._publish_cost_s:
+            return
+        try:
+            snapshot = EngineStats.of(self.engine)
+        except Exception:  # stats must never take the worker down
+            log.exception("building the engine stats failed")
+            return
+        self.snapshot = snapshot
+        self._published_at = time.monotonic()
+        self._publish_cost_s = self._published_at - now
 
     def _dispatch(self, outputs: list[RequestOutput]) -> None:
         now = time.monotonic()

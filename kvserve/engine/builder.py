@@ -41,6 +41,7 @@ class RuntimeInfo:
     block_size: int
     bytes_per_token: float  # all layers, K and V, metadata included
     max_model_len: int
+    vocab_size: int  # token ids a request may use: the tokenizer's and the model's logits both cover them
     eos_token_ids: tuple[int, ...]
     namespace: str
 
@@ -164,6 +165,7 @@ def build_parts(config: ServeConfig) -> EngineParts:
         block_size=config.block_size,
         bytes_per_token=bytes_per_block / config.block_size,
         max_model_len=max_model_len,
+        vocab_size=min(tokenizer.vocab_size, int(mc.vocab_size)),
         eos_token_ids=eos,
         namespace=namespace,
     )

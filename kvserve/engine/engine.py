@@ -13,7 +13,6 @@ from __future__ import annotations
 import logging
 import random
 import time
-from typing import Any
 
 import torch
 
@@ -29,13 +28,13 @@ from kvserve.engine.model_runner import ModelRunner
 from kvserve.engine.output import OutputProcessor
 from kvserve.engine.pins import WarmPins
 from kvserve.engine.sampler import sample_one
-from kvserve.engine.stats import engine_stats
+from kvserve.engine.stats import EngineStats
 from kvserve.errors import InvalidRequestError
 from kvserve.kvcache.block_pool import BlockPool
 from kvserve.kvcache.chunk_store import ChunkStore
 from kvserve.kvcache.hashing import root_hash
 from kvserve.kvcache.segment_index import SegmentIndex
-from kvserve.request import FinishReason, Request, RequestOutput
+from kvserve.request import FinishReason, Request, RequestOutput, check_token_ids
 from kvserve.scheduler.batch import BlendPlan, ScheduledBatch, ScheduledSeq
 from kvserve.scheduler.content import ContentMatcher
 from kvserve.scheduler.scheduler import Scheduler
@@ -132,12 +131,8 @@ class Engine:
             raise InvalidRequestError(
                 f"the text has {n} tokens; at most {limit} can be warmed", param="prompt"
             )
-        bad = [t for t in request.prompt_token_ids if not 0 <= t < self.tokenizer.vocab_size]
-        if bad:
-            raise InvalidRequestError(
-                f"token id {bad[0]} is outside the vocabulary (0..{self.tokenizer.vocab_size - 1})",
-                param="prompt",
-            )
+        check_token_ids(request.prompt_token_ids, self.info.vocab_size, "prompt")
+        request.sampling_params.check_vocab(self.info.vocab_size)
 
     def _check_capacity(self, seq: Sequence) -> None:
         """The request's KV at its longest must fit in what the pool can ever free for it."""
@@ -191,6 +186,9 @@ class Engine:
         batch = self.scheduler.schedule(now)
         for seq, reason in batch.refused:
             self._finish(seq, FinishReason.ERROR, error=reason)
+        for seq in [item.seq for item in batch.items] + [plan.seq for plan in batch.blends]:
+            if seq.request.metrics.first_scheduled_time is None:
+                seq.request.metrics.first_scheduled_time = now
         touched: list[Sequence] = []
         if batch.items:
             touched += self._execute_items(batch.items)
@@ -238,8 +236,6 @@ class Engine:
         for item in items:
             seq = item.seq
             self.scheduler.on_computed(item)
-            if seq.request.metrics.first_scheduled_time is None:
-                seq.request.metrics.first_scheduled_time = time.monotonic()
             if item.sample:
                 self._sample(seq, logits[row])
                 row += 1
@@ -261,8 +257,6 @@ class Engine:
             reuse.compute_fraction = report.compute_fraction
         self.content.num_hit_tokens += report.num_reused_tokens
         self.content.num_recomputed_tokens += report.num_recomputed_tokens
-        if seq.request.metrics.first_scheduled_time is None:
-            seq.request.metrics.first_scheduled_time = time.monotonic()
         if seq.num_tokens == seq.num_prompt_tokens:
             self._sample(seq, logits)
         # else: re-admitted after preemption; its generated tokens are recomputed by the next steps
@@ -323,5 +317,5 @@ class Engine:
         reserved = sum(s.num_reserved_pin_blocks for s in self._seqs.values())
         assert reserved == self.store.num_reserved_pin_blocks, "pin reservations do not match the warms"
 
-    def stats(self) -> dict[str, Any]:
-        return engine_stats(self)
+    def stats(self) -> EngineStats:
+        return EngineStats.of(self)

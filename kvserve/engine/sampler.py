@@ -38,8 +38,9 @@ def apply_penalties(
 
 
 def filter_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
-    """Temperature, top-k, top-p, min-p -> probabilities [vocab]."""
-    logits = logits / params.temperature
+    """Temperature, top-k, top-p, min-p -> probabilities [vocab]. The max is subtracted before
+    dividing by the temperature, so no positive temperature overflows to inf."""
+    logits = (logits - logits.max()) / params.temperature
     if params.top_k > 0 and params.top_k < logits.numel():
         kth = torch.topk(logits, params.top_k).values[-1]
         logits = logits.masked_fill(logits < kth, float("-inf"))

@@ -1,54 +1,171 @@
-"""What the engine reports about itself: pool, store, queue, reuse and token counters."""
+"""What the engine reports about itself: pool, store, queue, reuse and token counters, as one typed
+value built by `EngineStats.of(engine)` on the thread that drives the engine.
+
+Its cost is one pass over the cached chunks (pinned chunks and evictable blocks are counted, not
+tracked), so AsyncEngine publishes it after steps at a bounded rate rather than per read."""
 
 from __future__ import annotations
 
+import dataclasses
+from collections import Counter
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from kvserve.engine.engine import Engine
 
 
-def engine_stats(engine: Engine) -> dict[str, Any]:
-    s, store, pool, info = engine.scheduler, engine.store, engine.pool, engine.info
-    bytes_per_block = info.bytes_per_token * info.block_size
-    return {
-        "model": engine.config.model,
-        "kv_codec": info.kv_codec,
-        "bytes_per_token": info.bytes_per_token,
-        "pool": {
-            "num_blocks": pool.num_blocks,
-            "num_free_blocks": pool.num_free_blocks,
-            "block_size": pool.block_size,
-            "pool_tokens": info.pool_tokens,
-        },
-        "store": {
-            "num_chunks": len(store),
-            "num_cached_blocks": store.num_cached_blocks,
-            "num_pinned_chunks": store.num_pinned_chunks,
-            "num_pinned_blocks": store.num_pinned_blocks,
-            "max_pinned_blocks": store.max_pinned_blocks,
-            "num_pin_owners": store.num_pin_owners,
-            "cached_bytes": int(store.num_cached_blocks * bytes_per_block),
-            "max_cache_bytes": engine.config.max_cache_bytes,
-            "num_evicted_chunks": store.num_evicted_chunks,
-        },
-        "num_query_tokens": s.prefix.num_query_tokens,
-        "num_hit_tokens": s.prefix.num_hit_tokens,
-        "hit_rate": s.prefix.num_hit_tokens / s.prefix.num_query_tokens if s.prefix.num_query_tokens else 0.0,
-        "num_evictions": store.num_evicted_chunks,
-        "num_preemptions": s.num_preemptions,
-        "num_running": len(s.running),
-        "num_waiting": len(s.waiting),
-        "num_prompt_tokens_computed": s.num_prompt_tokens_computed,
-        "content_reuse": {
-            "available": engine.content.enabled,
-            "reason": engine.content.disabled_reason,
-            "default_reuse": engine.config.reuse,
-            "recompute_strategy": engine.config.recompute_strategy,
-            "chunking": engine.config.chunking,
-            "num_indexed_pieces": len(engine.content.index),
-            "num_approx_hit_tokens": engine.content.num_hit_tokens,
-            "num_recomputed_tokens": engine.content.num_recomputed_tokens,
-        },
-        "num_generated_tokens": engine.outputs.num_generated_tokens,
-    }
+@dataclass(frozen=True)
+class PoolStats:
+    num_blocks: int
+    num_free_blocks: int
+    # held only by cached chunks that nothing uses and nothing pins: eviction frees them on demand
+    num_evictable_blocks: int
+    block_size: int
+    pool_tokens: int
+
+    @property
+    def num_used_blocks(self) -> int:
+        """Blocks off the free list (running requests plus every cached chunk)."""
+        return self.num_blocks - self.num_free_blocks
+
+    @property
+    def usage(self) -> float:
+        """vLLM's kv_cache_usage_perc: the share of blocks not available to new work (evictable
+        cached blocks count as free)."""
+        busy = self.num_blocks - self.num_free_blocks - self.num_evictable_blocks
+        return busy / self.num_blocks if self.num_blocks else 0.0
+
+
+@dataclass(frozen=True)
+class StoreStats:
+    num_chunks: int
+    num_cached_blocks: int
+    num_pinned_chunks: int
+    num_pinned_blocks: int
+    max_pinned_blocks: int  # --max-pinned-fraction of the pool
+    num_pin_owners: int  # warmed texts holding pins
+    cached_bytes: int
+    max_cache_bytes: int
+    num_evicted_chunks: int
+
+
+@dataclass(frozen=True)
+class ContentReuseStats:
+    available: bool
+    reason: str
+    default_reuse: str
+    recompute_strategy: str
+    chunking: str
+    num_indexed_pieces: int
+    num_approx_hit_tokens: int
+    num_recomputed_tokens: int
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    model: str
+    kv_codec: str
+    bytes_per_token: float
+    pool: PoolStats
+    store: StoreStats
+    content_reuse: ContentReuseStats
+    num_query_tokens: int  # prompt tokens looked up in the prefix cache
+    num_hit_tokens: int  # of those, found
+    num_preemptions: int
+    num_running: int
+    num_waiting: int
+    num_prompt_tokens_computed: int
+    num_generated_tokens: int
+    num_steps: int
+
+    @property
+    def hit_rate(self) -> float:
+        return self.num_hit_tokens / self.num_query_tokens if self.num_query_tokens else 0.0
+
+    @property
+    def num_evictions(self) -> int:
+        return self.store.num_evicted_chunks
+
+    def as_dict(self) -> dict[str, Any]:
+        return {**dataclasses.asdict(self), "hit_rate": self.hit_rate, "num_evictions": self.num_evictions}
+
+    @classmethod
+    def of(cls, engine: Engine) -> EngineStats:
+        s, info, config = engine.scheduler, engine.info, engine.config
+        return cls(
+            model=config.model,
+            kv_codec=info.kv_codec,
+            bytes_per_token=info.bytes_per_token,
+            pool=_pool(engine),
+            store=_store(engine),
+            content_reuse=_content_reuse(engine),
+            num_query_tokens=s.prefix.num_query_tokens,
+            num_hit_tokens=s.prefix.num_hit_tokens,
+            num_preemptions=s.num_preemptions,
+            num_running=len(s.running),
+            num_waiting=len(s.waiting),
+            num_prompt_tokens_computed=s.num_prompt_tokens_computed,
+            num_generated_tokens=engine.outputs.num_generated_tokens,
+            num_steps=engine.num_steps,
+        )
+
+
+def _pool(engine: Engine) -> PoolStats:
+    pool = engine.pool
+    return PoolStats(
+        num_blocks=pool.num_blocks,
+        num_free_blocks=pool.num_free_blocks,
+        num_evictable_blocks=num_evictable_blocks(engine),
+        block_size=pool.block_size,
+        pool_tokens=engine.info.pool_tokens,
+    )
+
+
+def num_evictable_blocks(engine: Engine) -> int:
+    """Blocks whose every owner is a cached chunk that eviction can reclaim: no running user, not
+    pinned, and no used or pinned chunk below it (only leaves are evicted, so such a descendant keeps
+    its ancestors)."""
+    store = engine.store
+    kept: set[bytes] = set()
+    for chunk in store.chunks():
+        h: bytes | None = chunk.prefix_hash if chunk.num_users or chunk.pinned else None
+        while h is not None and h not in kept:
+            kept.add(h)
+            parent = store.get(h)
+            h = parent.parent if parent is not None else None
+    holders: Counter[int] = Counter()
+    for chunk in store.chunks():
+        if chunk.prefix_hash not in kept:
+            holders.update(chunk.block_ids)
+    ref_counts = engine.pool.ref_counts
+    return sum(1 for block, n in holders.items() if ref_counts[block] == n)
+
+
+def _store(engine: Engine) -> StoreStats:
+    store, info = engine.store, engine.info
+    return StoreStats(
+        num_chunks=len(store),
+        num_cached_blocks=store.num_cached_blocks,
+        num_pinned_chunks=store.num_pinned_chunks,
+        num_pinned_blocks=store.num_pinned_blocks,
+        max_pinned_blocks=store.max_pinned_blocks,
+        num_pin_owners=store.num_pin_owners,
+        cached_bytes=int(store.num_cached_blocks * info.bytes_per_token * info.block_size),
+        max_cache_bytes=engine.config.max_cache_bytes,
+        num_evicted_chunks=store.num_evicted_chunks,
+    )
+
+
+def _content_reuse(engine: Engine) -> ContentReuseStats:
+    content, config = engine.content, engine.config
+    return ContentReuseStats(
+        available=content.enabled,
+        reason=content.disabled_reason,
+        default_reuse=config.reuse,
+        recompute_strategy=config.recompute_strategy,
+        chunking=config.chunking,
+        num_indexed_pieces=len(content.index),
+        num_approx_hit_tokens=content.num_hit_tokens,
+        num_recomputed_tokens=content.num_recomputed_tokens,
+    )

@@ -5,12 +5,11 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 
 import httpx
 import openai
 import pytest
-from fastapi.testclient import TestClient
 
 from tests.e2e.conftest import TINY, TINY_FLAGS, Server, launch, stop, wait_until
 
@@ -67,7 +66,7 @@ def test_400_names_the_parameter(server: Server) -> None:
     assert info.value.body["param"] == "prompt" and "4096" in info.value.message  # type: ignore[index]
     with pytest.raises(openai.BadRequestError) as info:
         client.chat.completions.create(model=TINY, messages=[{"role": "robot", "content": "x"}])  # type: ignore[misc,list-item]
-    assert info.value.body["param"] == "messages"  # type: ignore[index]
+    assert info.value.body["param"] == "messages.0.role"  # type: ignore[index]
     with pytest.raises(openai.BadRequestError) as info:
         client.completions.create(model=TINY, prompt="x", n=3)  # more than --max-queue-size could ever admit
     assert info.value.body["param"] == "n"  # type: ignore[index]
@@ -121,10 +120,18 @@ def test_503_under_a_burst_with_retry_after(server: Server) -> None:
     assert stats and stats["queue"]["rejected"] >= 4
 
 
-def test_500_is_an_envelope_without_a_stack_trace() -> None:
+def test_500_is_an_envelope_and_the_connection_survives(tmp_path: object) -> None:
+    """An internal error answers the envelope without a stack trace, and the client's next request
+    on the same keep-alive connection succeeds (Starlette's outermost middleware re-raised the
+    error after answering, and uvicorn then closed the connection)."""
+    import threading
+
+    import uvicorn
+
     from kvserve.api.server import create_app
     from kvserve.config import ServeConfig
     from kvserve.metrics import Metrics
+    from tests.e2e.conftest import free_port
 
     class Idle:
         def shutdown(self) -> None:
@@ -136,8 +143,36 @@ def test_500_is_an_envelope_without_a_stack_trace() -> None:
     async def boom() -> None:
         raise RuntimeError("secret internal detail")
 
-    with TestClient(app, raise_server_exceptions=False) as client:
-        r = client.get("/boom")
-    error = _envelope(r, 500)
-    assert error["message"] == "internal server error"
-    assert "secret" not in r.text and "Traceback" not in r.text
+    @app.get("/boom-stream")
+    async def boom_stream() -> object:
+        from kvserve.api.streaming import sse_response
+
+        async def events() -> AsyncIterator[str]:
+            yield "first"
+            raise RuntimeError("secret internal detail")
+
+        return sse_response(events())
+
+    port = free_port()
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="critical"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    try:
+        assert wait_until(lambda: server.started, 20)
+        with httpx.Client(base_url=f"http://127.0.0.1:{port}") as h:
+            r = h.get("/boom")
+            error = _envelope(r, 500)
+            assert error["message"] == "internal server error"
+            assert "secret" not in r.text and "Traceback" not in r.text
+            again = h.get("/health")
+            assert again.status_code == 200
+            # a stream that fails after it began ends where it was (no [DONE]), the connection stays
+            cut = h.get("/boom-stream")
+            assert cut.status_code == 200 and "data: first" in cut.text and "secret" not in cut.text
+            last = h.get("/health")
+            responses = (r, again, cut, last)
+            ports = {x.extensions["network_stream"].get_extra_info("client_addr")[1] for x in responses}
+            assert len(ports) == 1, "the connection was not kept alive"
+    finally:
+        server.should_exit = True
+        thread.join(10)

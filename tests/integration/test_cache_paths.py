@@ -178,7 +178,7 @@ def test_warm_without_content_reuse_keeps_no_tail_pieces(monkeypatch: pytest.Mon
 
     monkeypatch.setattr(engine_module, "check_content_reuse", lambda model: (None, "off for this test"))
     llm = make()
-    assert not llm.stats()["content_reuse"]["available"]
+    assert not llm.stats().content_reuse.available
     result = llm.warm(corpus_token_ids(llm, 2 * CHUNK + 10, seed=490), pin=True)
     assert result.num_new_chunks == 2 and len(llm.engine.store) == 2, "a tail piece nobody can use"
 

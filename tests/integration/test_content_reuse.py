@@ -25,8 +25,8 @@ def llms() -> tuple[LLM, LLM]:
 
 
 def test_content_reuse_is_available_and_self_checked(llms: tuple[LLM, LLM]):
-    stats = llms[0].stats()["content_reuse"]
-    assert stats["available"] and stats["reason"] == ""
+    stats = llms[0].stats().content_reuse
+    assert stats.available and stats.reason == ""
 
 
 def _rag_prompt(llm: LLM, docs: list[list[int]], order: list[int], seed: int) -> list[int]:

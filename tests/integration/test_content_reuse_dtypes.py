@@ -32,8 +32,8 @@ def llms(request: pytest.FixtureRequest) -> tuple[LLM, LLM]:
 
 
 def test_content_reuse_is_available(llms: tuple[LLM, LLM]):
-    stats = llms[0].stats()["content_reuse"]
-    assert stats["available"] and stats["reason"] == "", stats["reason"]
+    stats = llms[0].stats().content_reuse
+    assert stats.available and stats.reason == "", stats.reason
 
 
 def test_documents_in_new_orders_are_reused_and_full_repair_equals_cold_prefill(llms: tuple[LLM, LLM]):

@@ -65,8 +65,8 @@ def test_eviction_keeps_budget_and_spares_pinned_chunks():
     for i in range(12):
         llm.generate([corpus_token_ids(llm, 3 * CHUNK + 5, seed=i)], GREEDY)
         stats = llm.stats()
-        assert stats["store"]["cached_bytes"] <= budget
-    assert llm.stats()["num_evictions"] > 0
+        assert stats.store.cached_bytes <= budget
+    assert llm.stats().num_evictions > 0
     again = llm.warm(pinned_text)
     assert (again.num_new_chunks, again.num_cached_chunks) == (0, 2)
     (out,) = llm.generate([pinned_text + [42, 43]], GREEDY)
@@ -78,7 +78,7 @@ def test_prefix_grouped_admission_computes_a_shared_prefix_once(llm: LLM):
     shared = corpus_token_ids(llm, 4 * CHUNK, seed=5)
     prompts = [shared + corpus_token_ids(llm, 10, seed=50 + i) for i in range(4)]
     outs = llm.generate(prompts, GREEDY)
-    computed = llm.stats()["num_prompt_tokens_computed"]
+    computed = llm.stats().num_prompt_tokens_computed
     assert computed == 4 * CHUNK + 4 * 10, computed  # the shared 4 chunks once, each suffix once
     assert [o.num_cached_tokens for o in outs].count(4 * CHUNK) == 3
     cold = LLM(model="tiny-random-llama", chunk_size=CHUNK, enable_prefix_caching=False)
@@ -90,7 +90,7 @@ def test_n_samples_share_the_prompt(llm: LLM):
     outs = llm.generate([prompt], SamplingParams(n=3, max_tokens=6, temperature=1.0, seed=7, ignore_eos=True))
     assert len(outs) == 3
     assert sorted(o.num_cached_tokens for o in outs) == [0, 3 * CHUNK, 3 * CHUNK]
-    assert llm.stats()["num_prompt_tokens_computed"] == len(prompt) + 2 * 4
+    assert llm.stats().num_prompt_tokens_computed == len(prompt) + 2 * 4
 
 
 def test_bad_input_is_rejected_and_the_engine_keeps_running(llm: LLM):

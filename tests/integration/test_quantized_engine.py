@@ -43,4 +43,4 @@ def test_prefix_reuse_is_exact_with_respect_to_the_codec(codec: str):
         (ref,) = cold.generate([prompt], params)
         assert warm.num_cached_tokens >= 3 * 32 and warm.token_ids == ref.token_ids, codec
     stats = cached.stats()
-    assert stats["kv_codec"] == codec and stats["bytes_per_token"] < 4 * 2 * 2 * 16 * 4
+    assert stats.kv_codec == codec and stats.bytes_per_token < 4 * 2 * 2 * 16 * 4

@@ -10,6 +10,8 @@ from kvserve.api.errors import validation_param_and_message
 from kvserve.api.protocol import ChatCompletionRequest, CompletionRequest, WarmRequest
 from kvserve.errors import InvalidRequestError
 
+MSGS = [{"role": "user", "content": "x"}]
+
 
 def _param_of(model: type, body: dict) -> tuple[str | None, str]:
     with pytest.raises(ValidationError) as info:
@@ -74,8 +76,19 @@ def test_prompt_forms() -> None:
     assert CompletionRequest(prompt=["a", "b"]).prompts() == ["a", "b"]
     assert CompletionRequest(prompt=[1, 2]).prompts() == [[1, 2]]
     assert CompletionRequest(prompt=[[1], [2, 3]]).prompts() == [[1], [2, 3]]
-    with pytest.raises(InvalidRequestError):
-        CompletionRequest(prompt=[]).prompts()
+    for empty in ("", [], [[]], [[1], []]):
+        assert _rejected(CompletionRequest, {"prompt": empty})[0] == "prompt", empty
+
+
+def _rejected(model: type, body: dict) -> tuple[str | None, str]:
+    """(param, message) of the 400 a body gets: from validation or from the conversion."""
+    try:
+        request = model.model_validate(body)
+    except ValidationError:
+        return _param_of(model, body)
+    with pytest.raises(InvalidRequestError) as info:
+        request.to_sampling_params() if model is CompletionRequest else request.to_sampling_params(10)
+    return info.value.param, info.value.message
 
 
 def test_invalid_values_raise_with_param() -> None:
@@ -88,9 +101,75 @@ def test_invalid_values_raise_with_param() -> None:
         ({"prompt": "x", "echo": True, "logprobs": 1}, "echo"),
     ]
     for body, param in cases:
-        with pytest.raises(InvalidRequestError) as info:
-            CompletionRequest.model_validate(body).to_sampling_params()
-        assert info.value.param == param, body
+        assert _rejected(CompletionRequest, body)[0] == param, body
+
+
+def test_types_are_strict() -> None:
+    for extra, param in [
+        ({"max_tokens": "5"}, "max_tokens"),
+        ({"max_tokens": True}, "max_tokens"),
+        ({"max_tokens": 5.0}, "max_tokens"),
+        ({"stream": "yes"}, "stream"),
+        ({"n": 2.0}, "n"),
+        ({"temperature": "1"}, "temperature"),
+        ({"stop_token_ids": [False]}, "stop_token_ids.0"),
+        ({"logit_bias": {"1": True}}, "logit_bias"),
+    ]:
+        assert _rejected(CompletionRequest, {"prompt": "x", **extra})[0] == param, extra
+    # a float parameter takes a JSON integer
+    assert CompletionRequest.model_validate({"prompt": "x", "temperature": 1}).temperature == 1.0
+
+
+def test_a_union_names_its_members() -> None:
+    param, message = _rejected(CompletionRequest, {"prompt": [True, False]})
+    assert param == "prompt"
+    assert message == (
+        "invalid value for prompt: expected a non-empty string, or a non-empty list of strings, "
+        "of token ids or of token-id lists"
+    )
+    param, message = _rejected(ChatCompletionRequest, {"messages": [{"role": "user", "content": 5}]})
+    assert (param, message) == (
+        "messages.0.content",
+        "invalid value for messages.0.content: expected a string or a list of text parts "
+        "(null is not accepted: kvserve has no tool calls)",
+    )
+
+
+def test_ranges_are_stated_and_nan_is_out_of_every_range() -> None:
+    param, message = _rejected(CompletionRequest, {"prompt": "x", "repetition_penalty": 1e308})
+    assert (param, message) == (
+        "repetition_penalty",
+        "repetition_penalty must be a finite number in [0.01, 100.0] (got 1e+308)",
+    )
+    for name in ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty"):
+        for value in (float("nan"), float("inf"), float("-inf")):
+            assert _rejected(CompletionRequest, {"prompt": "x", name: value})[0] == name, (name, value)
+    assert _rejected(ChatCompletionRequest, {"messages": MSGS, "max_completion_tokens": 0})[0] == (
+        "max_completion_tokens"
+    )
+    assert "[0, 20]" in _rejected(ChatCompletionRequest, {"messages": MSGS, "top_logprobs": 21})[1]
+    assert _rejected(CompletionRequest, {"prompt": "x", "seed": 2**63})[0] == "seed"
+    assert CompletionRequest.model_validate({"prompt": "x", "seed": -(2**63)}).seed == -(2**63)
+
+
+def test_lone_surrogates_are_named() -> None:
+    param, message = _rejected(CompletionRequest, {"prompt": ["ok", "a\ud800"]})
+    assert param == "prompt" and "surrogate" in message
+    param, _ = _rejected(ChatCompletionRequest, {"messages": [{"role": "user", "content": "\udfff"}]})
+    assert param == "messages"  # the outer field finds it first
+    param, _ = _rejected(CompletionRequest, {"prompt": "x", "logit_bias": {"\ud800": 1}})
+    assert param == "logit_bias"
+    assert CompletionRequest.model_validate({"prompt": "caf\u00e9 \U0001f600"}).prompt  # paired: fine
+
+
+def test_a_missing_or_wrong_body_says_what_to_send() -> None:
+    missing = RequestValidationError([{"type": "missing", "loc": ("body",), "msg": "Field required"}])
+    assert validation_param_and_message(missing, WarmRequest.expects) == (
+        None,
+        "the request body is missing: send a JSON object with exactly one of text, prompt_token_ids or messages",
+    )
+    wrong = RequestValidationError([{"type": "model_attributes_type", "loc": ("body",), "msg": "x"}])
+    assert validation_param_and_message(wrong)[1] == "the request body must be a JSON object"
 
 
 def test_chat_conversion() -> None:
@@ -110,6 +189,7 @@ def test_chat_conversion() -> None:
 
 def test_warm_request_needs_exactly_one_source() -> None:
     WarmRequest(text="x").check()
-    for body in ({}, {"text": "x", "prompt_token_ids": [1]}):
-        with pytest.raises(InvalidRequestError):
+    for body, given in (({}, "none"), ({"text": "x", "prompt_token_ids": [1]}, "text, prompt_token_ids")):
+        with pytest.raises(InvalidRequestError) as info:
             WarmRequest.model_validate(body).check()
+        assert info.value.message.endswith(f"(got {given})")
