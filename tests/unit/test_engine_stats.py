@@ -66,7 +66,7 @@ def test_stats_value_and_its_dict(llm: LLM) -> None:
     d = s.as_dict()
     assert d["pool"]["num_evictable_blocks"] == s.pool.num_evictable_blocks
     assert d["num_evictions"] == s.store.num_evicted_chunks and d["hit_rate"] == s.hit_rate
-    assert llm.engine.stats() == d  # Engine.stats() is the same facts as a dict
+    assert llm.engine.stats() == s  # Engine.stats() is the same value
 
 
 def test_n_samples_use_consecutive_seeds(llm: LLM) -> None:
