@@ -87,16 +87,17 @@ class ServeConfig:
         default=0.15,
         metadata={"help": "cacheblend: fraction of reused tokens recomputed after the check layer"},
     )
-    chunking: str = field(
+    pieces: str = field(
         default="content",
         metadata={
             "help": "pieces for content matching: content (content-defined cuts) or fixed (chunk_size)"
         },
     )
-    chunk_min_tokens: int = field(
-        default=16, metadata={"help": "content chunking: shortest piece (pieces average about twice this)"}
+    piece_min_tokens: int = field(
+        default=16,
+        metadata={"help": "content-defined pieces: the shortest (pieces average about twice this)"},
     )
-    chunk_max_tokens: int = field(default=256, metadata={"help": "content chunking: longest piece"})
+    piece_max_tokens: int = field(default=256, metadata={"help": "content-defined pieces: the longest"})
     # --- scheduling --------------------------------------------------------------------------
     max_num_seqs: int = field(default=32, metadata={"help": "most sequences in one step"})
     max_num_batched_tokens: int = field(
@@ -135,7 +136,7 @@ _CHOICES: dict[str, tuple[str, ...]] = {
     "attention_backend": ("auto", "reference", "cpu_paged", "triton", "cuda"),
     "reuse": ("prefix", "any"),
     "recompute_strategy": ("none", "selective", "cacheblend"),
-    "chunking": ("fixed", "content"),
+    "pieces": ("fixed", "content"),
 }
 
 
@@ -168,10 +169,10 @@ def validate(cfg: ServeConfig) -> None:
         raise ConfigError(f"max_pinned_fraction must be in [0, 1] (got {cfg.max_pinned_fraction})")
     if not 0.0 <= cfg.recompute_ratio <= 1.0:
         raise ConfigError(f"recompute_ratio must be in [0, 1] (got {cfg.recompute_ratio})")
-    if not 0 < cfg.chunk_min_tokens <= cfg.chunk_max_tokens:
+    if not 0 < cfg.piece_min_tokens <= cfg.piece_max_tokens:
         raise ConfigError(
-            f"chunk_min_tokens must be positive and <= chunk_max_tokens (got {cfg.chunk_min_tokens}, "
-            f"{cfg.chunk_max_tokens})"
+            f"piece_min_tokens must be positive and <= piece_max_tokens (got {cfg.piece_min_tokens}, "
+            f"{cfg.piece_max_tokens})"
         )
     if cfg.max_model_len < 0:
         raise ConfigError(f"max_model_len must be >= 0 (got {cfg.max_model_len})")

@@ -86,10 +86,10 @@ def kl(p_logits: torch.Tensor, q_logits: torch.Tensor) -> float:
     return float((logp.exp() * (logp - logq)).sum())
 
 
-def chunking_hit_rates(model: str, docs: list[list[int]], prompts: list[list[int]]) -> dict[str, float]:
+def piece_hit_rates(model: str, docs: list[list[int]], prompts: list[list[int]]) -> dict[str, float]:
     rates = {}
-    for chunking in ("fixed", "content"):
-        llm = LLM(model=model, chunking=chunking, max_cache_bytes=2_000_000_000)
+    for pieces in ("fixed", "content"):
+        llm = LLM(model=model, pieces=pieces, max_cache_bytes=2_000_000_000)
         for d in docs:
             llm.warm(d)
         reused = total = 0
@@ -97,7 +97,7 @@ def chunking_hit_rates(model: str, docs: list[list[int]], prompts: list[list[int
             out, _ = run(llm, p, ReuseOptions(reuse="any", recompute_strategy="none"), 1)
             reused += out.num_approx_cached_tokens
             total += len(p)
-        rates[chunking] = reused / total
+        rates[pieces] = reused / total
         del llm
     return rates
 
@@ -108,7 +108,7 @@ def main() -> None:
     ap.add_argument("--docs", type=int, default=20)
     ap.add_argument("--prompts", type=int, default=8)
     ap.add_argument("--max-tokens", type=int, default=32)
-    ap.add_argument("--chunking", default="content")
+    ap.add_argument("--pieces", default="content")
     ap.add_argument("--threads", type=int, default=0, help="torch intra-op threads (0 = torch's default)")
     ap.add_argument("--json", default="")
     ap.add_argument("--plot", default="")
@@ -122,7 +122,7 @@ def main() -> None:
         return
 
     rng = random.Random(0)
-    llm = LLM(model=args.model, chunking=args.chunking, max_cache_bytes=2_000_000_000)
+    llm = LLM(model=args.model, pieces=args.pieces, max_cache_bytes=2_000_000_000)
     cold = LLM(model=args.model, enable_prefix_caching=False, max_cache_bytes=500_000_000)
     docs = make_documents(llm, args.docs, rng)
     prompts = make_prompts(llm, docs, args.prompts, rng)
@@ -154,7 +154,7 @@ def main() -> None:
     avg_len = mean(len(p) for p in prompts)
     print(
         f"# bench_blend: {args.model}, {len(docs)} docs, {len(prompts)} prompts of {avg_len:.0f} tokens on average, "
-        f"chunking={args.chunking}; {machine}"
+        f"pieces={args.pieces}; {machine}"
     )
     print(
         "| strategy | TTFT ms (median) | speed-up vs full | reused | compute fraction | first-token KL | top-1 agree | greedy agree (32) |"
@@ -180,15 +180,15 @@ def main() -> None:
             f"{entry['compute']:.3f} | {entry['kl']:.4f} | {entry['top1']:.2f} | {entry['agree']:.2f} |"
         )
 
-    rates = chunking_hit_rates(args.model, docs, prompts)
-    print("\n| chunking | share of prompt tokens reused (strategy none) |\n|---|---|")
+    rates = piece_hit_rates(args.model, docs, prompts)
+    print("\n| pieces | share of prompt tokens reused (strategy none) |\n|---|---|")
     for k, v in rates.items():
         print(f"| {k} | {v:.3f} |")
 
     if args.json:
         with open(args.json, "w") as f:
             json.dump(
-                {"machine": machine, "table": table, "chunking_hit_rates": rates, "raw": rows}, f, indent=1
+                {"machine": machine, "table": table, "piece_hit_rates": rates, "raw": rows}, f, indent=1
             )
     if args.plot:
         plot(table, args.plot)

@@ -33,7 +33,7 @@ from kvserve.errors import InvalidRequestError
 from kvserve.kvcache.block_pool import BlockPool
 from kvserve.kvcache.chunk_store import ChunkStore
 from kvserve.kvcache.hashing import root_hash
-from kvserve.kvcache.segment_index import SegmentIndex
+from kvserve.kvcache.piece_index import PieceIndex
 from kvserve.request import FinishReason, Request, RequestOutput, check_token_ids
 from kvserve.scheduler.batch import BlendPlan, ScheduledBatch, ScheduledSeq
 from kvserve.scheduler.content import ContentMatcher
@@ -58,7 +58,7 @@ class Engine:
         self.pins = WarmPins(self.store, config.chunk_size, config.block_size, config.max_pinned_fraction)
         device = torch.device(self.info.device)
         rotator, reason = check_content_reuse(self.model)
-        self.content = ContentMatcher(config, SegmentIndex(self.store), rotator is not None, reason)
+        self.content = ContentMatcher(config, PieceIndex(self.store), rotator is not None, reason)
         self.blend_runner = BlendRunner(self.model, self.layers, rotator, device) if rotator else None
         require_content_reuse(config.reuse, rotator, reason)
         self.scheduler = Scheduler(

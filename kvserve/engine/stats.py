@@ -56,7 +56,7 @@ class ContentReuseStats:
     reason: str
     default_reuse: str
     recompute_strategy: str
-    chunking: str
+    pieces: str
     num_indexed_pieces: int
     num_approx_hit_tokens: int
     num_recomputed_tokens: int
@@ -164,7 +164,7 @@ def _content_reuse(engine: Engine) -> ContentReuseStats:
         reason=content.disabled_reason,
         default_reuse=config.reuse,
         recompute_strategy=config.recompute_strategy,
-        chunking=config.chunking,
+        pieces=config.pieces,
         num_indexed_pieces=len(content.index),
         num_approx_hit_tokens=content.num_hit_tokens,
         num_recomputed_tokens=content.num_recomputed_tokens,

@@ -1,5 +1,5 @@
 """ChunkStore: prefix hash -> cached chunk (its blocks in the pool). Content matches are found
-through segment_index.SegmentIndex, which points into these chunks.
+through piece_index.PieceIndex, which points into these chunks.
 
 Ownership: the store holds one pool ref on each block of each cached chunk. A chunk's `num_users`
 counts the running requests that use it (matched it, computed and registered it, or hold it as the

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from kvserve.kvcache.segment_index import SegmentHit
+from kvserve.kvcache.piece_index import PieceHit
 from kvserve.scheduler.sequence import Sequence
 
 
@@ -18,15 +18,15 @@ class ScheduledSeq:
 @dataclass
 class ContentHit:
     dst_start: int  # position of the piece in the new prompt
-    hit: SegmentHit
+    hit: PieceHit
 
     @property
     def num_tokens(self) -> int:
-        return self.hit.segment.num_tokens
+        return self.hit.piece.num_tokens
 
     @property
     def delta(self) -> int:
-        return self.dst_start - self.hit.segment.start_pos
+        return self.dst_start - self.hit.piece.start_pos
 
 
 @dataclass
@@ -51,12 +51,12 @@ class BlendPlan:
         runs: list[tuple[int, int]] = []
         prev: ContentHit | None = None
         for h in self.hits:
-            seg = h.hit.segment
+            seg = h.hit.piece
             joined = (
                 prev is not None
                 and prev.dst_start + prev.num_tokens == h.dst_start
-                and prev.hit.segment.source_id == seg.source_id
-                and prev.hit.segment.start_pos + prev.num_tokens == seg.start_pos
+                and prev.hit.piece.source_id == seg.source_id
+                and prev.hit.piece.start_pos + prev.num_tokens == seg.start_pos
             )
             if joined:
                 runs[-1] = (runs[-1][0], h.dst_start + h.num_tokens)

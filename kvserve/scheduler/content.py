@@ -1,6 +1,6 @@
 """ContentMatcher: finds earlier prompts' pieces in a new prompt and plans their reuse.
 
-Pieces are cut by the Segmenter (fixed or content-defined), keyed by a content hash salted with
+Pieces are cut by the PieceCutter (fixed or content-defined), keyed by a content hash salted with
 the request's cache namespace (so tenants never share), and indexed once the chunks holding their
 KV are cached. Only KV computed with the true preceding context is ever indexed, and only prompts
 that opted into content reuse (`reuse=any`, by request or server default) and warmed texts are
@@ -12,19 +12,19 @@ from __future__ import annotations
 from typing import Any
 
 from kvserve.config import ServeConfig
-from kvserve.kvcache.chunking import Segmenter
 from kvserve.kvcache.hashing import content_hash
-from kvserve.kvcache.segment_index import Segment, SegmentIndex
+from kvserve.kvcache.piece_index import Piece, PieceIndex
+from kvserve.kvcache.pieces import PieceCutter
 from kvserve.scheduler.batch import BlendPlan, ContentHit
 from kvserve.scheduler.sequence import Sequence
 
 
 class ContentMatcher:
-    def __init__(self, config: ServeConfig, index: SegmentIndex, enabled: bool, disabled_reason: str = ""):
+    def __init__(self, config: ServeConfig, index: PieceIndex, enabled: bool, disabled_reason: str = ""):
         self.config = config
         self.index = index
-        self.segmenter = Segmenter(
-            config.chunking, config.chunk_size, config.chunk_min_tokens, config.chunk_max_tokens
+        self.cutter = PieceCutter(
+            config.pieces, config.chunk_size, config.piece_min_tokens, config.piece_max_tokens
         )
         self.enabled = enabled  # the model supports moving KV and the start-up self-check passed
         self.disabled_reason = disabled_reason
@@ -42,7 +42,7 @@ class ContentMatcher:
     def prepare(self, seq: Sequence) -> None:
         """Cut the prompt into pieces if it will be indexed (warmed, or opted into content reuse)."""
         if self.enabled and (seq.request.warm_only or self._mode(seq) == "any"):
-            seq.reuse.segments = self.segmenter.segments(seq.request.prompt_token_ids)
+            seq.reuse.pieces = self.cutter.cut(seq.request.prompt_token_ids)
 
     def wants(self, seq: Sequence) -> bool:
         """Whether to look for content matches for this sequence."""
@@ -51,7 +51,7 @@ class ContentMatcher:
     def find_hits(self, seq: Sequence, prefix_len: int) -> list[ContentHit]:
         """Cached pieces after the exact prefix; the last prompt token is always computed."""
         hits = []
-        for start, end in seq.reuse.segments:
+        for start, end in seq.reuse.pieces:
             if start < prefix_len or end > seq.num_prompt_tokens - 1:
                 continue
             hit = self.index.lookup(self._key(seq, start, end))
@@ -83,13 +83,13 @@ class ContentMatcher:
         """Index the prompt pieces whose KV now lies in cached chunks: [0, num_cached_tokens) is held
         by chunk_hashes (one per chunk_size tokens, the last may be a tail piece)."""
         reuse = seq.reuse
-        while reuse.num_segments_registered < len(reuse.segments):
-            start, end = reuse.segments[reuse.num_segments_registered]
+        while reuse.num_pieces_registered < len(reuse.pieces):
+            start, end = reuse.pieces[reuse.num_pieces_registered]
             if end > num_cached_tokens:
                 break
             first, last = start // self.chunk_size, (end - 1) // self.chunk_size
             self.index.add(
-                Segment(
+                Piece(
                     content_hash=self._key(seq, start, end),
                     start_pos=start,
                     num_tokens=end - start,
@@ -98,4 +98,4 @@ class ContentMatcher:
                     source_id=reuse.source_id,
                 )
             )
-            reuse.num_segments_registered += 1
+            reuse.num_pieces_registered += 1

@@ -43,8 +43,8 @@ class SeqCache:
 @dataclass
 class SeqReuse:
     source_id: int = 0  # unique per sequence: identifies runs of pieces from one prompt
-    segments: list[tuple[int, int]] = field(default_factory=list)  # prompt pieces for content matching
-    num_segments_registered: int = 0
+    pieces: list[tuple[int, int]] = field(default_factory=list)  # prompt pieces for content matching
+    num_pieces_registered: int = 0
     admitted_once: bool = False
     # what the cache saved, fixed at the first admission (re-admission after preemption keeps them)
     num_exact_cached_tokens: int = 0

@@ -15,7 +15,7 @@ GREEDY = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
 
 def make(model: str = "tiny-random-llama", **kw) -> LLM:
     """Fixed chunking unless asked: piece boundaries (and so the counts below) are then exact."""
-    kw.setdefault("chunking", "fixed")
+    kw.setdefault("pieces", "fixed")
     return LLM(model=model, chunk_size=CHUNK, max_cache_bytes=50_000_000, **kw)
 
 
@@ -113,7 +113,7 @@ def test_selective_repairs_only_run_starts_and_registers_only_exact_chunks():
 
 
 def test_content_defined_chunking_finds_documents_at_any_offset():
-    fixed, content = make(chunking="fixed"), make(chunking="content", chunk_min_tokens=8)
+    fixed, content = make(pieces="fixed"), make(pieces="content", piece_min_tokens=8)
     hits = {}
     for name, llm in (("fixed", fixed), ("content", content)):
         doc = corpus_token_ids(llm, 300, seed=50)
@@ -138,7 +138,7 @@ def test_cache_salt_isolates_content_matches():
 
 def test_full_repair_without_an_exact_prefix_equals_full_prefill():
     """Every row at every position (the causal fast path of PositionalBackend) stays exact."""
-    llm, cold = make(chunking="content", chunk_min_tokens=8), make(enable_prefix_caching=False)
+    llm, cold = make(pieces="content", piece_min_tokens=8), make(enable_prefix_caching=False)
     doc = corpus_token_ids(llm, 2 * CHUNK, seed=70)
     llm.warm(doc)
     prompt = corpus_token_ids(llm, 20, seed=71) + doc + [9, 8, 7]  # header shorter than a chunk

@@ -145,8 +145,8 @@ def test_content_reuse_equals_the_codec_on_the_same_moved_kv(codec):
         max_cache_bytes=_bytes_for_blocks(codec, 32),  # small: blocks come back from earlier owners
         max_num_seqs=4,
         kv_cache_dtype=codec,
-        chunking="content",
-        chunk_min_tokens=8,
+        pieces="content",
+        piece_min_tokens=8,
     )
     docs = [corpus_token_ids(llm, 70 + 20 * i, seed=80 + i) for i in range(2)]
     for d in docs:

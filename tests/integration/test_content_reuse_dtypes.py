@@ -22,7 +22,7 @@ LOGIT_TOLERANCE = {"bfloat16": 0.05, "float16": 0.01}  # a few units in the last
 
 
 def make(dtype: str, **kw) -> LLM:
-    kw.setdefault("chunking", "fixed")  # piece boundaries, and so the counts below, are exact
+    kw.setdefault("pieces", "fixed")  # piece boundaries, and so the counts below, are exact
     return LLM(model="tiny-random-llama", dtype=dtype, chunk_size=CHUNK, max_cache_bytes=50_000_000, **kw)
 
 
@@ -67,7 +67,7 @@ def _gen(llm: LLM, prompt: list[int], opts: ReuseOptions):
 
 
 def test_content_defined_pieces_are_found_at_a_new_offset(llms: tuple[LLM, LLM]):
-    llm = make(llms[0].engine.info.dtype, chunking="content", chunk_min_tokens=8)
+    llm = make(llms[0].engine.info.dtype, pieces="content", piece_min_tokens=8)
     doc = corpus_token_ids(llm, 300, seed=50)
     llm.warm(doc)
     prompt = corpus_token_ids(llm, 45, seed=51) + doc + corpus_token_ids(llm, 5, seed=52)

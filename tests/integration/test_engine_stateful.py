@@ -43,7 +43,7 @@ _REFERENCE: dict[tuple[str, tuple[int, ...], str], list[int]] = {}
 def engines(codec: str) -> tuple[LLM, LLM]:
     """(cached engine with a tiny pool, cache-off reference engine), built once per codec."""
     if codec not in _ENGINES:
-        common = dict(model="tiny-random-llama", chunk_size=CHUNK, kv_cache_dtype=codec, chunking="fixed")
+        common = dict(model="tiny-random-llama", chunk_size=CHUNK, kv_cache_dtype=codec, pieces="fixed")
         tiny = LLM(
             max_cache_bytes=_budget(codec, POOL_BLOCKS),
             max_num_batched_tokens=64,

@@ -16,7 +16,7 @@ GREEDY = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
 
 @pytest.fixture()
 def llm() -> LLM:
-    return LLM(model="tiny-random-llama", chunk_size=CHUNK, max_cache_bytes=50_000_000, chunking="fixed")
+    return LLM(model="tiny-random-llama", chunk_size=CHUNK, max_cache_bytes=50_000_000, pieces="fixed")
 
 
 def _prompts(llm: LLM) -> list[list[int]]:

@@ -14,12 +14,6 @@ sys.path.insert(0, str(ROOT / "scripts"))
 
 import soak  # noqa: E402
 
-LOGIT_BIAS_DEFECT = (
-    "defect: an out-of-vocabulary logit_bias key is accepted and raises IndexError in "
-    "sampler.apply_penalties during the engine step; AsyncEngine._run then fails every request in "
-    "flight with 500 (remove this mark once it is a 400)"
-)
-
 
 def _sample(t: float, rss: int, free: int, cached: int, pinned: int, **queue: int) -> dict:
     q = {"running": 0, "waiting": 0, "in_system": 0, "preemptions": 0} | queue
@@ -226,7 +220,6 @@ def test_half_minute_soak_of_the_whole_mix_returns_to_idle_without_growing(half_
 
 
 @pytest.mark.slow
-@pytest.mark.xfail(strict=True, reason=LOGIT_BIAS_DEFECT)
 def test_half_minute_soak_of_the_whole_mix_has_no_unexpected_outcome(half_minute_soak) -> None:
     rc, result = half_minute_soak
     assert result["judged"]["unexpected"] == 0, result["run"]["failures"]

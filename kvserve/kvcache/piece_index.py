@@ -1,8 +1,8 @@
-"""SegmentIndex: content hash of a prompt piece -> where its KV lives in the cache.
+"""PieceIndex: content hash of a prompt piece -> where its KV lives in the cache.
 
-A segment is a token range [start_pos, start_pos + num_tokens) of an earlier prompt whose KV is held
+A piece is a token range [start_pos, start_pos + num_tokens) of an earlier prompt whose KV is held
 by cached chunks (listed by prefix hash). It owns nothing. The index is bounded by the store: when the
-store evicts a chunk, every segment pointing into it is dropped (ChunkStore.on_drop), so each entry
+store evicts a chunk, every piece pointing into it is dropped (ChunkStore.on_drop), so each entry
 points into cached chunks only.
 """
 
@@ -14,42 +14,42 @@ from kvserve.kvcache.chunk_store import CachedChunk, ChunkStore
 
 
 @dataclass(frozen=True)
-class Segment:
+class Piece:
     content_hash: bytes
     start_pos: int  # position of the first token in the prompt that produced the KV
     num_tokens: int
     chunk_hashes: tuple[bytes, ...]  # the cached chunks covering the range, in order
     first_chunk_pos: int  # position of the first token of chunk_hashes[0]
-    source_id: int  # the registering sequence: consecutive segments of one source form a run
+    source_id: int  # the registering sequence: consecutive pieces of one source form a run
 
 
 @dataclass(frozen=True)
-class SegmentHit:
-    segment: Segment
+class PieceHit:
+    piece: Piece
     chunks: list[CachedChunk]
     src_slots: list[int]  # pool slot of each token, in order
 
 
-class SegmentIndex:
+class PieceIndex:
     def __init__(self, store: ChunkStore):
         self.store = store
-        self._segments: dict[bytes, Segment] = {}
+        self._pieces: dict[bytes, Piece] = {}
         self._by_chunk: dict[bytes, set[bytes]] = {}  # chunk prefix hash -> content hashes into it
         store.on_drop.append(self._on_chunk_dropped)
 
     def __len__(self) -> int:
-        return len(self._segments)
+        return len(self._pieces)
 
-    def add(self, segment: Segment) -> None:
-        """Index a segment whose chunks are all cached; the newest copy of a content hash wins."""
-        assert all(h in self.store for h in segment.chunk_hashes), "segment points at uncached chunks"
-        self._remove(segment.content_hash)
-        self._segments[segment.content_hash] = segment
-        for h in segment.chunk_hashes:
-            self._by_chunk.setdefault(h, set()).add(segment.content_hash)
+    def add(self, piece: Piece) -> None:
+        """Index a piece whose chunks are all cached; the newest copy of a content hash wins."""
+        assert all(h in self.store for h in piece.chunk_hashes), "piece points at uncached chunks"
+        self._remove(piece.content_hash)
+        self._pieces[piece.content_hash] = piece
+        for h in piece.chunk_hashes:
+            self._by_chunk.setdefault(h, set()).add(piece.content_hash)
 
     def _remove(self, content_hash: bytes) -> None:
-        old = self._segments.pop(content_hash, None)
+        old = self._pieces.pop(content_hash, None)
         if old is None:
             return
         for h in old.chunk_hashes:
@@ -64,25 +64,25 @@ class SegmentIndex:
             self._remove(content_hash)
 
     def check_integrity(self) -> None:
-        for content_hash, segment in self._segments.items():
-            for h in segment.chunk_hashes:
-                assert h in self.store, "an indexed segment points at an evicted chunk"
+        for content_hash, piece in self._pieces.items():
+            for h in piece.chunk_hashes:
+                assert h in self.store, "an indexed piece points at an evicted chunk"
                 assert content_hash in self._by_chunk[h]
         assert sum(len(v) for v in self._by_chunk.values()) == sum(
-            len(s.chunk_hashes) for s in self._segments.values()
+            len(s.chunk_hashes) for s in self._pieces.values()
         )
 
-    def lookup(self, content_hash: bytes) -> SegmentHit | None:
-        segment = self._segments.get(content_hash)
-        if segment is None:
+    def lookup(self, content_hash: bytes) -> PieceHit | None:
+        piece = self._pieces.get(content_hash)
+        if piece is None:
             return None
-        live = [c for c in map(self.store.get, segment.chunk_hashes) if c is not None]
-        assert len(live) == len(segment.chunk_hashes), "the index holds a segment of an evicted chunk"
+        live = [c for c in map(self.store.get, piece.chunk_hashes) if c is not None]
+        assert len(live) == len(piece.chunk_hashes), "the index holds a piece of an evicted chunk"
         bs, chunk_size = self.store.pool.block_size, self.store.chunk_size
         slots = []
-        for p in range(segment.start_pos, segment.start_pos + segment.num_tokens):
-            rel = p - segment.first_chunk_pos
+        for p in range(piece.start_pos, piece.start_pos + piece.num_tokens):
+            rel = p - piece.first_chunk_pos
             chunk = live[rel // chunk_size]
             offset = rel % chunk_size
             slots.append(chunk.block_ids[offset // bs] * bs + offset % bs)
-        return SegmentHit(segment, live, slots)
+        return PieceHit(piece, live, slots)

@@ -1,0 +1,45 @@
+import random
+
+from kvserve.kvcache.pieces import PieceCutter, content_pieces, fixed_pieces
+
+
+def _tokens(n: int, seed: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(50000) for _ in range(n)]
+
+
+def _pieces(tokens: list[int], spans: list[tuple[int, int]]) -> list[tuple[int, ...]]:
+    return [tuple(tokens[a:b]) for a, b in spans]
+
+
+def test_fixed_pieces_are_whole_chunks_only():
+    assert fixed_pieces(list(range(70)), 32) == [(0, 32), (32, 64)]
+
+
+def test_content_pieces_respect_min_and_max_and_tile_the_prefix():
+    tokens = _tokens(3000, 1)
+    segs = content_pieces(tokens, min_tokens=16, max_tokens=64, mask_bits=4)
+    assert segs[0][0] == 0 and all(a == b for (_, a), (b, _) in zip(segs, segs[1:]))
+    assert all(16 <= b - a <= 64 for a, b in segs)
+    mean = sum(b - a for a, b in segs) / len(segs)
+    assert 20 <= mean <= 48  # about min + 2**mask_bits
+
+
+def test_a_document_at_any_offset_yields_the_same_interior_pieces():
+    seg = PieceCutter("content", chunk_size=128, min_tokens=16, max_tokens=256)
+    doc = _tokens(600, 2)
+    alone = _pieces(doc, seg.cut(doc))
+    for offset in (1, 17, 45, 130):
+        embedded = _tokens(offset, 3 + offset) + doc + _tokens(20, 4)
+        found = set(_pieces(embedded, seg.cut(embedded)))
+        shared = [p for p in alone if p in found]
+        # all but the pieces straddling the document's edges
+        assert sum(len(p) for p in shared) >= len(doc) - 2 * 64, offset
+
+
+def test_fixed_pieces_miss_a_shifted_document():
+    seg = PieceCutter("fixed", chunk_size=32)
+    doc = _tokens(256, 5)
+    alone = set(_pieces(doc, seg.cut(doc)))
+    shifted = _tokens(5, 6) + doc
+    assert not alone & set(_pieces(shifted, seg.cut(shifted)))
