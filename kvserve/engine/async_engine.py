@@ -133,7 +133,10 @@ class AsyncEngine:
     # --- asyncio side ------------------------------------------------------------------------------
     async def submit(self, requests: list[Request]) -> RequestStream:
         """Admit and queue `requests` together. Raises OverloadedError when the system is full and
-        InvalidRequestError when the engine refuses one (then none of them runs)."""
+        InvalidRequestError when the engine refuses one (then none of them runs). A request that could
+        never run is a 400 even when the system is full."""
+        for request in requests:
+            self.engine.check_request(request)
         self._reserve(len(requests))
         stream = RequestStream([r.request_id for r in requests], asyncio.get_running_loop(), self)
         try:

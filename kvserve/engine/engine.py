@@ -111,14 +111,13 @@ class Engine:
         if request.warm_only and not request.prompt_token_ids:
             self._finish(seq, FinishReason.STOP)
 
-    def _validate(self, request: Request) -> None:
+    def check_request(self, request: Request) -> None:
+        """The checks that need no engine state (the model's context, vocabulary, pool size and reuse
+        support): safe from any thread, so the server runs them before it queues a request."""
         n = len(request.prompt_token_ids)
         limit = self.info.max_model_len
         if not request.warm_only:
             check_reuse_request(request.reuse, self.content.enabled, self.content.disabled_reason)
-        rid = request.request_id
-        if rid in self._seqs or any(out.request_id == rid for out in self._pending):
-            raise InvalidRequestError(f"request id {rid!r} is already in use")
         if n == 0 and not request.warm_only:
             raise InvalidRequestError("the prompt is empty; send at least one token", param="prompt")
         if n >= limit and not request.warm_only:
@@ -133,20 +132,28 @@ class Engine:
             )
         check_token_ids(request.prompt_token_ids, self.info.vocab_size, "prompt")
         request.sampling_params.check_vocab(self.info.vocab_size)
-
-    def _check_capacity(self, seq: Sequence) -> None:
-        """The request's KV at its longest must fit in what the pool can ever free for it."""
-        request = seq.request
-        need_tokens = min(seq.num_prompt_tokens + request.sampling_params.max_tokens, self.info.max_model_len)
-        if request.warm_only:
-            need_tokens = seq.num_prompt_tokens
-        need_blocks = -(-need_tokens // self.config.block_size)
-        if need_blocks > self.pool.num_blocks:
+        need_tokens = n if request.warm_only else min(n + request.sampling_params.max_tokens, limit)
+        if -(-need_tokens // self.config.block_size) > self.pool.num_blocks:
             raise InvalidRequestError(
                 f"the request needs {need_tokens} tokens of KV but the pool holds {self.info.pool_tokens}; "
                 "raise max_cache_bytes or lower max_tokens",
                 param="max_tokens",
             )
+
+    def _validate(self, request: Request) -> None:
+        self.check_request(request)
+        rid = request.request_id
+        if rid in self._seqs or any(out.request_id == rid for out in self._pending):
+            raise InvalidRequestError(f"request id {rid!r} is already in use")
+
+    def _check_capacity(self, seq: Sequence) -> None:
+        """The request's KV at its longest must fit in what the pool can ever free for it beside the
+        chunks warmed texts pinned (check_request checked the pool's size)."""
+        request = seq.request
+        need_tokens = min(seq.num_prompt_tokens + request.sampling_params.max_tokens, self.info.max_model_len)
+        if request.warm_only:
+            need_tokens = seq.num_prompt_tokens
+        need_blocks = -(-need_tokens // self.config.block_size)
         matched = self.store.match_prefix(seq.cache.prefix_hashes)
         available = self.scheduler.num_blocks_available_to(matched)
         if need_blocks > available:

@@ -176,3 +176,20 @@ def test_500_is_an_envelope_and_the_connection_survives(tmp_path: object) -> Non
     finally:
         server.should_exit = True
         thread.join(10)
+
+
+def test_a_request_that_could_never_run_is_a_400_even_when_the_queue_is_full(server: Server) -> None:
+    """Validation comes before back-pressure: a full queue must not turn a 400 into a retryable 503."""
+
+    async def full_then_invalid() -> tuple[list[httpx.Response], httpx.Response]:
+        headers = {"Authorization": f"Bearer {KEY}"}
+        async with httpx.AsyncClient(base_url=server.base_url, headers=headers, timeout=30) as h:
+            filling = [asyncio.create_task(h.post("/v1/completions", json=LONG)) for _ in range(2)]
+            await asyncio.sleep(0.3)
+            too_long = {"model": TINY, "prompt": [7] * 5000, "max_tokens": 1}  # longer than the context
+            invalid = await h.post("/v1/completions", json=too_long)
+            return list(await asyncio.gather(*filling)), invalid
+
+    filled, invalid = asyncio.run(full_then_invalid())
+    assert all(r.status_code == 504 for r in filled), [r.status_code for r in filled]
+    assert _envelope(invalid, 400)["param"] == "prompt"
