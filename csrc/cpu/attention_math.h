@@ -127,12 +127,17 @@ inline void score_tile(const float* const* q, const float* kt, int64_t sp, int64
   }
 }
 
+// n lanes: tiles of R, then one tile of the remaining n % R (a GQA group of 3 in one pass).
 template <int D, int R>
 void score_lanes(const float* const* q, const float* kt, int64_t sp, int64_t nv, float* const* out, int64_t n) {
   int64_t j = 0;
   for (; j + R <= n; j += R) score_tile<D, R>(q + j, kt, sp, nv, out + j);
   if constexpr (R > 1) {
-    if (j < n) score_lanes<D, R / 2>(q + j, kt, sp, nv, out + j, n - j);
+    if (n - j == R - 1) {
+      score_tile<D, R - 1>(q + j, kt, sp, nv, out + j);
+    } else if (j < n) {
+      score_lanes<D, R - 1>(q + j, kt, sp, nv, out + j, n - j);
+    }
   }
 }
 
@@ -163,7 +168,11 @@ void pv_lanes(float* const* acc, const float* const* p, const float* corr, const
   int64_t j = 0;
   for (; j + R <= n; j += R) pv_tile<D, R>(acc + j, p + j, corr + j, v, 0, t1);
   if constexpr (R > 1) {
-    if (j < n) pv_lanes<D, R / 2>(acc + j, p + j, corr + j, v, t1, n - j);
+    if (n - j == R - 1) {
+      pv_tile<D, R - 1>(acc + j, p + j, corr + j, v, 0, t1);
+    } else if (j < n) {
+      pv_lanes<D, R - 1>(acc + j, p + j, corr + j, v, t1, n - j);
+    }
   }
 }
 

@@ -50,6 +50,12 @@ inline vf e4m3_to_float(const uint8_t* codes) {
   return (c & 0x7f) == 0x7f ? splat(std::numeric_limits<float>::quiet_NaN()) : f;
 }
 
+// Asks for the cache lines [p, p + bytes) ahead of use (the kernel prefetches the next step's blocks).
+inline void prefetch_bytes(const void* p, int64_t bytes) {
+  const char* c = static_cast<const char*>(p);
+  for (int64_t i = 0; i < bytes; i += 64) __builtin_prefetch(c + i);
+}
+
 // The fp32 rows of one (block, KV head): row t of K at k + t * stride (same for V), and optional
 // per-token multipliers (null = 1): score_t = q.k_t * k_mult[t], and p_t * v_mult[t] weighs v_t.
 struct BlockRows {
@@ -72,6 +78,14 @@ struct DenseReader {
   const T* v;  // [num_blocks, block_size, H_kv, D]
   int64_t block_size, h_kv, d;
 
+  void prefetch(int64_t block, int64_t h, int64_t n) const {
+    const int64_t first = (block * block_size * h_kv + h) * d, stride = h_kv * d;
+    for (int64_t t = 0; t < n; ++t) {
+      prefetch_bytes(k + first + t * stride, d * sizeof(T));
+      prefetch_bytes(v + first + t * stride, d * sizeof(T));
+    }
+  }
+
   BlockRows rows(int64_t block, int64_t h, int64_t n, Scratch& sc) const {
     const int64_t first = (block * block_size * h_kv + h) * d, stride = h_kv * d;
     if constexpr (std::is_same_v<T, float>) {
@@ -92,6 +106,14 @@ struct Fp8Reader {
   const float* k_scale;  // [num_blocks, block_size, H_kv]
   const float* v_scale;
   int64_t block_size, h_kv, d;
+
+  void prefetch(int64_t block, int64_t h, int64_t n) const {
+    for (int64_t t = 0; t < n; ++t) {
+      const int64_t token_head = (block * block_size + t) * h_kv + h;
+      prefetch_bytes(k_codes + token_head * d, d);
+      prefetch_bytes(v_codes + token_head * d, d);
+    }
+  }
 
   BlockRows rows(int64_t block, int64_t h, int64_t n, Scratch& sc) const {
     for (int64_t t = 0; t < n; ++t) {
@@ -124,6 +146,14 @@ struct Int8KiviReader {
   const at::Half* v_scale;  // [num_blocks, block_size, H_kv, D / group]
   const at::Half* v_zero;
   int64_t block_size, h_kv, d, group;
+
+  void prefetch(int64_t block, int64_t h, int64_t n) const {
+    for (int64_t t = 0; t < n; ++t) {
+      const int64_t token_head = (block * block_size + t) * h_kv + h;
+      prefetch_bytes(k_codes + token_head * d, d);
+      prefetch_bytes(v_codes + token_head * d, d);
+    }
+  }
 
   BlockRows rows(int64_t block, int64_t h, int64_t n, Scratch& sc) const {
     const int64_t stride = h_kv * d;

@@ -97,14 +97,16 @@ std::pair<const float*, const float*> read_step(const Problem& p, const Reader& 
   return {k_mult, v_mult};
 }
 
-// One online-softmax step [start, start + step) of KV head h for the lanes that see it.
+// One online-softmax step [start, start + step) of KV head h for the lanes of its query heads that
+// see it (lane = local row * num_heads + query head).
 template <int D, typename Reader>
 void run_step(const Problem& p, const Reader& reader, Work& w, int64_t seq, int64_t h, int64_t start,
-              int64_t num_lanes, int64_t max_pos) {
-  const int64_t sp = p.step_tokens;
+              int64_t num_rows, int64_t max_pos) {
+  const int64_t sp = p.step_tokens, group = p.num_heads / p.h_kv;
   int64_t num_active = 0;
   int64_t n_common = sp;
-  for (int64_t lane = 0; lane < num_lanes; ++lane) {
+  for (int64_t i = 0; i < num_rows * group; ++i) {
+    const int64_t lane = (i / group) * p.num_heads + h * group + i % group;
     if (w.lane_pos[lane] < start) continue;
     const int64_t n = std::min<int64_t>(sp, w.lane_pos[lane] + 1 - start);
     w.active[num_active] = static_cast<int32_t>(lane);
@@ -117,6 +119,11 @@ void run_step(const Problem& p, const Reader& reader, Work& w, int64_t seq, int6
     ++num_active;
   }
   const int64_t n_max = std::min<int64_t>(sp, max_pos + 1 - start);
+  const int64_t next = start + sp, next_n = std::min<int64_t>(sp, max_pos + 1 - next);
+  for (int64_t t0 = 0; t0 < next_n; t0 += p.block_size) {  // the next step of this head, ahead of use
+    reader.prefetch(p.block_tables[seq * p.max_blocks + (next + t0) / p.block_size], h,
+                    std::min(p.block_size, next_n - t0));
+  }
   const auto [k_mult, v_mult] = read_step<D>(p, reader, w, seq, h, start, n_max);
   const int64_t nv = (n_max + 4 * kLanes - 1) / (4 * kLanes) * 4;
   score_lanes<D, 4>(w.q_act.data(), w.kt.data(), sp, nv, w.s_ptr.data(), num_active);
@@ -130,47 +137,46 @@ void run_step(const Problem& p, const Reader& reader, Work& w, int64_t seq, int6
   }
 }
 
+// Blocks in order of position, and for each step every KV head, so that a block's bytes (all heads,
+// interleaved) are read together: one pass over the sequence's KV. Lane = local row * H + query head.
 template <int D, typename Reader>
 void run_item(const Problem& p, const Reader& reader, Work& w, const Item& it, const float* q, float* out,
               float* partials, const int64_t* partial_base) {
-  const int64_t group = p.num_heads / p.h_kv, st = p.split_tokens;
-  const int64_t num_lanes = (it.row_end - it.row_begin) * group;
+  const int64_t h_all = p.num_heads, st = p.split_tokens, num_rows = it.row_end - it.row_begin;
+  const int64_t num_lanes = num_rows * h_all;
   int64_t max_pos = 0;
   for (int64_t r = it.row_begin; r < it.row_end; ++r) max_pos = std::max<int64_t>(max_pos, p.pos[r]);
   const int64_t first_split = it.split >= 0 ? it.split : 0;
   const int64_t last_split = it.split >= 0 ? it.split : max_pos / st;
-  for (int64_t h = 0; h < p.h_kv; ++h) {
-    for (int64_t lane = 0; lane < num_lanes; ++lane) {
-      const int64_t r = it.row_begin + lane / group, head = h * group + lane % group;
-      w.lane_pos[lane] = p.pos[r];
-      w.lane_q[lane] = q + (r * p.num_heads + head) * D;
-      w.tm[lane] = kNegInf;
+  for (int64_t lane = 0; lane < num_lanes; ++lane) {
+    const int64_t r = it.row_begin + lane / h_all;
+    w.lane_pos[lane] = p.pos[r];
+    w.lane_q[lane] = q + (r * h_all + lane % h_all) * D;
+    w.tm[lane] = kNegInf;
+  }
+  for (int64_t split = first_split; split <= last_split; ++split) {
+    const int64_t split_begin = split * st;
+    std::fill(w.acc.begin(), w.acc.begin() + num_lanes * D, 0.f);
+    std::fill(w.m.begin(), w.m.begin() + num_lanes, kNegInf);
+    std::fill(w.l.begin(), w.l.begin() + num_lanes, 0.f);
+    for (int64_t start = split_begin; start < split_begin + st && start <= max_pos; start += p.step_tokens) {
+      for (int64_t h = 0; h < p.h_kv; ++h) run_step<D>(p, reader, w, it.seq, h, start, num_rows, max_pos);
     }
-    for (int64_t split = first_split; split <= last_split; ++split) {
-      const int64_t split_begin = split * st;
-      std::fill(w.acc.begin(), w.acc.begin() + num_lanes * D, 0.f);
-      std::fill(w.m.begin(), w.m.begin() + num_lanes, kNegInf);
-      std::fill(w.l.begin(), w.l.begin() + num_lanes, 0.f);
-      for (int64_t start = split_begin; start < split_begin + st && start <= max_pos; start += p.step_tokens) {
-        run_step<D>(p, reader, w, it.seq, h, start, num_lanes, max_pos);
-      }
-      for (int64_t lane = 0; lane < num_lanes; ++lane) {
-        if (w.lane_pos[lane] < split_begin) continue;
-        if (it.split >= 0) {  // a partial for the final fold: [acc D, m, l] per (row, split, head)
-          const int64_t r = it.row_begin + lane / group, head = h * group + lane % group;
-          float* dst = partials + ((partial_base[r] + split) * p.num_heads + head) * (D + 2);
-          std::memcpy(dst, w.acc.data() + lane * D, D * sizeof(float));
-          dst[D] = w.m[lane], dst[D + 1] = w.l[lane];
-        } else {
-          fold<D>(w.total.data() + lane * D, w.tm[lane], w.tl[lane], w.acc.data() + lane * D, w.m[lane], w.l[lane]);
-        }
+    for (int64_t lane = 0; lane < num_lanes; ++lane) {
+      if (w.lane_pos[lane] < split_begin) continue;
+      if (it.split >= 0) {  // a partial for the final fold: [acc D, m, l] per (row, split, head)
+        const int64_t r = it.row_begin + lane / h_all;
+        float* dst = partials + ((partial_base[r] + split) * h_all + lane % h_all) * (D + 2);
+        std::memcpy(dst, w.acc.data() + lane * D, D * sizeof(float));
+        dst[D] = w.m[lane], dst[D + 1] = w.l[lane];
+      } else {
+        fold<D>(w.total.data() + lane * D, w.tm[lane], w.tl[lane], w.acc.data() + lane * D, w.m[lane], w.l[lane]);
       }
     }
-    if (it.split >= 0) continue;
-    for (int64_t lane = 0; lane < num_lanes; ++lane) {
-      const int64_t r = it.row_begin + lane / group, head = h * group + lane % group;
-      finish<D>(w.total.data() + lane * D, w.tl[lane], out + (r * p.num_heads + head) * D);
-    }
+  }
+  if (it.split >= 0) return;
+  for (int64_t lane = 0; lane < num_lanes; ++lane) {
+    finish<D>(w.total.data() + lane * D, w.tl[lane], out + (it.row_begin * h_all + lane) * D);
   }
 }
 
@@ -213,7 +219,6 @@ void run_rows(const Problem& p, const Reader& reader, const float* q, float* out
   std::vector<int64_t> partial_base(p.num_rows, -1);
   int64_t num_partials = 0;
   const std::vector<Item> items = plan_items(p, partial_base, num_partials);
-  const int64_t group = p.num_heads / p.h_kv;
   int64_t max_rows = 1;
   for (const Item& it : items) max_rows = std::max(max_rows, it.row_end - it.row_begin);
   std::vector<float> partials(num_partials * p.num_heads * (D + 2));
@@ -221,7 +226,7 @@ void run_rows(const Problem& p, const Reader& reader, const float* q, float* out
   const int64_t num_items = static_cast<int64_t>(items.size());
   at::parallel_for(0, std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), num_items)), 1,
                    [&](int64_t, int64_t) {
-                     Work w(p, max_rows * group);
+                     Work w(p, max_rows * p.num_heads);
                      for (int64_t i = next++; i < num_items; i = next++)
                        run_item<D>(p, reader, w, items[i], q, out, partials.data(), partial_base.data());
                    });
