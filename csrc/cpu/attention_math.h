@@ -47,7 +47,7 @@ inline vi lane_index() {
 }
 
 // dst[c * dst_stride + t] = rows[t][d0 + c] for t, c < kLanes: one square tile of K transposed.
-inline void transpose_tile(const float* const* rows, int64_t d0, float* dst, int64_t dst_stride) {
+__attribute__((always_inline)) inline void transpose_tile(const float* const* rows, int64_t d0, float* dst, int64_t dst_stride) {
 #if defined(__AVX512F__)
   __m512 r[16], t[16];
   for (int i = 0; i < 16; ++i) r[i] = _mm512_loadu_ps(rows[i] + d0);
@@ -96,13 +96,6 @@ inline void transpose_tile(const float* const* rows, int64_t d0, float* dst, int
   for (int c = 0; c < kLanes; ++c)
     for (int t = 0; t < kLanes; ++t) dst[c * dst_stride + t] = rows[t][d0 + c];
 #endif
-}
-
-// kt[d * sp + t] = tok[t][d] for t < sp (tokens past the valid ones point at a row of zeros).
-template <int D>
-inline void transpose_k(const float* const* tok, int64_t n, int64_t sp, float* kt) {
-  for (int64_t t0 = 0; t0 < n; t0 += kLanes)
-    for (int d0 = 0; d0 < D; d0 += kLanes) transpose_tile(tok + t0, d0, kt + d0 * sp + t0, sp);
 }
 
 // out[j][v] = sum over d = 0..D-1 in order of q_j[d] * kt[d][v] (one FMA chain per score), for R lanes
