@@ -7,6 +7,8 @@ trial, so that load from other processes hits both alike. Prints one table of me
   cold TTFT     a never-seen prompt of --prompt-tokens tokens, max_tokens=1 (prefill dominates)
   decode x1     generated tokens/s of one request (short prompt), decode phase only
   decode x8     the same with 8 concurrent requests
+  attention     cpu_paged alone, SmolLM2's shape (9 / 3 heads, head_dim 64), fp32 KV, mixed block layout:
+                decode of 1 and 8 sequences at 2k and 8k, 256 new tokens over 2k, a whole 2k prompt (ms)
 
     python scripts/bench_ab.py --base HEAD~3 [--trials 5] [--threads 1] [--json out.json]
 """
@@ -58,11 +60,30 @@ def decode_tok_s(llm, prompts, max_tokens):
             started, t0 = True, time.perf_counter()
     return tokens / (time.perf_counter() - t0)
 
+def attention_ms(case):
+    try:
+        from kvserve.attention.testing import make_batch
+    except ImportError:  # before it moved
+        from kvserve.kernels.paged_batch import make_batch
+    from kvserve.attention.registry import create_backend
+    batch, q_len, ctx = (int(x) for x in case.split("x"))
+    query, kv, meta = make_batch([(q_len, ctx)] * batch, 9, 3, 64, 16, torch.float32, "mixed")
+    backend = create_backend("cpu_paged", torch.device("cpu"))
+    backend.forward(query, kv, meta, 0.125)
+    times = []
+    for _ in range(7):
+        t0 = time.perf_counter()
+        backend.forward(query, kv, meta, 0.125)
+        times.append(time.perf_counter() - t0)
+    return sorted(times)[3]
+
 llm = LLM(model=sys.argv[2], max_cache_bytes=2_000_000_000)
 print(json.dumps({"ready": True}), flush=True)
 for line in sys.stdin:
     cmd, n, seed = line.split()
-    if cmd == "cold":
+    if cmd == "attn":
+        result = attention_ms(n)
+    elif cmd == "cold":
         (out,) = llm.generate([corpus(llm, int(n), seed=int(seed))], SamplingParams(max_tokens=1, temperature=0))
         result = out.metrics.ttft_s
     else:
@@ -115,7 +136,10 @@ def main() -> None:
     ap.add_argument("--trials", type=int, default=5)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument(
-        "--cases", nargs="+", default=["cold", "decode1", "decode8"], choices=["cold", "decode1", "decode8"]
+        "--cases",
+        nargs="+",
+        default=["cold", "decode1", "decode8"],
+        choices=["cold", "decode1", "decode8", "attention"],
     )
     ap.add_argument(
         "--base-ext-dir", default="", help="build directory of the base tree's CPU extension (kept)"
@@ -136,7 +160,18 @@ def main() -> None:
         all_cases = {"cold": ("cold TTFT (ms)", f"cold {args.prompt_tokens}", 1e3),
                      "decode1": ("decode x1 (tok/s)", "decode 1", 1.0),
                      "decode8": ("decode x8 (tok/s)", "decode 8", 1.0)}  # fmt: skip
-        cases = [all_cases[c] for c in args.cases]
+        attention = [  # batch x q_len x context
+            (f"attention {b} x {q} x {c} (ms)", f"attn {b}x{q}x{c}", 1e3)
+            for b, q, c in [
+                (1, 1, 2048),
+                (1, 1, 8192),
+                (8, 1, 2048),
+                (8, 1, 8192),
+                (1, 256, 2048),
+                (1, 2048, 2048),
+            ]
+        ]
+        cases = [case for c in args.cases for case in (attention if c == "attention" else [all_cases[c]])]
         # the same never-seen prompt for both trees in a trial: seeds 1.. per trial, 0 for the warm-up
         results: dict[str, dict[str, list[float]]] = {c: {w.name: [] for w in workers} for c, _, _ in cases}
         for w in workers:  # warm-up: first calls pay one-off costs
