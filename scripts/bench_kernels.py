@@ -1,8 +1,9 @@
 """Attention kernel benchmark: paged backends against torch SDPA over the same KV laid out contiguously.
 
 CPU (default): cpu_paged vs F.scaled_dot_product_attention on [B, H_kv, S, D] tensors, decode (one
-token per sequence) and a chunked prefill (q_len new tokens on top of the context), for several
-block-table layouts. Prints one table with the ratio paged / SDPA (lower is better; 1.0 = parity).
+token per sequence), a chunked prefill (q_len new tokens on top of the context), a whole prompt
+(every position a row) and content-reuse repair (rows at every 7th position: PositionalBackend vs
+the masked SDPA call over a gathered copy it uses off the extension), for several block-table layouts. Prints one table with the ratio paged / SDPA (lower is better; 1.0 = parity).
 GPU (--device cuda): the same cases for the triton and cuda backends, reported as ms, TFLOP/s and
 GB/s of KV read.
 
@@ -21,8 +22,10 @@ import time
 import torch
 import torch.nn.functional as F
 
+from kvserve.attention.base import AttentionMetadata
+from kvserve.attention.positional import PositionalBackend, sdpa_attention
 from kvserve.attention.registry import create_backend
-from kvserve.kernels.paged_batch import make_batch, quantized_copy
+from kvserve.attention.testing import make_batch, quantized_copy
 
 
 def interleaved_ms(fns: list, reps: int, sync) -> list[float]:
@@ -70,11 +73,28 @@ def sdpa_fn(query, kv, meta, scale):
     return run
 
 
+def repair_rows(query: torch.Tensor, meta: AttentionMetadata) -> tuple[torch.Tensor, AttentionMetadata]:
+    """One whole-prompt sequence -> its rows at every 7th position and the last (about 15 %)."""
+    seq_len = meta.seq_lens_list[0]
+    positions = torch.cat([torch.arange(0, seq_len - 1, 7), torch.tensor([seq_len - 1])]).to(query.device)
+    sub = AttentionMetadata(
+        query_start_loc=torch.tensor([0, len(positions)], dtype=torch.int32, device=query.device),
+        seq_lens=meta.seq_lens,
+        block_tables=meta.block_tables,
+        slot_mapping=torch.full((len(positions),), -1, dtype=torch.int64, device=query.device),
+        query_lens_list=[len(positions)],
+        seq_lens_list=meta.seq_lens_list,
+        block_size=meta.block_size,
+        query_positions=positions,
+    )
+    return query[positions].contiguous(), sub
+
+
 def cases(args) -> list[tuple[str, int, int, str]]:
     """(case, batch, context, layout): decode for every batch size, chunked prefill for batch 1."""
     out = []
     for case in args.cases:
-        for batch in args.batches if case == "decode" else [1]:
+        for batch in args.batches if case == "decode" else [1]:  # prefill, prompt: one sequence
             out += [(case, batch, ctx, layout) for ctx in args.contexts for layout in args.layouts]
     return out
 
@@ -93,7 +113,12 @@ def main() -> None:
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 8])
     ap.add_argument("--layouts", nargs="+", default=["contiguous", "mixed", "shuffled"])
     ap.add_argument("--prefill-q", type=int, default=256, help="new tokens in the chunked-prefill case")
-    ap.add_argument("--cases", nargs="+", default=["decode", "prefill"], choices=["decode", "prefill"])
+    ap.add_argument(
+        "--cases",
+        nargs="+",
+        default=["decode", "prefill"],
+        choices=["decode", "prefill", "prompt", "repair"],
+    )
     ap.add_argument(
         "--kv",
         nargs="+",
@@ -130,15 +155,22 @@ def main() -> None:
             print(f"# {name}: {exc}")
     rows = []
     for case, batch, ctx, layout in cases(args):
-        q_len = 1 if case == "decode" else args.prefill_q
+        q_len = {"decode": 1, "prefill": args.prefill_q}.get(case, ctx)
         lens = [(q_len, ctx)] * batch
         query, kv, meta = make_batch(lens, h, h_kv, d, args.block_size, dtype, layout, device=args.device)
         scale = d**-0.5
         pools = {fmt: kv if fmt == "dense" else quantized_copy(kv, meta, fmt, dtype) for fmt in args.kv}
-        fns = [sdpa_fn(query, kv, meta, scale)]
-        runs = [(fmt, name) for fmt in pools for name in backends]
+        case_backends = backends
+        if case == "repair":
+            query, meta = repair_rows(query, meta)
+            case_backends = {"positional": PositionalBackend()}
+            fns = [functools.partial(sdpa_attention, query, kv, meta, scale)]
+        else:
+            fns = [sdpa_fn(query, kv, meta, scale)]
+        runs = [(fmt, name) for fmt in pools for name in case_backends]
         fns += [
-            functools.partial(backends[name].forward, query, pools[fmt], meta, scale) for fmt, name in runs
+            functools.partial(case_backends[name].forward, query, pools[fmt], meta, scale)
+            for fmt, name in runs
         ]
         base_ms, *times = interleaved_ms(fns, args.reps, sync)
         flops, kv_bytes = flops_and_bytes(meta, h, h_kv, d, query.element_size())

@@ -1,38 +1,47 @@
 """Paged attention on CPU directly over the block table, without gathering the whole history.
 
-A sequence's blocks are cut into segments (`plan_segments`): a run of at least MIN_VIEW_BLOCKS
-consecutive block ids is a strided view of a dense pool (no copy); shorter runs are gathered in
-groups of about GATHER_BYTES of K (a copy small enough to stay in cache while it is used).
+With the C++ extension (csrc/cpu/, kvserve/kernels/cpu_ext.py; the default wherever a compiler
+exists), every row of the step goes to one kernel call per layer: prefill, chunked prefill and
+decode rows alike, and rows at explicit positions (`AttentionMetadata.query_positions`). The kernel
+reads dense (any float dtype), fp8_e4m3 and int8 KIVI pools in place; other codecs are first decoded
+into a dense copy of the blocks the step references (attention/base.py: `dense_copy`; decoding is
+per block, so a block decodes to the same values in every step). It is batch invariant: a row's
+output is bitwise a function of its query, its position and the KV it attends to, whatever the
+batch, the split of the prompt into steps, the rows around it and the thread count.
 
-Decode rows (q_len == 1) go to the C++ extension (csrc/cpu/, kvserve/kernels/cpu_ext.py) in one
-call for the whole step: it walks every sequence's block table in place, dense, fp8_e4m3 and int8
-KIVI pools alike, (sequence, KV head, split) items in parallel. Where the extension cannot be built,
-or for other formats, decode rows on a dense pool take two torch passes (scores of all segments, one
-softmax, then P V segment by segment) and the rest go the merged way below.
-
-Other rows run torch's CPU flash-attention kernel per segment, which returns the log-sum-exp, and
-partial results are merged exactly (the flash-decoding merge). Segments are further cut at ctx_len
-= seq_len - q_len: every query row sees all of [0, ctx_len); of a segment in [ctx_len, seq_len) the
-rows that see nothing are dropped and the rest see it top-left causally. So no mask tensor is built.
-Non-dense pools (kvserve/quant/) are read through `LayerKV.gather`, segment by segment.
+Without the extension (no compiler, `KVSERVE_CPU_EXT=0`, `use_extension=False`, or a head_dim the
+extension lacks) the torch-ops path below runs. It is correct to fp32 rounding but NOT batch
+invariant: a row's reduction order depends on how its sequence was cut into steps and spans, so
+warm and cold (or batched and alone) results can differ in the last bits, and a quantized KV cache
+can turn that into different greedy tokens (docs/kernels.md). Its plan: a sequence's blocks are cut
+into spans (`plan_spans`): a run of at least MIN_VIEW_BLOCKS consecutive block ids is a strided view
+of a dense pool (no copy); shorter runs are gathered in groups of about GATHER_BYTES of K (a copy
+small enough to stay in cache while it is used). Decode rows on a dense pool take two torch passes
+(scores of all spans, one softmax, then P V span by span). Other rows run torch's CPU
+flash-attention kernel per span, which returns the log-sum-exp, and partial results are merged
+exactly (the flash-decoding merge). Spans are further cut at ctx_len = seq_len - q_len: every query
+row sees all of [0, ctx_len); of a span in [ctx_len, seq_len) the rows that see nothing are dropped
+and the rest see it top-left causally. So no mask tensor is built. Non-dense pools are read through
+`LayerKV.gather`, span by span.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator
 from dataclasses import dataclass
+from types import ModuleType
 
 import torch
 
-from kvserve.attention.base import AttentionBackend, AttentionMetadata
+from kvserve.attention.base import AttentionBackend, AttentionMetadata, dense_copy
 from kvserve.kernels import cpu_ext
 from kvserve.kernels.paged_kv import PagedKV
 from kvserve.kvcache.kv_storage import DenseLayerKV, LayerKV
 
 MIN_VIEW_BLOCKS = 16  # shorter runs of consecutive blocks are gathered instead of viewed
-GATHER_BYTES = 1 << 20  # K bytes per gathered segment: fits this machine's 2 MiB L2
-# Rows per step over which a segment's flash call and merge are spread: with many rows (prefill) the
-# work is compute-bound and fewer, larger segments win (about 5 % at 256 rows over 2k), up to 16x.
+GATHER_BYTES = 1 << 20  # K bytes per gathered span: fits this machine's 2 MiB L2
+# Rows per step over which a span's flash call and merge are spread: with many rows (prefill) the
+# work is compute-bound and fewer, larger spans win (about 5 % at 256 rows over 2k), up to 16x.
 ROWS_PER_GATHER_STEP = 16
 MAX_GATHER_SCALE = 16
 
@@ -40,7 +49,7 @@ _flash_cpu = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
 
 
 @dataclass(frozen=True)
-class Segment:
+class KVSpan:
     """Table entries [first_block, first_block + num_blocks) holding token positions [start, end)."""
 
     first_block: int
@@ -60,16 +69,16 @@ def block_runs(block_ids: torch.Tensor) -> list[tuple[int, int]]:
     return [(a, b - a) for a, b in zip(edges[:-1], edges[1:], strict=False)]
 
 
-def plan_segments(
+def plan_spans(
     block_ids: torch.Tensor, seq_len: int, block_size: int, gather_blocks: int, can_view: bool
-) -> list[Segment]:
-    """Segments covering [0, seq_len) in order: long runs as views, the rest in gathered groups."""
-    segments: list[Segment] = []
+) -> list[KVSpan]:
+    """Spans covering [0, seq_len) in order: long runs as views, the rest in gathered groups."""
+    spans: list[KVSpan] = []
     first, count = 0, 0  # table entries [first, first + count) waiting to be gathered
 
     def add(at: int, num: int, is_view: bool) -> None:
         end = min((at + num) * block_size, seq_len)
-        segments.append(Segment(at, num, at * block_size, end, is_view))
+        spans.append(KVSpan(at, num, at * block_size, end, is_view))
 
     for run_first, length in block_runs(block_ids):
         if can_view and length >= MIN_VIEW_BLOCKS:
@@ -86,42 +95,42 @@ def plan_segments(
             first, count = first + gather_blocks, count - gather_blocks
     if count:
         add(first, count, False)
-    return segments
+    return spans
 
 
-def _read(cache: torch.Tensor, block_ids: torch.Tensor, seg: Segment) -> torch.Tensor:
-    """One segment of a dense cache [num_blocks, bs, H_kv, D] -> [end - start, H_kv, D]."""
+def _read(cache: torch.Tensor, block_ids: torch.Tensor, span: KVSpan) -> torch.Tensor:
+    """One span of a dense cache [num_blocks, bs, H_kv, D] -> [end - start, H_kv, D]."""
     h_kv, d = cache.shape[2], cache.shape[3]
-    if seg.is_view:
-        b0 = int(block_ids[seg.first_block])
-        blocks = cache[b0 : b0 + seg.num_blocks]
+    if span.is_view:
+        b0 = int(block_ids[span.first_block])
+        blocks = cache[b0 : b0 + span.num_blocks]
     else:
-        blocks = cache.index_select(0, block_ids[seg.first_block : seg.first_block + seg.num_blocks])
-    return blocks.view(-1, h_kv, d)[: seg.end - seg.start]
+        blocks = cache.index_select(0, block_ids[span.first_block : span.first_block + span.num_blocks])
+    return blocks.view(-1, h_kv, d)[: span.end - span.start]
 
 
-def _kv_segments(
-    kv: LayerKV, block_ids: torch.Tensor, segments: list[Segment]
+def _kv_spans(
+    kv: LayerKV, block_ids: torch.Tensor, spans: list[KVSpan]
 ) -> Iterator[tuple[int, torch.Tensor, torch.Tensor]]:
-    """(first token position, K, V) per segment; K/V [n, H_kv, D]."""
-    for seg in segments:
+    """(first token position, K, V) per span; K/V [n, H_kv, D]."""
+    for span in spans:
         if isinstance(kv, DenseLayerKV):
-            yield seg.start, _read(kv.k_cache, block_ids, seg), _read(kv.v_cache, block_ids, seg)
+            yield span.start, _read(kv.k_cache, block_ids, span), _read(kv.v_cache, block_ids, span)
             continue
-        k, v = kv.gather(block_ids[seg.first_block : seg.first_block + seg.num_blocks])
-        n = seg.end - seg.start
+        k, v = kv.gather(block_ids[span.first_block : span.first_block + span.num_blocks])
+        n = span.end - span.start
         yield (
-            seg.start,
+            span.start,
             k.view(-1, kv.num_kv_heads, kv.head_dim)[:n],
             v.view(-1, kv.num_kv_heads, kv.head_dim)[:n],
         )
 
 
 def _split_at(
-    segments: Iterator[tuple[int, torch.Tensor, torch.Tensor]], pos: int
+    spans: Iterator[tuple[int, torch.Tensor, torch.Tensor]], pos: int
 ) -> Iterator[tuple[int, torch.Tensor, torch.Tensor]]:
-    """Cuts the one segment that straddles token position `pos` in two."""
-    for start, k, v in segments:
+    """Cuts the one span that straddles token position `pos` in two."""
+    for start, k, v in spans:
         end = start + k.shape[0]
         if start < pos < end:
             yield start, k[: pos - start], v[: pos - start]
@@ -134,22 +143,20 @@ def decode_dense(
     q: torch.Tensor,  # [H, D]
     kv: DenseLayerKV,
     block_ids: torch.Tensor,  # [num_blocks] int64
-    segments: list[Segment],
+    spans: list[KVSpan],
     scale: float,
 ) -> torch.Tensor:  # [H, D]
-    """One decode row: scores of every segment, one softmax, then P V segment by segment."""
+    """One decode row: scores of every span, one softmax, then P V span by span."""
     h, d = q.shape
     h_kv = kv.num_kv_heads
     qg = (q * scale).view(h_kv, h // h_kv, d)  # [H_kv, G, D]: GQA group as GEMM rows
-    scores = [
-        torch.matmul(qg, _read(kv.k_cache, block_ids, s).to(q.dtype).permute(1, 2, 0)) for s in segments
-    ]
+    scores = [torch.matmul(qg, _read(kv.k_cache, block_ids, s).to(q.dtype).permute(1, 2, 0)) for s in spans]
     all_scores = scores[0] if len(scores) == 1 else torch.cat(scores, dim=-1)  # [H_kv, G, seq_len]
     probs = torch.softmax(all_scores.float(), dim=-1).to(q.dtype)
     out = None
-    for seg in segments:
-        v = _read(kv.v_cache, block_ids, seg).to(q.dtype).transpose(0, 1)  # [H_kv, n, D]
-        part = torch.matmul(probs[..., seg.start : seg.end], v)  # [H_kv, G, D]
+    for span in spans:
+        v = _read(kv.v_cache, block_ids, span).to(q.dtype).transpose(0, 1)  # [H_kv, n, D]
+        part = torch.matmul(probs[..., span.start : span.end], v)  # [H_kv, G, D]
         out = part if out is None else out.add_(part)
     assert out is not None, "seq_len must be >= 1"
     return out.view(h, d)
@@ -168,7 +175,7 @@ def _partial_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[
 def _merge(o_acc: torch.Tensor, lse_acc: torch.Tensor, o_new: torch.Tensor, lse_new: torch.Tensor) -> None:
     """In place: (o_acc, lse_acc) <- the union of two partial results over disjoint KV.
 
-    o [H, rows, D] float32, lse [H, rows] float32; lse_acc is finite (the first segment covers all rows).
+    o [H, rows, D] float32, lse [H, rows] float32; lse_acc is finite (the first span covers all rows).
     """
     lse_max = torch.maximum(lse_acc, lse_new)
     w_acc = torch.exp(lse_acc - lse_max)
@@ -182,19 +189,19 @@ def attention_merged(
     q: torch.Tensor,  # [q_len, H, D]
     kv: LayerKV,
     block_ids: torch.Tensor,  # [num_blocks] int64
-    segments: list[Segment],
+    spans: list[KVSpan],
     seq_len: int,
     scale: float,
 ) -> torch.Tensor:  # [q_len, H, D]
-    """Any rows, any LayerKV: per-segment partial attention, merged through the log-sum-exp."""
+    """Any rows, any LayerKV: per-span partial attention, merged through the log-sum-exp."""
     q_len = q.shape[0]
     ctx_len = seq_len if q_len == 1 else seq_len - q_len
     qh = q.transpose(0, 1).unsqueeze(0)  # [1, H, q_len, D] view
     if q_len == 1:
         qh = qh * scale
     o_acc = lse_acc = None
-    for start, k, v in _split_at(_kv_segments(kv, block_ids, segments), ctx_len):
-        first_row = max(0, start - ctx_len)  # rows before it see nothing of a new-token segment
+    for start, k, v in _split_at(_kv_spans(kv, block_ids, spans), ctx_len):
+        first_row = max(0, start - ctx_len)  # rows before it see nothing of a new-token span
         k, v = k.to(q.dtype), v.to(q.dtype)
         if q_len == 1:
             o, lse = _partial_decode(qh, k, v)
@@ -203,7 +210,7 @@ def attention_merged(
             o, lse = _flash_cpu(qh[:, :, first_row:], k4, v4, is_causal=start >= ctx_len, scale=scale)
         if o_acc is None:
             if start + k.shape[0] >= seq_len:
-                return o[0].transpose(0, 1)  # one segment: no merge
+                return o[0].transpose(0, 1)  # one span: no merge
             o_acc, lse_acc = o[0].float(), lse[0].float()  # [H, q_len, D], [H, q_len]
             continue
         _merge(o_acc[:, first_row:], lse_acc[:, first_row:], o[0].float(), lse[0].float())
@@ -211,10 +218,25 @@ def attention_merged(
     return o_acc.transpose(0, 1).to(q.dtype)
 
 
+def extension_attention(
+    ext: ModuleType, query: torch.Tensor, kv: LayerKV, meta: AttentionMetadata, scale: float
+) -> torch.Tensor:
+    """Every row of the step through the extension's batch-invariant kernel (kv.head_dim must be in
+    cpu_ext.HEAD_DIMS); pools it cannot read in place through a dense copy of the referenced blocks."""
+    pool = cpu_ext.readable_pool(kv)
+    block_tables = meta.block_tables
+    if pool is None:
+        k, v, block_tables = dense_copy(kv, meta.block_tables, query.dtype)
+        pool = PagedKV("dense", k, v)
+    return cpu_ext.attention(
+        ext, query, pool, block_tables, meta.seq_lens, meta.query_start_loc, scale, meta.query_positions
+    )
+
+
 class CpuPagedBackend(AttentionBackend):
-    """cpu_paged: decode rows through the C++ extension, other rows per sequence over views and small
-    gathers of the paged pool (module doc). `use_extension=False` keeps to torch ops (the reference
-    the extension is tested against)."""
+    """cpu_paged: every row through the C++ extension where it is available (batch invariant), else
+    per sequence over views and small gathers of the paged pool with torch ops (module doc).
+    `use_extension=False` keeps to torch ops."""
 
     name = "cpu_paged"
 
@@ -237,55 +259,30 @@ class CpuPagedBackend(AttentionBackend):
     def forward(
         self, query: torch.Tensor, kv: LayerKV, meta: AttentionMetadata, scale: float
     ) -> torch.Tensor:
-        assert getattr(meta, "query_positions", None) is None, (
-            "rows at arbitrary positions: use the positional backend"
-        )
-        out = torch.empty_like(query)
-        pool = cpu_ext.readable_pool(kv) if self.ext is not None else None
-        decode_in_ext = pool is not None
-        if pool is not None:
-            self._decode_rows(query, pool, meta, scale, out)
-        dense = isinstance(kv, DenseLayerKV)
-        bytes_per_block = kv.block_size * kv.num_kv_heads * kv.head_dim * query.element_size()
-        min_gather_blocks = max(1, GATHER_BYTES // bytes_per_block)
-        start = 0
-        for i, (q_len, seq_len) in enumerate(zip(meta.query_lens_list, meta.seq_lens_list, strict=True)):
-            if q_len == 1 and decode_in_ext:
-                start += 1
-                continue
-            num_blocks = -(-seq_len // meta.block_size)
-            block_ids = meta.block_tables[i, :num_blocks].long()
-            gather_blocks = min_gather_blocks * min(MAX_GATHER_SCALE, max(1, q_len // ROWS_PER_GATHER_STEP))
-            segments = plan_segments(block_ids, seq_len, meta.block_size, gather_blocks, dense)
-            q = query[start : start + q_len]
-            if q_len == 1 and isinstance(kv, DenseLayerKV):
-                out[start] = decode_dense(q[0], kv, block_ids, segments, scale)
-            else:
-                out[start : start + q_len] = attention_merged(q, kv, block_ids, segments, seq_len, scale)
-            start += q_len
-        return out
+        if self.ext is not None and kv.head_dim in cpu_ext.HEAD_DIMS:
+            return extension_attention(self.ext, query, kv, meta, scale)
+        assert meta.query_positions is None, "rows at arbitrary positions: use the positional backend"
+        return torch_ops_attention(query, kv, meta, scale)
 
-    def _decode_rows(
-        self, query: torch.Tensor, pool: PagedKV, meta: AttentionMetadata, scale: float, out: torch.Tensor
-    ) -> None:
-        """All q_len == 1 rows of the step in one extension call, written into `out`."""
-        assert self.ext is not None
-        if meta.is_pure_decode:
-            out.copy_(
-                cpu_ext.decode(self.ext, query.contiguous(), pool, meta.block_tables, meta.seq_lens, scale)
-            )
-            return
-        seqs = [i for i, q_len in enumerate(meta.query_lens_list) if q_len == 1]
-        if not seqs:
-            return
-        seq_idx = torch.tensor(seqs, dtype=torch.int64)
-        rows = meta.query_start_loc[:-1].long()[seq_idx]
-        result = cpu_ext.decode(
-            self.ext,
-            query[rows].contiguous(),
-            pool,
-            meta.block_tables[seq_idx],
-            meta.seq_lens[seq_idx],
-            scale,
-        )
-        out[rows] = result
+
+def torch_ops_attention(
+    query: torch.Tensor, kv: LayerKV, meta: AttentionMetadata, scale: float
+) -> torch.Tensor:
+    """The no-extension path: per sequence, over views and small gathers (not batch invariant)."""
+    out = torch.empty_like(query)
+    dense = isinstance(kv, DenseLayerKV)
+    bytes_per_block = kv.block_size * kv.num_kv_heads * kv.head_dim * query.element_size()
+    min_gather_blocks = max(1, GATHER_BYTES // bytes_per_block)
+    start = 0
+    for i, (q_len, seq_len) in enumerate(zip(meta.query_lens_list, meta.seq_lens_list, strict=True)):
+        num_blocks = -(-seq_len // meta.block_size)
+        block_ids = meta.block_tables[i, :num_blocks].long()
+        gather_blocks = min_gather_blocks * min(MAX_GATHER_SCALE, max(1, q_len // ROWS_PER_GATHER_STEP))
+        spans = plan_spans(block_ids, seq_len, meta.block_size, gather_blocks, dense)
+        q = query[start : start + q_len]
+        if q_len == 1 and isinstance(kv, DenseLayerKV):
+            out[start] = decode_dense(q[0], kv, block_ids, spans, scale)
+        else:
+            out[start : start + q_len] = attention_merged(q, kv, block_ids, spans, seq_len, scale)
+        start += q_len
+    return out

@@ -1,9 +1,10 @@
-"""The kvserve CPU attention extension (csrc/cpu/): decode over the paged pool read in place.
+"""The kvserve CPU extension (csrc/cpu/): paged attention over the pool read in place, and fp32 linear.
 
 JIT-built once with torch.utils.cpp_extension.load (g++ and ninja, about a minute on two cores),
-then cached by torch under TORCH_EXTENSIONS_DIR; a source change rebuilds it. `decode(...)` picks the
-entry point for the pool's format (kvserve/kernels/paged_kv.py): dense (any float dtype), fp8_e4m3,
-int8 KIVI. Where the build
+then cached by torch under TORCH_EXTENSIONS_DIR; a source change rebuilds it. `attention(...)` picks
+the entry point for the pool's format (kvserve/kernels/paged_kv.py): dense (any float dtype),
+fp8_e4m3, int8 KIVI. Both kernels are batch invariant: a row's result does not depend on the other
+rows of the call, the thread count or the tiling (csrc/cpu/paged_attention_cpu.cpp). Where the build
 cannot run (no compiler), `load_or_none()` returns None once, with the reason logged, and the
 cpu_paged backend keeps to its torch-ops path.
 """
@@ -29,7 +30,10 @@ log = logging.getLogger(__name__)
 
 CSRC = Path(__file__).resolve().parents[2] / "csrc"
 SOURCES = ["cpu/paged_attention_cpu.cpp", "cpu/linear_cpu.cpp"]
-FLAGS = ["-O3", "-fopenmp", "-std=c++17"]
+HEADERS = ["cpu/vec.h", "cpu/kv_readers.h", "cpu/attention_math.h", "cpu/paged_attention.h"]
+# -ffp-contract=off: a multiply-add is fused only where the source says so (csrc/cpu/vec.h: fmadd), so
+# the arithmetic of every output element is fixed by the source, not by how the compiler schedules it.
+FLAGS = ["-O3", "-fopenmp", "-std=c++17", "-ffp-contract=off"]
 # Vector ISA flags per torch's CPU capability (what ATen itself dispatches to on this machine). The
 # capability is part of the extension's name, so a build cache shared by different CPUs never hands
 # an AVX-512 build to a machine without it (which -march=native would risk).
@@ -52,7 +56,7 @@ def unavailable_reason() -> str:
         return "no C++ compiler (c++ / $CXX) on PATH"
     if shutil.which("ninja") is None and not _venv_ninja():
         return "ninja is not installed (pip install ninja)"
-    if not all((CSRC / s).exists() for s in SOURCES):
+    if not all((CSRC / s).exists() for s in SOURCES + HEADERS):
         return f"C++ sources missing under {CSRC}"
     return ""
 
@@ -112,7 +116,7 @@ def load_or_none() -> ModuleType | None:
         return None
 
 
-HEAD_DIMS = (64, 128, 256)  # decode_item instantiations in csrc/cpu/paged_attention_cpu.cpp
+HEAD_DIMS = (16, 32, 64, 128, 256)  # run_for_head_dim in csrc/cpu/paged_attention_cpu.cpp
 
 
 def readable_pool(kv: LayerKV) -> PagedKV | None:
@@ -121,21 +125,36 @@ def readable_pool(kv: LayerKV) -> PagedKV | None:
     return paged_kv(kv) if kv.head_dim in HEAD_DIMS else None
 
 
-def decode(
+NO_POSITIONS = torch.empty(0, dtype=torch.int32)
+
+
+def attention(
     module: ModuleType,
-    query: torch.Tensor,  # [num_seqs, H, D]: one decode row per sequence, contiguous
-    pool: PagedKV,  # readable_pool(kv)
+    query: torch.Tensor,  # [num_rows, H, D] contiguous
+    pool: PagedKV,  # readable_pool(kv), or a dense PagedKV over a dense copy
     block_tables: torch.Tensor,  # [num_seqs, max_blocks] int32
     seq_lens: torch.Tensor,  # [num_seqs] int32
+    query_start_loc: torch.Tensor,  # [num_seqs + 1] int32
     scale: float,
-) -> torch.Tensor:  # [num_seqs, H, D]
-    """Decode attention of one row per sequence over its blocks, read in place in the pool's format."""
-    args = (block_tables.contiguous(), seq_lens.contiguous(), float(scale))
+    positions: torch.Tensor | None = None,  # [num_rows] int32; None: each sequence's rows end its KV
+) -> torch.Tensor:  # [num_rows, H, D]
+    """Causal attention of every row over its sequence's blocks, read in place in the pool's format:
+    a row at position p sees KV positions [0, p]."""
+    args = (
+        block_tables.to(torch.int32).contiguous(),
+        seq_lens.to(torch.int32).contiguous(),
+        query_start_loc.to(torch.int32).contiguous(),
+        NO_POSITIONS if positions is None else positions.to(torch.int32).contiguous(),
+        float(scale),
+    )
+    query = query.contiguous()
     if pool.kv_format == "dense":
-        return module.paged_decode_dense(query, pool.k_cache, pool.v_cache, *args)
+        return module.paged_attention_dense(query, pool.k_cache, pool.v_cache, *args)
     if pool.kv_format == "fp8_e4m3":
-        return module.paged_decode_fp8(query, pool.k_cache, pool.v_cache, pool.k_scale, pool.v_scale, *args)
-    return module.paged_decode_int8(
+        return module.paged_attention_fp8(
+            query, pool.k_cache, pool.v_cache, pool.k_scale, pool.v_scale, *args
+        )
+    return module.paged_attention_int8(
         query, pool.k_cache, pool.k_scale, pool.k_zero, pool.k_open, pool.k_open_slot,
         pool.v_cache, pool.v_scale, pool.v_zero, *args,
     )  # fmt: skip

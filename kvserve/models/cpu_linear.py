@@ -1,11 +1,17 @@
-"""nn.Linear for fp32 models on CPU: a decode step's few rows through the CPU extension's
-`small_batch_linear` (csrc/cpu/linear_cpu.cpp), more rows through torch.
+"""nn.Linear for fp32 models on CPU through the CPU extension's `row_linear` (csrc/cpu/linear_cpu.cpp),
+for every row count.
 
-torch's CPU GEMM packs the weight on every call; with weights that come from memory once per step,
-8 rows cost about 2.3x one row (a one-off measurement on a 1536 x 576 weight out of cache, one
-thread: 0.67 vs 0.29 ms); streaming each weight row once against all rows, 1.8x (0.51 ms). End to
-end, decode with 8 requests went from 3.6x to 4.6x one request's tokens/s (docs/prefix-reuse.md).
-Same math, summed in a different order: fp32 rounding differences only.
+Why not torch: its CPU GEMM picks a different summation order depending on the number of rows (on the
+dev machine a row's fp32 result differed between 1 and 4+ rows), so a token's projections depended on
+what else was in the step: a decode row next to another sequence's prefill, the last prompt token
+recomputed alone on a full prefix hit, or a prompt split differently into prefill pieces. Through
+`row_linear` every output element is one fixed sum whatever the row count, the tiling and the thread
+count (batch invariance; docs/kernels.md has the guarantee and what it cost).
+
+The kernel reads the weight packed into panels of output features (`pack_linear_weight`, done once
+here): a second copy of every wrapped weight, the price of a GEMM with no horizontal sums (about
+540 MB more for SmolLM2-135M in fp32; the parameters themselves are kept, so a tied lm_head stays tied
+to the embedding and the module stays an ordinary Linear to anything that reads `.weight`).
 """
 
 from __future__ import annotations
@@ -15,16 +21,21 @@ from types import ModuleType
 import torch
 from torch import nn
 
-MAX_ROWS = 16  # kMaxRows in csrc/cpu/linear_cpu.cpp
 
-
-class SmallBatchLinear(nn.Module):
-    """Wraps an nn.Linear (same parameters, nothing copied: a tied lm_head stays tied)."""
+class RowInvariantLinear(nn.Module):
+    """Wraps an nn.Linear (same parameters; the weight packed once for the kernel). Pack again with
+    `repack()` after changing the weight in place."""
 
     def __init__(self, linear: nn.Linear, ext: ModuleType):
         super().__init__()
         self.linear, self.ext = linear, ext
         self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.packed = self.repack()
+
+    @torch.no_grad()
+    def repack(self) -> torch.Tensor:
+        self.packed = self.ext.pack_linear_weight(self.linear.weight.detach())  # [panels, in, lanes]
+        return self.packed
 
     @property
     def weight(self) -> torch.Tensor:
@@ -35,14 +46,10 @@ class SmallBatchLinear(nn.Module):
         return self.linear.bias
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        rows = x.reshape(-1, x.shape[-1])
-        if (
-            not 1 <= rows.shape[0] <= MAX_ROWS
-            or x.dtype != torch.float32
-            or not self.linear.weight.is_contiguous()
-        ):
-            return self.linear(x)
-        y = self.ext.small_batch_linear(rows.contiguous(), self.linear.weight, self.linear.bias)
+        if x.dtype != torch.float32 or x.device.type != "cpu":
+            return self.linear(x)  # not what wrap_linears wraps; kept correct, not invariant
+        rows = x.reshape(-1, x.shape[-1]).contiguous()
+        y = self.ext.row_linear(rows, self.packed, self.linear.bias, self.out_features)
         return y.view(*x.shape[:-1], self.out_features)
 
 
@@ -58,5 +65,5 @@ def wrap_linears(model: nn.Module, ext: ModuleType) -> int:
     for name, linear in targets:
         parent_name, _, child = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
-        setattr(parent, child, SmallBatchLinear(linear, ext))
+        setattr(parent, child, RowInvariantLinear(linear, ext))
     return len(targets)

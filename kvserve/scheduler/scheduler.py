@@ -1,8 +1,10 @@
 """Scheduler: continuous batching over the paged pool with exact prefix reuse.
 
 Each step: running sequences first (decodes and unfinished prefills, oldest first), then admission
-from the prefix-grouped queue, all under the step's token budget (long prompts are prefilled in
-pieces) and the sequence cap. Admission is match (what the cache already holds, no side effects) ->
+from the prefix-grouped queue, all under the step's token budget and the sequence cap. A long prompt
+is prefilled in pieces, and every piece but its last ends on a block boundary (`_piece_len`): a KV
+format that encodes a block when it fills (KIVI) then gives each token the same values whichever way
+the prompt was cut, so a request's output does not depend on the batch it ran in. Admission is match (what the cache already holds, no side effects) ->
 reserve (hold the matched chunks, find blocks: free, then evicted) -> start. Blocks for running
 sequences come from the free list, then from evicting unused cached chunks, then by preempting the
 newest running sequence (its KV is recomputed later, mostly from the cache since its completed chunks
@@ -124,7 +126,7 @@ class Scheduler:
                 break
             if seq.status != SeqStatus.RUNNING:  # preempted or refused earlier in this loop
                 continue
-            n = min(seq.num_tokens - seq.kv.num_computed_tokens, budget)
+            n = self._piece_len(seq.kv.num_computed_tokens, seq.num_tokens, budget)
             if n <= 0 or not self._ensure_blocks(seq, seq.kv.num_computed_tokens + n, batch):
                 continue
             sample = seq.kv.num_computed_tokens + n == seq.num_tokens and not seq.request.warm_only
@@ -134,6 +136,8 @@ class Scheduler:
             if budget == 0 or len(self.running) >= self.max_num_seqs:
                 break
             admission = self._match(seq, budget)
+            if admission.num_new_tokens == 0 and len(admission.matched) * self.chunk_size < seq.num_tokens:
+                break  # the budget left ends before the next block boundary: next step
             if not self._reserve(admission):
                 if self._can_ever_fit(seq, admission):
                     break  # wait for memory: admit nothing younger either (FCFS)
@@ -147,6 +151,14 @@ class Scheduler:
                 batch.items.append(item)
                 budget -= item.num_new_tokens
         return batch
+
+    def _piece_len(self, start: int, end: int, budget: int) -> int:
+        """Tokens of [start, end) to compute this step: all of them if the budget allows, else as
+        many as end on a block boundary (0 when the budget left does not reach one; a whole step's
+        budget always does, since max_num_batched_tokens >= block_size)."""
+        if end - start <= budget:
+            return end - start
+        return max((start + budget) // self.block_size * self.block_size - start, 0)
 
     def _ensure_blocks(self, seq: Sequence, num_tokens: int, batch: ScheduledBatch) -> bool:
         """Give `seq` blocks for `num_tokens` tokens, evicting and preempting as needed.
@@ -201,7 +213,7 @@ class Scheduler:
         if self.content is not None and self.content.wants(seq):
             hits = self.content.find_hits(seq, num_cached)
         # a prompt with content matches is prefilled by one forward of its own (not chunked)
-        n = seq.num_tokens - num_cached if hits else min(seq.num_tokens - num_cached, budget)
+        n = seq.num_tokens - num_cached if hits else self._piece_len(num_cached, seq.num_tokens, budget)
         need = _cdiv(num_cached + n, self.block_size) - len(matched) * self.store.blocks_per_chunk
         return Admission(matched, hits, n, need)
 

@@ -1,4 +1,5 @@
-"""The CPU extension's small_batch_linear and the model wrapper that routes decode-sized rows to it."""
+"""The CPU extension's row_linear and the model wrapper that routes fp32 linear layers to it.
+(Row-count invariance, bitwise: test_cpu_invariance.py.)"""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from kvserve.kernels import cpu_ext
-from kvserve.models.cpu_linear import MAX_ROWS, SmallBatchLinear, wrap_linears
+from kvserve.models.cpu_linear import RowInvariantLinear, wrap_linears
 
 
 @pytest.fixture(scope="module")
@@ -18,42 +19,60 @@ def ext():
     return cpu_ext.load()
 
 
-@pytest.mark.parametrize("rows", [1, 2, 5, 8, 16])
-@pytest.mark.parametrize("shape", [(576, 576), (1536, 576), (100, 37), (7, 3)])
+@pytest.mark.parametrize("rows", [1, 2, 5, 8, 16, 70])
+@pytest.mark.parametrize("shape", [(576, 576), (1536, 576), (100, 37), (7, 3), (65, 130)])
 @pytest.mark.parametrize("with_bias", [True, False])
 def test_matches_torch_linear(ext, rows, shape, with_bias):
     out_f, in_f = shape
     gen = torch.Generator().manual_seed(rows)
     x, w = torch.randn(rows, in_f, generator=gen), torch.randn(out_f, in_f, generator=gen)
     b = torch.randn(out_f, generator=gen) if with_bias else None
-    torch.testing.assert_close(ext.small_batch_linear(x, w, b), F.linear(x, w, b), atol=2e-4, rtol=1e-5)
+    torch.testing.assert_close(linear(ext, x, w, b), F.linear(x, w, b), atol=2e-4, rtol=1e-5)
+
+
+def linear(ext, x, w, b=None):
+    return ext.row_linear(x, ext.pack_linear_weight(w), b, w.shape[0])
+
+
+def test_output_features_are_independent_of_the_panels_around_them(ext):
+    """An output computed in a panel of 16 (or 8) equals the same output alone, bitwise."""
+    gen = torch.Generator().manual_seed(0)
+    x, w = torch.randn(40, 576, generator=gen), torch.randn(37, 576, generator=gen)
+    y = linear(ext, x, w)
+    for o in range(37):
+        assert torch.equal(y[:, o], linear(ext, x, w[o : o + 1].contiguous())[:, 0])
 
 
 def test_splits_output_rows_across_threads(ext):
     threads = torch.get_num_threads()
     torch.set_num_threads(2)
     try:
-        x, w = torch.randn(8, 576), torch.randn(3000, 576)
-        torch.testing.assert_close(ext.small_batch_linear(x, w, None), F.linear(x, w), atol=2e-4, rtol=1e-5)
+        x, w = torch.randn(130, 576), torch.randn(3000, 576)
+        torch.testing.assert_close(linear(ext, x, w), F.linear(x, w), atol=2e-4, rtol=1e-5)
     finally:
         torch.set_num_threads(threads)
 
 
 def test_rejects_bad_arguments(ext):
-    w = torch.randn(8, 16)
-    with pytest.raises(RuntimeError, match="1 to 16 rows"):
-        ext.small_batch_linear(torch.randn(17, 16), w, None)
+    w = ext.pack_linear_weight(torch.randn(8, 16))
     with pytest.raises(RuntimeError, match="fp32"):
-        ext.small_batch_linear(torch.randn(2, 16).double(), w.double(), None)
+        ext.row_linear(torch.randn(2, 16).double(), w, None, 8)
     with pytest.raises(RuntimeError, match="in_features"):
-        ext.small_batch_linear(torch.randn(2, 15), w, None)
+        ext.row_linear(torch.randn(2, 15), w, None, 8)
     with pytest.raises(RuntimeError, match="bias"):
-        ext.small_batch_linear(torch.randn(2, 16), w, torch.randn(9))
+        ext.row_linear(torch.randn(2, 16), w, torch.randn(9), 8)
+    with pytest.raises(RuntimeError, match="contiguous"):
+        ext.row_linear(torch.randn(16, 2).t(), w, None, 8)
+    with pytest.raises(RuntimeError, match="packed must be"):
+        ext.row_linear(torch.randn(2, 16), torch.randn(8, 16), None, 8)
+    with pytest.raises(RuntimeError, match="packed must be"):
+        ext.row_linear(torch.randn(2, 16), w, None, 40)
+    assert ext.row_linear(torch.randn(0, 16), w, None, 8).shape == (0, 8)
 
 
 def test_wrapped_model_equals_unwrapped(ext):
-    """A small Llama with a tied lm_head: logits for few rows (extension) and many (torch) equal the
-    unwrapped model's; the tied weight stays one tensor."""
+    """A small Llama with a tied lm_head: logits for few rows and many equal the unwrapped model's
+    within fp32 rounding; the tied weight stays one tensor."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     cfg = LlamaConfig(
@@ -66,11 +85,10 @@ def test_wrapped_model_equals_unwrapped(ext):
     with torch.no_grad():
         want = [model(ids).logits for ids in (ids_few, ids_many)]
         assert wrap_linears(model, ext) == 2 * 7 + 1
-        assert isinstance(model.lm_head, SmallBatchLinear)
+        assert isinstance(model.lm_head, RowInvariantLinear)
         assert model.lm_head.weight is model.model.embed_tokens.weight
         got = [model(ids).logits for ids in (ids_few, ids_many)]
     for g, w in zip(got, want, strict=True):
         torch.testing.assert_close(g, w, atol=1e-5, rtol=1e-5)
-    assert ids_many.shape[1] > MAX_ROWS
-    empty = model.lm_head(torch.zeros(1, 0, 64))  # a step that needs no logits: torch's path
+    empty = model.lm_head(torch.zeros(1, 0, 64))  # a step that needs no logits
     assert empty.shape == (1, 0, 300)

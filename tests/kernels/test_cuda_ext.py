@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from kvserve.attention.reference import ReferenceBackend
-from kvserve.kernels.paged_batch import make_batch
+from kvserve.attention.testing import make_batch
 from kvserve.kernels.paged_kv import paged_kv
 
 CSRC = Path(__file__).resolve().parents[2] / "csrc"

@@ -18,8 +18,8 @@ triton = pytest.importorskip("triton")
 tl = pytest.importorskip("triton.language")
 
 from kvserve.attention.reference import ReferenceBackend  # noqa: E402
+from kvserve.attention.testing import make_batch  # noqa: E402
 from kvserve.attention.triton_backend import TritonBackend  # noqa: E402
-from kvserve.kernels.paged_batch import make_batch  # noqa: E402
 from kvserve.kernels.triton.paged_decode import e4m3_to_fp16  # noqa: E402
 
 pytestmark = pytest.mark.triton
@@ -293,7 +293,7 @@ assert "triton" in sys.modules
 os.environ["TRITON_INTERPRET"] = "1"
 from kvserve.attention.reference import ReferenceBackend
 from kvserve.attention.triton_backend import TritonBackend
-from kvserve.kernels.paged_batch import make_batch
+from kvserve.attention.testing import make_batch
 for lens in ([(1, 40)], [(5, 20)]):
     q, kv, meta = make_batch(lens, 4, 2, 64, 16, torch.float16, "mixed")
     err = (TritonBackend().forward(q, kv, meta, 0.125) - ReferenceBackend().forward(q, kv, meta, 0.125)).abs().max()

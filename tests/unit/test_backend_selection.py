@@ -79,7 +79,7 @@ def test_reference_backend_claims_every_device():
 
 def test_reference_backend_runs_off_the_cpu():
     """`meta` stands in for cuda: a CPU tensor mixed into the computation fails the same way."""
-    from kvserve.kernels.paged_batch import make_batch
+    from kvserve.attention.testing import make_batch
 
     query, kv, meta = make_batch([(3, 20), (1, 9)], 4, 2, 16, 16, torch.float32, "mixed")
     kv.k_cache, kv.v_cache = kv.k_cache.to("meta"), kv.v_cache.to("meta")

@@ -1,4 +1,5 @@
-"""Random packed batches over a paged dense pool, for the kernel parity tests and scripts/bench_kernels.py."""
+"""Test fixtures: random packed batches over a paged pool, for the kernel tests (tests/kernels/) and
+scripts/bench_kernels.py. Not used by the server."""
 
 from __future__ import annotations
 

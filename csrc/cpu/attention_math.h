@@ -1,0 +1,224 @@
+// The arithmetic of the CPU attention kernel (csrc/cpu/paged_attention_cpu.cpp), one online-softmax
+// step at a time. A "lane" is one (query row, query head); a step covers `sp` consecutive KV tokens
+// (a multiple of 4 * kLanes) whose K is transposed into kt [D][sp], so that vector lanes are tokens.
+//
+// Each function computes every lane with the same operations whatever the number of lanes it is
+// given (the register tiles only decide which lanes share a load): that is what makes a row's result
+// independent of the rows around it.
+#pragma once
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+
+#include "vec.h"
+
+namespace kvserve_cpu {
+
+constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+
+// exp(x) for x <= 0 (scores minus their running max), lane-wise: Cephes expf polynomial, about 1 ulp.
+// Below -87 it returns ~1e-38 rather than 0, which no softmax sum can notice.
+inline vf exp_nonpositive(vf x) {
+  const vf lo = splat(-87.0f);
+  x = x < lo ? lo : x;
+  const vf magic = splat(12582912.0f);  // 1.5 * 2^23: adding it rounds to the nearest integer
+  const vf n = fmadd(x, splat(1.44269504088896341f), magic) - magic;
+  const vf r = fmadd(n, splat(2.12194440e-4f), fmadd(n, splat(-0.693359375f), x));
+  vf poly = splat(1.9875691500e-4f);
+  poly = fmadd(poly, r, splat(1.3981999507e-3f));
+  poly = fmadd(poly, r, splat(8.3334519073e-3f));
+  poly = fmadd(poly, r, splat(4.1665795894e-2f));
+  poly = fmadd(poly, r, splat(1.6666665459e-1f));
+  poly = fmadd(poly, r, splat(5.0000001201e-1f));
+  poly = fmadd(poly * r, r, r) + 1.0f;
+  const vi bits = (__builtin_convertvector(n, vi) + 127) << 23;
+  vf pow2;
+  std::memcpy(&pow2, &bits, sizeof(vf));
+  return poly * pow2;
+}
+
+inline vi lane_index() {
+  vi idx;
+  for (int i = 0; i < kLanes; ++i) idx[i] = i;
+  return idx;
+}
+
+// dst[c * dst_stride + t] = rows[t][d0 + c] for t, c < kLanes: one square tile of K transposed.
+__attribute__((always_inline)) inline void transpose_tile(const float* const* rows, int64_t d0, float* dst, int64_t dst_stride) {
+#if defined(__AVX512F__)
+  __m512 r[16], t[16];
+  for (int i = 0; i < 16; ++i) r[i] = _mm512_loadu_ps(rows[i] + d0);
+  for (int i = 0; i < 16; i += 2) {
+    t[i] = _mm512_unpacklo_ps(r[i], r[i + 1]);
+    t[i + 1] = _mm512_unpackhi_ps(r[i], r[i + 1]);
+  }
+  for (int i = 0; i < 16; i += 4) {
+    for (int j = 0; j < 2; ++j) {
+      const __m512d a = _mm512_castps_pd(t[i + j]), b = _mm512_castps_pd(t[i + j + 2]);
+      r[i + 2 * j] = _mm512_castpd_ps(_mm512_unpacklo_pd(a, b));
+      r[i + 2 * j + 1] = _mm512_castpd_ps(_mm512_unpackhi_pd(a, b));
+    }
+  }
+  // r[4k + j] now holds, in each 128-bit lane L, rows 4k..4k+3 of column 4L + j
+  for (int k = 0; k < 2; ++k) {
+    for (int j = 0; j < 4; ++j) {
+      t[8 * k + j] = _mm512_shuffle_f32x4(r[8 * k + j], r[8 * k + 4 + j], 0x88);
+      t[8 * k + 4 + j] = _mm512_shuffle_f32x4(r[8 * k + j], r[8 * k + 4 + j], 0xdd);
+    }
+  }
+  for (int j = 0; j < 8; ++j) {
+    r[j] = _mm512_shuffle_f32x4(t[j], t[8 + j], 0x88);
+    r[8 + j] = _mm512_shuffle_f32x4(t[j], t[8 + j], 0xdd);
+  }
+  for (int i = 0; i < 16; ++i) _mm512_storeu_ps(dst + i * dst_stride, r[i]);
+#elif defined(__AVX2__)
+  __m256 r[8], t[8];
+  for (int i = 0; i < 8; ++i) r[i] = _mm256_loadu_ps(rows[i] + d0);
+  for (int i = 0; i < 8; i += 2) {
+    t[i] = _mm256_unpacklo_ps(r[i], r[i + 1]);
+    t[i + 1] = _mm256_unpackhi_ps(r[i], r[i + 1]);
+  }
+  for (int i = 0; i < 8; i += 4) {
+    r[i] = _mm256_shuffle_ps(t[i], t[i + 2], 0x44);
+    r[i + 1] = _mm256_shuffle_ps(t[i], t[i + 2], 0xee);
+    r[i + 2] = _mm256_shuffle_ps(t[i + 1], t[i + 3], 0x44);
+    r[i + 3] = _mm256_shuffle_ps(t[i + 1], t[i + 3], 0xee);
+  }
+  for (int j = 0; j < 4; ++j) {
+    t[j] = _mm256_permute2f128_ps(r[j], r[4 + j], 0x20);
+    t[4 + j] = _mm256_permute2f128_ps(r[j], r[4 + j], 0x31);
+  }
+  for (int i = 0; i < 8; ++i) _mm256_storeu_ps(dst + i * dst_stride, t[i]);
+#else
+  for (int c = 0; c < kLanes; ++c)
+    for (int t = 0; t < kLanes; ++t) dst[c * dst_stride + t] = rows[t][d0 + c];
+#endif
+}
+
+// out[j][v] = sum over d = 0..D-1 in order of q_j[d] * kt[d][v] (one FMA chain per score), for R lanes
+// and the first nv token vectors (nv a multiple of 4).
+template <int D, int R>
+inline void score_tile(const float* const* q, const float* kt, int64_t sp, int64_t nv, float* const* out) {
+  for (int64_t v0 = 0; v0 < nv * kLanes; v0 += 4 * kLanes) {
+    vf s[R][4];
+    for (int j = 0; j < R; ++j)
+      for (int i = 0; i < 4; ++i) s[j][i] = vf{};
+#pragma GCC unroll 4
+    for (int d = 0; d < D; ++d) {
+      vf k[4];
+      for (int i = 0; i < 4; ++i) k[i] = loadu(kt + d * sp + v0 + i * kLanes);
+      for (int j = 0; j < R; ++j) {
+        const vf qd = splat(q[j][d]);
+        for (int i = 0; i < 4; ++i) s[j][i] = fmadd(qd, k[i], s[j][i]);
+      }
+    }
+    for (int j = 0; j < R; ++j)
+      for (int i = 0; i < 4; ++i) storeu(out[j] + v0 + i * kLanes, s[j][i]);
+  }
+}
+
+// n lanes: tiles of R, then one tile of the remaining n % R (a GQA group of 3 in one pass).
+template <int D, int R>
+void score_lanes(const float* const* q, const float* kt, int64_t sp, int64_t nv, float* const* out, int64_t n) {
+  int64_t j = 0;
+  for (; j + R <= n; j += R) score_tile<D, R>(q + j, kt, sp, nv, out + j);
+  if constexpr (R > 1) {
+    if (n - j == R - 1) {
+      score_tile<D, R - 1>(q + j, kt, sp, nv, out + j);
+    } else if (j < n) {
+      score_lanes<D, R - 1>(q + j, kt, sp, nv, out + j, n - j);
+    }
+  }
+}
+
+// acc_j <- acc_j * corr_j (when corr is given), then += p_j[t] v_t for t in [t0, t1) in order: one FMA
+// chain per output element. v[t] is token t's V row.
+template <int D, int R>
+inline void pv_tile(float* const* acc, const float* const* p, const float* corr, const float* const* v, int64_t t0,
+                    int64_t t1) {
+  constexpr int C = D / kLanes;
+  vf a[R][C];
+  for (int j = 0; j < R; ++j)
+    for (int c = 0; c < C; ++c) a[j][c] = corr ? loadu(acc[j] + c * kLanes) * splat(corr[j]) : loadu(acc[j] + c * kLanes);
+  for (int64_t t = t0; t < t1; ++t) {
+    vf vr[C];
+    for (int c = 0; c < C; ++c) vr[c] = loadu(v[t] + c * kLanes);
+    for (int j = 0; j < R; ++j) {
+      const vf pj = splat(p[j][t]);
+      for (int c = 0; c < C; ++c) a[j][c] = fmadd(pj, vr[c], a[j][c]);
+    }
+  }
+  for (int j = 0; j < R; ++j)
+    for (int c = 0; c < C; ++c) storeu(acc[j] + c * kLanes, a[j][c]);
+}
+
+template <int D, int R>
+void pv_lanes(float* const* acc, const float* const* p, const float* corr, const float* const* v, int64_t t1,
+              int64_t n) {
+  int64_t j = 0;
+  for (; j + R <= n; j += R) pv_tile<D, R>(acc + j, p + j, corr + j, v, 0, t1);
+  if constexpr (R > 1) {
+    if (n - j == R - 1) {
+      pv_tile<D, R - 1>(acc + j, p + j, corr + j, v, 0, t1);
+    } else if (j < n) {
+      pv_lanes<D, R - 1>(acc + j, p + j, corr + j, v, t1, n - j);
+    }
+  }
+}
+
+constexpr int pv_rows(int d) { return std::max(1, std::min(8, 16 / (d / kLanes))); }
+
+// One lane's online-softmax step over its n valid tokens of the step (scores in s, overwritten with
+// the probabilities, times v_mult when given): block max, rescale of (m, l), exp, sum. Returns the
+// factor the lane's accumulator must be multiplied by.
+inline float softmax_step(float* s, int64_t n, const float* k_mult, const float* v_mult, float& m, float& l) {
+  const vi idx = lane_index();
+  const int64_t nv = (n + kLanes - 1) / kLanes;
+  vf mx = splat(kNegInf);
+  for (int64_t v = 0; v < nv; ++v) {
+    vf x = loadu(s + v * kLanes);
+    if (k_mult) x = x * loadu(k_mult + v * kLanes);
+    x = (idx + static_cast<int32_t>(v * kLanes)) < static_cast<int32_t>(n) ? x : splat(kNegInf);
+    storeu(s + v * kLanes, x);
+    mx = mx > x ? mx : x;
+  }
+  const float new_max = std::max(m, hmax(mx));
+  const float correction = std::exp(m - new_max);  // exp(-inf) = 0 on a split's first step
+  vf sum = {};
+  for (int64_t v = 0; v < nv; ++v) {
+    vf e = exp_nonpositive(loadu(s + v * kLanes) - new_max);
+    e = (idx + static_cast<int32_t>(v * kLanes)) < static_cast<int32_t>(n) ? e : vf{};
+    sum += e;
+    if (v_mult) e = e * loadu(v_mult + v * kLanes);
+    storeu(s + v * kLanes, e);
+  }
+  l = l * correction + hsum(sum);
+  m = new_max;
+  return correction;
+}
+
+// (ta, tm, tl) <- the union of itself and one more split (a, m, l): the one merge of partial results.
+// tm = -inf: ta is empty and takes the split as it is.
+template <int D>
+inline void fold(float* ta, float& tm, float& tl, const float* a, float m, float l) {
+  if (tm == kNegInf) {
+    std::memcpy(ta, a, D * sizeof(float));
+    tm = m, tl = l;
+    return;
+  }
+  const float big = std::max(tm, m);
+  const float wa = std::exp(tm - big), wb = std::exp(m - big);
+  for (int c = 0; c < D; c += kLanes) storeu(ta + c, fmadd(loadu(a + c), splat(wb), loadu(ta + c) * splat(wa)));
+  tl = tl * wa + l * wb;
+  tm = big;
+}
+
+template <int D>
+inline void finish(const float* ta, float tl, float* o) {
+  for (int c = 0; c < D; c += kLanes) storeu(o + c, loadu(ta + c) / splat(tl));
+}
+
+}  // namespace kvserve_cpu

@@ -1,0 +1,196 @@
+"""Batch invariance of the CPU extension's kernels, bitwise (docs/kernels.md: the guarantee).
+
+Attention (through CpuPagedBackend, every KV format): each row's output is the same whether its
+sequence runs alone or packed with others in any order, its prompt in one call or split into pieces
+(chunked prefill, a warm suffix) or row by row (decode), at explicit positions (PositionalBackend),
+with 1 or 2 threads. Linear (through the model wrapper): each row's output is the same for any row
+count, 1 to 40 and 300, and thread count. Parity with the reference / torch within tolerance.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from kvserve.attention.base import AttentionMetadata
+from kvserve.attention.cpu_paged import CpuPagedBackend
+from kvserve.attention.positional import PositionalBackend
+from kvserve.attention.reference import ReferenceBackend
+from kvserve.attention.testing import make_batch, quantized_copy
+from kvserve.kernels import cpu_ext
+from kvserve.models.cpu_linear import wrap_linears
+
+# (q_len, seq_len) per sequence: a whole prompt, a warm suffix, a decode row, a short prompt
+LENS = [(600, 600), (40, 700), (1, 1300), (17, 17)]
+SHAPES = {"tiny": (4, 2, 16), "smollm2": (9, 3, 64), "d128": (8, 2, 128)}
+FORMATS = ["fp32", "bf16", "fp8_e4m3", "int8", "int4", "turbo4"]  # int4 / turbo4: through a dense copy
+
+
+@pytest.fixture(scope="module")
+def ext():
+    reason = cpu_ext.unavailable_reason()
+    if reason:
+        pytest.skip(reason)
+    return cpu_ext.load()
+
+
+@contextlib.contextmanager
+def threads(n: int):
+    before = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
+def batch(shape: str, fmt: str, lens=LENS, seed: int = 0):
+    h, h_kv, d = SHAPES[shape]
+    query, dense, meta = make_batch(lens, h, h_kv, d, 16, torch.float32, "mixed", seed=seed)
+    kv = dense if fmt == "fp32" else quantized_copy(dense, meta, fmt, torch.float32)
+    return query, kv, meta, d**-0.5
+
+
+def pieces_meta(
+    query: torch.Tensor, meta: AttentionMetadata, pieces: list[tuple[int, int, int]]
+) -> tuple[torch.Tensor, AttentionMetadata, list[int]]:
+    """A step whose sequences are `pieces` (sequence i's query rows [a, b), its KV up to its row b - 1):
+    (query rows, metadata, the rows of the full batch they are)."""
+    starts = meta.query_start_loc.tolist()
+    rows, seq_lens, q_lens = [], [], []
+    for i, a, b in pieces:
+        ctx = meta.seq_lens_list[i] - meta.query_lens_list[i]
+        rows += range(starts[i] + a, starts[i] + b)
+        seq_lens.append(ctx + b)
+        q_lens.append(b - a)
+    qsl = torch.zeros(len(pieces) + 1, dtype=torch.int32)
+    qsl[1:] = torch.tensor(q_lens).cumsum(0)
+    sub = AttentionMetadata(
+        query_start_loc=qsl,
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
+        block_tables=meta.block_tables[[i for i, _, _ in pieces]].contiguous(),
+        slot_mapping=torch.full((len(rows),), -1, dtype=torch.int64),
+        query_lens_list=q_lens,
+        seq_lens_list=seq_lens,
+        block_size=meta.block_size,
+    )
+    return query[rows].contiguous(), sub, rows
+
+
+def assert_rows_equal(backend, query, kv, meta, scale, full, pieces, what):
+    q, sub, rows = pieces_meta(query, meta, pieces)
+    out = backend.forward(q, kv, sub, scale)
+    differ = [r for r, o in zip(rows, out, strict=True) if not torch.equal(o, full[r])]
+    assert not differ, (
+        f"{what}: {len(differ)} of {len(rows)} rows differ from the whole batch, first row {differ[0]}"
+    )
+
+
+def plans(meta: AttentionMetadata) -> dict[str, list[list[tuple[int, int, int]]]]:
+    """Other ways to run the same rows, each a list of calls, each call a list of pieces."""
+    whole = [(i, 0, q) for i, q in enumerate(meta.query_lens_list)]
+    return {
+        "each sequence alone": [[p] for p in whole],
+        "sequences packed in reverse order": [whole[::-1]],
+        "prefill split at 1, 64, 100 and 513 (chunked prefill, warm suffixes)": [
+            [(0, 0, 1)],
+            [(0, 1, 64)],
+            [(0, 64, 100), (1, 0, 40)],
+            [(0, 100, 513), (2, 0, 1)],
+            [(0, 513, 600)],
+        ],
+        "rows one by one, packed (decode)": [
+            [(0, j, j + 1) for j in range(0, 600, 7)] + [(1, j, j + 1) for j in range(40)]
+        ],
+        "last rows alone (a full hit recomputing one token)": [[(0, 599, 600)], [(1, 39, 40)], [(3, 16, 17)]],
+    }
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("shape", ["tiny", "smollm2"])
+def test_attention_rows_are_batch_invariant(ext, shape, fmt):
+    query, kv, meta, scale = batch(shape, fmt)
+    backend = CpuPagedBackend()
+    full = backend.forward(query, kv, meta, scale)
+    for what, calls in plans(meta).items():
+        for pieces in calls:
+            assert_rows_equal(backend, query, kv, meta, scale, full, pieces, what)
+
+
+@pytest.mark.parametrize("fmt", ["fp32", "fp8_e4m3", "int8"])
+def test_attention_is_thread_count_invariant(ext, fmt):
+    query, kv, meta, scale = batch("smollm2", fmt, lens=[(300, 300), (1, 2000), (1, 700), (5, 1500)])
+    with threads(1):
+        one = CpuPagedBackend().forward(query, kv, meta, scale)
+    with threads(2):
+        two = CpuPagedBackend().forward(query, kv, meta, scale)
+    assert torch.equal(one, two)
+
+
+@pytest.mark.parametrize("fmt", ["fp32", "int8", "turbo4"])
+def test_rows_at_explicit_positions_equal_the_prefill_rows(ext, fmt):
+    """Content-reuse repair recomputes rows at chosen positions (PositionalBackend): bitwise the rows of
+    the plain prefill of the same sequence."""
+    query, kv, meta, scale = batch("smollm2", fmt, lens=[(300, 300)])
+    full = CpuPagedBackend().forward(query, kv, meta, scale)
+    positions = torch.tensor([0, 5, 15, 16, 17, 63, 64, 200, 299])
+    sub = AttentionMetadata(
+        query_start_loc=torch.tensor([0, len(positions)], dtype=torch.int32),
+        seq_lens=meta.seq_lens,
+        block_tables=meta.block_tables,
+        slot_mapping=torch.full((len(positions),), -1, dtype=torch.int64),
+        query_lens_list=[len(positions)],
+        seq_lens_list=meta.seq_lens_list,
+        block_size=meta.block_size,
+        query_positions=positions,
+    )
+    out = PositionalBackend().forward(query[positions].contiguous(), kv, sub, scale)
+    assert torch.equal(out, full[positions])
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("shape", list(SHAPES))
+def test_attention_matches_the_reference(ext, shape, fmt):
+    query, kv, meta, scale = batch(shape, fmt, lens=[(70, 70), (9, 140), (1, 1300), (1, 5)], seed=1)
+    ref = ReferenceBackend().forward(query, kv, meta, scale)
+    out = CpuPagedBackend().forward(query, kv, meta, scale)
+    torch.testing.assert_close(out, ref, atol=2e-5, rtol=0)
+
+
+def wrapped(ext, out_features: int, in_features: int, bias: bool) -> nn.Module:
+    torch.manual_seed(out_features + in_features)
+    layer = nn.Sequential(nn.Linear(in_features, out_features, bias=bias))
+    assert wrap_linears(layer, ext) == 1
+    return layer
+
+
+@pytest.mark.parametrize("out_f,in_f", [(576, 576), (192, 576), (37, 100), (5, 7), (1536, 64)])
+def test_linear_rows_are_row_count_invariant(ext, out_f, in_f):
+    """Every row of a 300-row call equals the same row computed in calls of 1 to 40 rows (decode steps,
+    small batches, prefill pieces), at several offsets, with 1 and 2 threads."""
+    layer = wrapped(ext, out_f, in_f, bias=True)
+    x = torch.randn(300, in_f, generator=torch.Generator().manual_seed(1))
+    with torch.no_grad(), threads(1):
+        full = layer(x)
+        for rows in range(1, 41):
+            for at in (0, 300 - rows, (7 * rows) % (300 - rows)):
+                assert torch.equal(layer(x[at : at + rows]), full[at : at + rows]), (rows, at)
+        assert torch.equal(layer(x.view(3, 100, in_f)).view(300, out_f), full)
+    with torch.no_grad(), threads(2):
+        assert torch.equal(layer(x), full)
+        assert torch.equal(layer(x[:3]), full[:3])
+
+
+@pytest.mark.parametrize("rows", [1, 3, 16, 17, 300])
+@pytest.mark.parametrize("out_f,in_f", [(576, 576), (100, 37), (7, 3), (49, 1536)])
+@pytest.mark.parametrize("bias", [True, False])
+def test_linear_matches_torch(ext, rows, out_f, in_f, bias):
+    layer = wrapped(ext, out_f, in_f, bias)
+    x = torch.randn(rows, in_f, generator=torch.Generator().manual_seed(rows))
+    lin = layer[0].linear
+    with torch.no_grad():
+        torch.testing.assert_close(layer(x), F.linear(x, lin.weight, lin.bias), atol=2e-4, rtol=1e-5)
