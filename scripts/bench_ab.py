@@ -18,12 +18,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import statistics
 import subprocess
 import sys
 import tempfile
 from pathlib import Path
+
+from machine import describe
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -183,9 +184,7 @@ def main() -> None:
                     results[case][w.name].append(w.ask(f"{cmd} {trial + 1}") * unit)
         for w in workers:
             w.close()
-    machine = (
-        f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores, {args.threads} torch threads"
-    )
+    machine = describe(args.threads)
     print(f"# bench_ab: {args.model}, this tree vs {args.base}, {args.trials} trials (median); {machine}")
     print("| measurement | base | this | this / base |")
     print("|---|---|---|---|")

@@ -13,7 +13,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import sys
 import time
 from pathlib import Path
@@ -21,6 +20,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from bench_serving import QUICK, WORKLOADS, Size, agreement, bench_system  # noqa: E402
+from machine import machine  # noqa: E402
 
 BASELINE = "hf"
 SYSTEMS = (
@@ -34,23 +34,6 @@ SYSTEMS = (
     "kvboost-tuned",
     "llamacpp",
 )
-
-
-def machine() -> dict:
-    cpu = next(
-        (ln.split(":", 1)[1].strip() for ln in open("/proc/cpuinfo") if ln.startswith("model name")),
-        platform.processor(),
-    )
-    import torch
-
-    return {
-        "cpu": cpu,
-        "cores": os.cpu_count(),
-        "memory_gib": round(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30, 1),
-        "python": platform.python_version(),
-        "torch": torch.__version__,
-        "platform": platform.platform(),
-    }
 
 
 def rotated(names: list[str], k: int) -> list[str]:

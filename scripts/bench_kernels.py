@@ -16,13 +16,13 @@ from __future__ import annotations
 import argparse
 import functools
 import json
-import platform
 import time
 
 import torch
 import torch.nn.functional as F
+from machine import describe
 
-from kvserve.attention.base import AttentionMetadata
+from kvserve.attention.base import AttentionMetadata, SeqRows
 from kvserve.attention.positional import PositionalBackend, sdpa_attention
 from kvserve.attention.registry import create_backend
 from kvserve.attention.testing import make_batch, quantized_copy
@@ -77,15 +77,13 @@ def repair_rows(query: torch.Tensor, meta: AttentionMetadata) -> tuple[torch.Ten
     """One whole-prompt sequence -> its rows at every 7th position and the last (about 15 %)."""
     seq_len = meta.seq_lens_list[0]
     positions = torch.cat([torch.arange(0, seq_len - 1, 7), torch.tensor([seq_len - 1])]).to(query.device)
-    sub = AttentionMetadata(
-        query_start_loc=torch.tensor([0, len(positions)], dtype=torch.int32, device=query.device),
-        seq_lens=meta.seq_lens,
-        block_tables=meta.block_tables,
-        slot_mapping=torch.full((len(positions),), -1, dtype=torch.int64, device=query.device),
-        query_lens_list=[len(positions)],
-        seq_lens_list=meta.seq_lens_list,
-        block_size=meta.block_size,
-        query_positions=positions,
+    blocks = meta.block_tables[0, : -(-seq_len // meta.block_size)].tolist()
+    sub = AttentionMetadata.build(
+        [SeqRows(blocks, positions, seq_len)],
+        meta.block_size,
+        query.device,
+        write=False,
+        explicit_positions=True,
     )
     return query[positions].contiguous(), sub
 
@@ -138,10 +136,7 @@ def main() -> None:
     backend_names = ["cpu_paged"] if device.type == "cpu" else ["triton", "cuda"]
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     h, h_kv, d = args.heads
-    print(
-        f"# {platform.processor() or platform.machine()}, torch {torch.__version__}, "
-        f"{torch.get_num_threads()} threads, {device}, {dtype}, H={h} H_kv={h_kv} D={d}"
-    )
+    print(f"# {describe()}, {device}, {dtype}, H={h} H_kv={h_kv} D={d}")
     header = (
         f"{'case':<8} {'B':>2} {'ctx':>5} {'layout':<10} {'kv':<9} {'backend':<9} {'sdpa ms':>8} {'ms':>8} "
         f"{'ratio':>6}"

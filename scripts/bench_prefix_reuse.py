@@ -17,12 +17,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import platform
 import statistics
 import time
 
 import torch
+from machine import describe
 
 from kvserve import LLM, SamplingParams
 from kvserve.request import Request
@@ -149,7 +148,7 @@ def main() -> None:
         ("decode tok/s, 1 request", f"{tput_1:.1f}", ""),
         ("decode tok/s, 8 concurrent", f"{tput_8:.1f}", f"8 vs 1 = {tput_8 / tput_1:.1f}x (target >= 4x)"),
     ]
-    machine = f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}, {torch.get_num_threads()} threads"
+    machine = describe()
     print(
         f"# bench_prefix_reuse: {args.model}, prefix {p_len} + suffix {s_len} tokens, {args.trials} trials (median); {machine}"
     )

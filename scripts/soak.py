@@ -813,7 +813,7 @@ def parse_args() -> argparse.Namespace:
 
 def run_soak(args: argparse.Namespace) -> dict | None:
     """Start (or attach to) the server, soak it, return the result; None if it did not start."""
-    from bench_compare import machine
+    from machine import machine
     from peers.launch import System, running
 
     log_path = args.out.with_suffix(".server.log")

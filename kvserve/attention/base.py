@@ -18,12 +18,24 @@ from dataclasses import dataclass
 
 import torch
 
+from kvserve.kvcache.block_pool import slot_mapping
 from kvserve.kvcache.kv_storage import LayerKV
 
 
 @dataclass
+class SeqRows:
+    """One sequence's part of a forward: its blocks, the absolute positions of its query rows (their
+    KV is written to those positions' slots), and its KV length once they are written."""
+
+    block_ids: list[int]
+    positions: torch.Tensor  # [q_len] int64
+    seq_len: int
+
+
+@dataclass
 class AttentionMetadata:
-    """Built once per step by ModelRunner.prepare_inputs; read by every layer's attention."""
+    """Built once per forward by `AttentionMetadata.build` (ModelRunner.prepare_inputs for a step,
+    BlendRunner for a content-reuse repair, the kernel tests' fixtures); read by every layer."""
 
     query_start_loc: torch.Tensor  # [num_seqs + 1] int32, cumulative query lengths
     seq_lens: torch.Tensor  # [num_seqs] int32, KV length per sequence (context + new tokens)
@@ -35,6 +47,50 @@ class AttentionMetadata:
     # Only for partial forwards (content reuse repair): the absolute position of every query row.
     # A row at position p sees KV positions [0, p]. None = the bottom-right rule above.
     query_positions: torch.Tensor | None = None
+
+    @classmethod
+    def build(
+        cls,
+        seqs: list[SeqRows],
+        block_size: int,
+        device: torch.device | str,
+        *,
+        write: bool = True,  # False: slot_mapping all -1 (the KV is in the pool already)
+        explicit_positions: bool = False,  # True: set query_positions (rows need not end their sequence)
+    ) -> AttentionMetadata:
+        """The one place query offsets, block tables and slot mappings are made."""
+        q_lens = [len(s.positions) for s in seqs]
+        seq_lens = [s.seq_len for s in seqs]
+        block_tables = torch.zeros(
+            (len(seqs), max((len(s.block_ids) for s in seqs), default=0)), dtype=torch.int32
+        )
+        for i, s in enumerate(seqs):
+            block_tables[i, : len(s.block_ids)] = torch.tensor(s.block_ids, dtype=torch.int32)
+        query_start_loc = torch.zeros(len(seqs) + 1, dtype=torch.int32)
+        query_start_loc[1:] = torch.cumsum(torch.tensor(q_lens, dtype=torch.int32), 0)
+        positions = (
+            torch.cat([s.positions.to("cpu", torch.int64) for s in seqs])
+            if seqs
+            else torch.zeros(0, dtype=torch.int64)
+        )
+        if write:
+            slots = [
+                slot_mapping(block_tables[i, : len(s.block_ids)], s.positions.cpu(), block_size)
+                for i, s in enumerate(seqs)
+            ]
+            slot_tensor = torch.cat(slots) if slots else torch.zeros(0, dtype=torch.int64)
+        else:
+            slot_tensor = torch.full((sum(q_lens),), -1, dtype=torch.int64)
+        return cls(
+            query_start_loc=query_start_loc.to(device),
+            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=device),
+            block_tables=block_tables.to(device),
+            slot_mapping=slot_tensor.to(device),
+            query_lens_list=q_lens,
+            seq_lens_list=seq_lens,
+            block_size=block_size,
+            query_positions=positions.to(device) if explicit_positions else None,
+        )
 
     @property
     def num_seqs(self) -> int:

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import torch
 
-from kvserve.attention.base import AttentionMetadata
+from kvserve.attention.base import AttentionMetadata, SeqRows
+from kvserve.kvcache.block_pool import slot_mapping
 from kvserve.kvcache.kv_storage import DenseLayerKV, LayerKV
 
 
@@ -55,27 +56,13 @@ def make_batch(
     kv.k_cache.copy_(torch.randn(kv.k_cache.shape, generator=gen) * 100)
     kv.v_cache.copy_(torch.randn(kv.v_cache.shape, generator=gen) * 100)
     for table, (_, seq_len) in zip(tables, lens, strict=True):
-        slots = torch.tensor([b * block_size + o for b in table for o in range(block_size)][:seq_len])
+        slots = slot_mapping(torch.tensor(table), torch.arange(seq_len), block_size)
         k = torch.randn(seq_len, num_kv_heads, head_dim, generator=gen)
         v = torch.randn(seq_len, num_kv_heads, head_dim, generator=gen)
         kv.write(slots.to(device), k.to(device), v.to(device))
-    max_blocks = max(blocks_per_seq)
-    block_tables = torch.zeros(len(lens), max_blocks, dtype=torch.int32)
-    for i, table in enumerate(tables):
-        block_tables[i, : len(table)] = torch.tensor(table, dtype=torch.int32)
-    q_lens = [q for q, _ in lens]
-    seq_lens = [s for _, s in lens]
-    query_start_loc = torch.zeros(len(lens) + 1, dtype=torch.int32)
-    query_start_loc[1:] = torch.tensor(q_lens).cumsum(0)
-    meta = AttentionMetadata(
-        query_start_loc=query_start_loc.to(device),
-        seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=device),
-        block_tables=block_tables.to(device),
-        slot_mapping=torch.full((sum(q_lens),), -1, dtype=torch.int64, device=device),
-        query_lens_list=q_lens,
-        seq_lens_list=seq_lens,
-        block_size=block_size,
-    )
+    rows = [SeqRows(t, torch.arange(s - q, s), s) for t, (q, s) in zip(tables, lens, strict=True)]
+    meta = AttentionMetadata.build(rows, block_size, device, write=False)
+    q_lens = meta.query_lens_list
     query = torch.randn(sum(q_lens), num_heads, head_dim, generator=gen).to(device=device, dtype=dtype)
     return query, kv, meta
 
@@ -90,10 +77,9 @@ def quantized_copy(
     out = create_layer_kv(
         codec, kv.num_blocks, kv.block_size, kv.num_kv_heads, kv.head_dim, compute_dtype, kv.k_cache.device
     )
-    offsets = torch.arange(kv.block_size, device=kv.k_cache.device)
     flat = (-1, kv.num_kv_heads, kv.head_dim)
     for i, seq_len in enumerate(meta.seq_lens_list):
-        blocks = meta.block_tables[i, : -(-seq_len // kv.block_size)].long()
-        slots = (blocks[:, None] * kv.block_size + offsets).flatten()[:seq_len]
+        blocks = meta.block_tables[i, : -(-seq_len // kv.block_size)]
+        slots = slot_mapping(blocks, torch.arange(seq_len, device=blocks.device), kv.block_size)
         out.write(slots, kv.k_cache.view(flat)[slots], kv.v_cache.view(flat)[slots])
     return out

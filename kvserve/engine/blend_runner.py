@@ -20,9 +20,10 @@ from typing import Any
 
 import torch
 
-from kvserve.attention.base import AttentionMetadata
+from kvserve.attention.base import AttentionMetadata, SeqRows
 from kvserve.attention.forward_context import ForwardContext, forward_context
 from kvserve.attention.positional import PositionalBackend
+from kvserve.kvcache.block_pool import slot_mapping
 from kvserve.kvcache.kv_storage import LayerKV
 from kvserve.kvcache.rope import RopeRotator
 from kvserve.models.hf_adapter import PoolCache
@@ -48,7 +49,7 @@ class BlendRunner:
         self.block_size = layers[0].block_size
 
     def _slots(self, block_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        return block_ids[positions // self.block_size] * self.block_size + positions % self.block_size
+        return slot_mapping(block_ids, positions, self.block_size)
 
     def move_hits(self, plan: BlendPlan, block_ids: torch.Tensor) -> torch.Tensor:
         """Copy the hits' KV into the sequence's slots, K rotated; returns the reused positions."""
@@ -159,15 +160,8 @@ class BlendRunner:
         block_ids: torch.Tensor,
         n: int,
     ) -> torch.Tensor:
-        meta = AttentionMetadata(
-            query_start_loc=torch.tensor([0, positions.numel()], dtype=torch.int32),
-            seq_lens=torch.tensor([n], dtype=torch.int32),
-            block_tables=block_ids.to(torch.int32).unsqueeze(0),
-            slot_mapping=self._slots(block_ids, positions),
-            query_lens_list=[int(positions.numel())],
-            seq_lens_list=[n],
-            block_size=self.block_size,
-            query_positions=positions,
+        meta = AttentionMetadata.build(
+            [SeqRows(block_ids.tolist(), positions, n)], self.block_size, self.device, explicit_positions=True
         )
         position_ids = positions.unsqueeze(0)
         cos_sin = self.decoder.rotary_emb(hidden, position_ids=position_ids)

@@ -7,7 +7,7 @@ from typing import Any
 
 import torch
 
-from kvserve.attention.base import AttentionBackend, AttentionMetadata
+from kvserve.attention.base import AttentionBackend, AttentionMetadata, SeqRows
 from kvserve.attention.forward_context import ForwardContext, forward_context
 from kvserve.kvcache.kv_storage import LayerKV
 from kvserve.models.hf_adapter import PoolCache
@@ -34,45 +34,23 @@ class ModelRunner:
         self.softcap = getattr(model.config, "final_logit_softcapping", None)
 
     def prepare_inputs(self, batch: ScheduledBatch) -> StepInputs:
-        """The only place positions, slot mappings and block tables are built."""
+        """A step's token ids, positions, metadata (AttentionMetadata.build) and sampled rows."""
         input_ids: list[int] = []
-        positions: list[int] = []
-        slots: list[int] = []
-        query_lens: list[int] = []
-        seq_lens: list[int] = []
+        rows: list[SeqRows] = []
         logits_indices: list[int] = []
-        bs = self.block_size
         for item in batch.items:
             seq, start = item.seq, item.seq.kv.num_computed_tokens
             end = start + item.num_new_tokens
             input_ids += seq.token_ids[start:end]
-            positions += range(start, end)
-            slots += [seq.kv.block_ids[p // bs] * bs + p % bs for p in range(start, end)]
-            query_lens.append(item.num_new_tokens)
-            seq_lens.append(end)
+            rows.append(SeqRows(seq.kv.block_ids, torch.arange(start, end), end))
             if item.sample:
                 logits_indices.append(len(input_ids) - 1)
-        max_blocks = max(len(item.seq.kv.block_ids) for item in batch.items)
-        block_tables = torch.zeros((len(batch.items), max_blocks), dtype=torch.int32)
-        for i, item in enumerate(batch.items):
-            block_tables[i, : len(item.seq.kv.block_ids)] = torch.tensor(
-                item.seq.kv.block_ids, dtype=torch.int32
-            )
-        query_start_loc = torch.zeros(len(query_lens) + 1, dtype=torch.int32)
-        query_start_loc[1:] = torch.cumsum(torch.tensor(query_lens, dtype=torch.int32), 0)
         dev = self.device
-        meta = AttentionMetadata(
-            query_start_loc=query_start_loc.to(dev),
-            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=dev),
-            block_tables=block_tables.to(dev),
-            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=dev),
-            query_lens_list=query_lens,
-            seq_lens_list=seq_lens,
-            block_size=bs,
-        )
+        meta = AttentionMetadata.build(rows, self.block_size, dev)
+        positions = torch.cat([r.positions for r in rows])
         return StepInputs(
             input_ids=torch.tensor([input_ids], dtype=torch.long, device=dev),
-            position_ids=torch.tensor([positions], dtype=torch.long, device=dev),
+            position_ids=positions.unsqueeze(0).to(dev),
             meta=meta,
             logits_indices=torch.tensor(logits_indices, dtype=torch.long, device=dev),
         )

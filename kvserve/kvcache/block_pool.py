@@ -9,6 +9,15 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Callable, Iterable
 
+import torch
+
+
+def slot_mapping(block_ids: torch.Tensor, positions: torch.Tensor, block_size: int) -> torch.Tensor:
+    """Pool slot of each position of a sequence whose blocks, in order, are `block_ids` (int64): the
+    one place the layout slot = block * block_size + offset is written down."""
+    block_ids = block_ids.to(device=positions.device, dtype=torch.int64)
+    return block_ids[positions // block_size] * block_size + positions % block_size
+
 
 class BlockPool:
     def __init__(self, num_blocks: int, block_size: int):

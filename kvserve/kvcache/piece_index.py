@@ -10,6 +10,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
+
+from kvserve.kvcache.block_pool import slot_mapping
 from kvserve.kvcache.chunk_store import CachedChunk, ChunkStore
 
 
@@ -78,11 +81,9 @@ class PieceIndex:
             return None
         live = [c for c in map(self.store.get, piece.chunk_hashes) if c is not None]
         assert len(live) == len(piece.chunk_hashes), "the index holds a piece of an evicted chunk"
-        bs, chunk_size = self.store.pool.block_size, self.store.chunk_size
-        slots = []
-        for p in range(piece.start_pos, piece.start_pos + piece.num_tokens):
-            rel = p - piece.first_chunk_pos
-            chunk = live[rel // chunk_size]
-            offset = rel % chunk_size
-            slots.append(chunk.block_ids[offset // bs] * bs + offset % bs)
+        # the chunks, each chunk_size tokens but the last, are one block table from first_chunk_pos
+        blocks = torch.tensor([b for chunk in live for b in chunk.block_ids])
+        start = piece.start_pos - piece.first_chunk_pos
+        positions = torch.arange(start, start + piece.num_tokens)
+        slots = slot_mapping(blocks, positions, self.store.pool.block_size).tolist()
         return PieceHit(piece, live, slots)

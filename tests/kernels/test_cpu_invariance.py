@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kvserve.attention.base import AttentionMetadata
+from kvserve.attention.base import AttentionMetadata, SeqRows
 from kvserve.attention.cpu_paged import CpuPagedBackend
 from kvserve.attention.positional import PositionalBackend
 from kvserve.attention.reference import ReferenceBackend
@@ -55,29 +55,23 @@ def batch(shape: str, fmt: str, lens=LENS, seed: int = 0):
     return query, kv, meta, d**-0.5
 
 
+def blocks_of(meta: AttentionMetadata, i: int) -> list[int]:
+    """Sequence i's block ids (its row of the padded block table)."""
+    return meta.block_tables[i, : -(-meta.seq_lens_list[i] // meta.block_size)].tolist()
+
+
 def pieces_meta(
     query: torch.Tensor, meta: AttentionMetadata, pieces: list[tuple[int, int, int]]
 ) -> tuple[torch.Tensor, AttentionMetadata, list[int]]:
     """A step whose sequences are `pieces` (sequence i's query rows [a, b), its KV up to its row b - 1):
     (query rows, metadata, the rows of the full batch they are)."""
     starts = meta.query_start_loc.tolist()
-    rows, seq_lens, q_lens = [], [], []
+    rows, seqs = [], []
     for i, a, b in pieces:
         ctx = meta.seq_lens_list[i] - meta.query_lens_list[i]
         rows += range(starts[i] + a, starts[i] + b)
-        seq_lens.append(ctx + b)
-        q_lens.append(b - a)
-    qsl = torch.zeros(len(pieces) + 1, dtype=torch.int32)
-    qsl[1:] = torch.tensor(q_lens).cumsum(0)
-    sub = AttentionMetadata(
-        query_start_loc=qsl,
-        seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
-        block_tables=meta.block_tables[[i for i, _, _ in pieces]].contiguous(),
-        slot_mapping=torch.full((len(rows),), -1, dtype=torch.int64),
-        query_lens_list=q_lens,
-        seq_lens_list=seq_lens,
-        block_size=meta.block_size,
-    )
+        seqs.append(SeqRows(blocks_of(meta, i), torch.arange(ctx + a, ctx + b), ctx + b))
+    sub = AttentionMetadata.build(seqs, meta.block_size, "cpu", write=False)
     return query[rows].contiguous(), sub, rows
 
 
@@ -138,16 +132,8 @@ def test_rows_at_explicit_positions_equal_the_prefill_rows(ext, fmt):
     query, kv, meta, scale = batch("smollm2", fmt, lens=[(300, 300)])
     full = CpuPagedBackend().forward(query, kv, meta, scale)
     positions = torch.tensor([0, 5, 15, 16, 17, 63, 64, 200, 299])
-    sub = AttentionMetadata(
-        query_start_loc=torch.tensor([0, len(positions)], dtype=torch.int32),
-        seq_lens=meta.seq_lens,
-        block_tables=meta.block_tables,
-        slot_mapping=torch.full((len(positions),), -1, dtype=torch.int64),
-        query_lens_list=[len(positions)],
-        seq_lens_list=meta.seq_lens_list,
-        block_size=meta.block_size,
-        query_positions=positions,
-    )
+    rows = SeqRows(blocks_of(meta, 0), positions, meta.seq_lens_list[0])
+    sub = AttentionMetadata.build([rows], meta.block_size, "cpu", write=False, explicit_positions=True)
     out = PositionalBackend().forward(query[positions].contiguous(), kv, sub, scale)
     assert torch.equal(out, full[positions])
 

@@ -19,6 +19,7 @@ import torch
 from kvserve.attention.reference import ReferenceBackend
 from kvserve.attention.testing import make_batch
 from kvserve.kernels.paged_kv import paged_kv
+from kvserve.kvcache.block_pool import slot_mapping
 
 CSRC = Path(__file__).resolve().parents[2] / "csrc"
 ON_GPU = torch.cuda.is_available()
@@ -143,9 +144,7 @@ def quantized_batch(codec, lens, h, h_kv, d, bs, dtype, layout="mixed", seed=0):
     for block in range(dense.num_blocks):
         kv.on_block_freed(block)
     for i, (_, seq_len) in enumerate(lens):
-        table = meta.block_tables[i].long()
-        pos = torch.arange(seq_len)
-        slots = table[pos // bs] * bs + pos % bs
+        slots = slot_mapping(meta.block_tables[i], torch.arange(seq_len, device=meta.block_tables.device), bs)
         kv.write(slots, dense.k_cache.view(flat)[slots], dense.v_cache.view(flat)[slots])
     return query, kv, meta
 

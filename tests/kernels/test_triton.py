@@ -137,14 +137,14 @@ def _int8_pool(lens, h, h_kv, d, bs, dtype, layout="shuffled", seed=0):
     """make_batch's KV written into an int8 KIVI pool token by token in sequence order, as serving
     does: full blocks close (K per-channel codes), each sequence's last partial block stays open
     (K in its full-precision shadow). -> query, QuantizedLayerKV, meta (all on the CPU)."""
+    from kvserve.kvcache.block_pool import slot_mapping
     from kvserve.quant.storage import create_layer_kv
 
     query, dense, meta = make_batch(lens, h, h_kv, d, bs, dtype, layout, seed)
     kv = create_layer_kv("int8", dense.num_blocks, bs, h_kv, d, dtype)
     k_src, v_src = dense.k_cache.view(-1, h_kv, d), dense.v_cache.view(-1, h_kv, d)
     for i, seq_len in enumerate(meta.seq_lens_list):
-        blocks = meta.block_tables[i, : -(-seq_len // bs)].long()
-        slots = (blocks[:, None] * bs + torch.arange(bs)).flatten()[:seq_len]
+        slots = slot_mapping(meta.block_tables[i], torch.arange(seq_len), bs)
         cut = max(1, seq_len // 2)  # two writes: a prompt, then the rest (shadows carry across)
         for part in (slots[:cut], slots[cut:]):
             kv.write(part, k_src[part], v_src[part])
