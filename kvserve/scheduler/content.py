@@ -79,13 +79,13 @@ class ContentMatcher:
             recompute_ratio=float(pick("recompute_ratio")),
         )
 
-    def register(self, seq: Sequence, num_cached_tokens: int, chunk_hashes: list[bytes]) -> None:
-        """Index the prompt pieces whose KV now lies in cached chunks: [0, num_cached_tokens) is held
+    def register(self, seq: Sequence, num_held_tokens: int, chunk_hashes: list[bytes]) -> None:
+        """Index the prompt pieces whose KV now lies in cached chunks: [0, num_held_tokens) is held
         by chunk_hashes (one per chunk_size tokens, the last may be a tail piece)."""
         reuse = seq.reuse
         while reuse.num_pieces_registered < len(reuse.pieces):
             start, end = reuse.pieces[reuse.num_pieces_registered]
-            if end > num_cached_tokens:
+            if end > num_held_tokens:
                 break
             first, last = start // self.chunk_size, (end - 1) // self.chunk_size
             self.index.add(
