@@ -95,17 +95,13 @@ class LLM:
 def run_to_completion(engine: Engine, requests: Sequence[Request]) -> dict[str, RequestOutput]:
     """Add `requests` (all or none: a refused one aborts those already added) and step the engine
     until each has its final output."""
-    added: list[str] = []
     try:
-        for request in requests:
-            engine.add_request(request)
-            added.append(request.request_id)
+        engine.add_requests(requests)
     except BaseException:
-        for request_id in added:
-            engine.abort_request(request_id, "another request of the call was refused")
-        while engine.has_unfinished_requests():  # flush their final outputs
+        while engine.has_unfinished_requests():  # flush the aborted ones' final outputs
             engine.step()
         raise
+    added = {request.request_id for request in requests}
     done: dict[str, RequestOutput] = {}
     while len(done) < len(added):
         for out in engine.step():

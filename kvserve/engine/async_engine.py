@@ -194,19 +194,15 @@ class AsyncEngine:
             self._num_in_system -= n
 
     def _add_all(self, engine: Engine, requests: list[Request], stream: RequestStream) -> None:
-        """All or none: on a refusal the ones already added are aborted and the slots released."""
-        added: list[str] = []
+        """All or none (Engine.add_requests); on a refusal the queue slots are released too. The aborted
+        ones' final outputs find no route and are dropped."""
         try:
-            for request in requests:
-                engine.add_request(request)
-                added.append(request.request_id)
+            engine.add_requests(requests)
         except BaseException:
-            for rid in added:  # their final outputs find no route and are dropped
-                engine.abort_request(rid, "rejected")
             self._release(len(requests))
             raise
-        for rid in added:
-            self._routes[rid] = stream
+        for request in requests:
+            self._routes[request.request_id] = stream
 
     # --- worker thread -----------------------------------------------------------------------------
     def _post(self, fn: Command, done: Callable[[Any, BaseException | None], None]) -> None:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import logging
 import random
 import time
+from collections.abc import Iterable
 
 import torch
 
@@ -80,6 +81,19 @@ class Engine:
         self.logits_sink: dict[str, list[torch.Tensor]] | None = None  # tests: raw logits per request
 
     # --- intake ------------------------------------------------------------------------------------
+    def add_requests(self, requests: Iterable[Request]) -> None:
+        """Add all or none: when one is refused, the ones already added are aborted (their final
+        outputs come from the next step) and the refusal is raised."""
+        added: list[str] = []
+        try:
+            for request in requests:
+                self.add_request(request)
+                added.append(request.request_id)
+        except BaseException:
+            for request_id in added:
+                self.abort_request(request_id, "another request of the same call was refused")
+            raise
+
     def add_request(self, request: Request) -> None:
         """Validate and queue. Raises InvalidRequestError (the engine state is unchanged then)."""
         self._validate(request)
