@@ -56,6 +56,18 @@ inline void prefetch_bytes(const void* p, int64_t bytes) {
   for (int64_t i = 0; i < bytes; i += 64) __builtin_prefetch(c + i);
 }
 
+// Prefetches head h's rows of the first n tokens of `block` in K and V pools laid out
+// [num_blocks, block_size, H_kv, D] (values or codes).
+template <typename T>
+inline void prefetch_head_rows(const T* k, const T* v, int64_t block, int64_t h, int64_t n,
+                               int64_t block_size, int64_t h_kv, int64_t d) {
+  const int64_t first = (block * block_size * h_kv + h) * d, stride = h_kv * d;
+  for (int64_t t = 0; t < n; ++t) {
+    prefetch_bytes(k + first + t * stride, d * sizeof(T));
+    prefetch_bytes(v + first + t * stride, d * sizeof(T));
+  }
+}
+
 // The fp32 rows of one (block, KV head): row t of K at k + t * stride (same for V), and optional
 // per-token multipliers (null = 1): score_t = q.k_t * k_mult[t], and p_t * v_mult[t] weighs v_t.
 struct BlockRows {
@@ -79,11 +91,7 @@ struct DenseReader {
   int64_t block_size, h_kv, d;
 
   void prefetch(int64_t block, int64_t h, int64_t n) const {
-    const int64_t first = (block * block_size * h_kv + h) * d, stride = h_kv * d;
-    for (int64_t t = 0; t < n; ++t) {
-      prefetch_bytes(k + first + t * stride, d * sizeof(T));
-      prefetch_bytes(v + first + t * stride, d * sizeof(T));
-    }
+    prefetch_head_rows(k, v, block, h, n, block_size, h_kv, d);
   }
 
   BlockRows rows(int64_t block, int64_t h, int64_t n, Scratch& sc) const {
@@ -108,11 +116,7 @@ struct Fp8Reader {
   int64_t block_size, h_kv, d;
 
   void prefetch(int64_t block, int64_t h, int64_t n) const {
-    for (int64_t t = 0; t < n; ++t) {
-      const int64_t token_head = (block * block_size + t) * h_kv + h;
-      prefetch_bytes(k_codes + token_head * d, d);
-      prefetch_bytes(v_codes + token_head * d, d);
-    }
+    prefetch_head_rows(k_codes, v_codes, block, h, n, block_size, h_kv, d);
   }
 
   BlockRows rows(int64_t block, int64_t h, int64_t n, Scratch& sc) const {
@@ -148,11 +152,7 @@ struct Int8KiviReader {
   int64_t block_size, h_kv, d, group;
 
   void prefetch(int64_t block, int64_t h, int64_t n) const {
-    for (int64_t t = 0; t < n; ++t) {
-      const int64_t token_head = (block * block_size + t) * h_kv + h;
-      prefetch_bytes(k_codes + token_head * d, d);
-      prefetch_bytes(v_codes + token_head * d, d);
-    }
+    prefetch_head_rows(k_codes, v_codes, block, h, n, block_size, h_kv, d);
   }
 
   BlockRows rows(int64_t block, int64_t h, int64_t n, Scratch& sc) const {

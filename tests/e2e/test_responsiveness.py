@@ -59,45 +59,42 @@ def _check_quick(what: str, seconds: float, times: list[tuple[str, float]]) -> N
     )
 
 
-def test_stats_and_health_answer_during_a_long_prefill(server: Server) -> None:
-    rng = random.Random(7)
-    prompt = [rng.randrange(1000, 40000) for _ in range(2000)]
-    result: dict[str, object] = {}
+def _poll_during_post(
+    server: Server, prompt: object, settle_s: float, paths: tuple[str, ...]
+) -> tuple[int, float, list[tuple[str, float]]]:
+    """POSTs a 1-token completion of `prompt` on a thread and polls `paths` until it answers:
+    (its status, its seconds, the poll times)."""
+    result: dict[str, float] = {}
 
-    def prefill() -> None:
+    def post() -> None:
         with server.http() as h:
             t0 = time.monotonic()
             r = h.post("/v1/completions", json={"model": TINY, "prompt": prompt, "max_tokens": 1})
             result["status"], result["seconds"] = r.status_code, time.monotonic() - t0
 
-    busy = threading.Thread(target=prefill)
+    busy = threading.Thread(target=post)
     busy.start()
-    time.sleep(0.3)
-    times = _poll_while(server, busy, ("/health", "/v1/stats", "/metrics"))
+    time.sleep(settle_s)
+    times = _poll_while(server, busy, paths)
     busy.join()
-    assert result["status"] == 200
-    _check_quick("prefill", float(result["seconds"]), times)  # type: ignore[arg-type]
+    return int(result["status"]), result["seconds"], times
+
+
+def test_stats_and_health_answer_during_a_long_prefill(server: Server) -> None:
+    rng = random.Random(7)
+    prompt = [rng.randrange(1000, 40000) for _ in range(2000)]
+    status, seconds, times = _poll_during_post(server, prompt, 0.3, ("/health", "/v1/stats", "/metrics"))
+    assert status == 200
+    _check_quick("prefill", seconds, times)
 
 
 def test_health_answers_while_a_huge_prompt_is_tokenized(server: Server) -> None:
     rng = random.Random(3)
     words = ["alpha", "beta", "gamma", "delta", "cache", "serve", "token", "xyzzy"]
     text = " ".join(rng.choice(words) + str(rng.randrange(1000)) for _ in range(390_000))[:3_900_000]
-    result: dict[str, object] = {}
-
-    def tokenize() -> None:
-        with server.http() as h:
-            t0 = time.monotonic()
-            r = h.post("/v1/completions", json={"model": TINY, "prompt": text, "max_tokens": 1})
-            result["status"], result["seconds"] = r.status_code, time.monotonic() - t0
-
-    busy = threading.Thread(target=tokenize)
-    busy.start()
-    time.sleep(0.2)
-    times = _poll_while(server, busy, ("/health", "/v1/stats"))
-    busy.join()
-    assert result["status"] == 400  # far longer than the context: rejected after tokenizing
-    _check_quick("tokenization", float(result["seconds"]), times)  # type: ignore[arg-type]
+    status, seconds, times = _poll_during_post(server, text, 0.2, ("/health", "/v1/stats"))
+    assert status == 400  # far longer than the context: rejected after tokenizing
+    _check_quick("tokenization", seconds, times)
 
 
 def test_sigterm_during_generation_shuts_down_cleanly(tmp_path_factory: pytest.TempPathFactory) -> None:

@@ -7,7 +7,7 @@ import random
 import torch
 
 from kvserve import LLM, SamplingParams
-from kvserve.request import RequestOutput
+from kvserve.request import RequestOutput, ReuseOptions
 
 _CORPUS: dict[int, list[int]] = {}
 
@@ -25,13 +25,16 @@ def corpus_token_ids(llm: LLM, n: int, seed: int) -> list[int]:
 
 
 def generate_with_logits(
-    llm: LLM, prompts: list[list[int]], params: SamplingParams | list[SamplingParams]
+    llm: LLM,
+    prompts: list[list[int]],
+    params: SamplingParams | list[SamplingParams],
+    reuse: ReuseOptions | None = None,
 ) -> tuple[list[RequestOutput], list[torch.Tensor]]:
     """Generate and return, per output, the stacked raw logits of every sampled step."""
     llm.engine.logits_sink = {}
     llm.engine.check_integrity_each_step = True
     try:
-        outs = llm.generate(prompts, params)
+        outs = llm.generate(prompts, params, reuse=reuse)
         logits = [torch.stack(llm.engine.logits_sink[o.request_id]) for o in outs]
     finally:
         llm.engine.logits_sink = None

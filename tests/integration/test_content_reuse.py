@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import pytest
-import torch
 
 from kvserve import LLM, SamplingParams
 from kvserve.request import ReuseOptions
@@ -47,7 +46,7 @@ def test_documents_in_new_order_are_reused_and_full_repair_equals_full_prefill()
         ReuseOptions(reuse="any", recompute_strategy="cacheblend", recompute_ratio=1.0),
         ReuseOptions(reuse="any", recompute_strategy="selective", recompute_tokens=10**6),
     ):
-        (out,), (logits,) = _gen(llm, prompt, opts)
+        (out,), (logits,) = generate_with_logits(llm, [prompt], GREEDY, opts)
         assert out.num_recomputed_tokens == 9 * CHUNK, opts
         assert out.token_ids == ref.token_ids, opts
         assert (logits - ref_logits).abs().max().item() <= 1e-4, opts
@@ -55,16 +54,6 @@ def test_documents_in_new_order_are_reused_and_full_repair_equals_full_prefill()
     assert plain.num_approx_cached_tokens == 9 * CHUNK and plain.num_recomputed_tokens == 0
     (exact_only,) = llm.generate([prompt], GREEDY)  # the server default stays prefix-only
     assert exact_only.num_approx_cached_tokens == 0 and exact_only.token_ids == ref.token_ids
-
-
-def _gen(llm: LLM, prompt: list[int], opts: ReuseOptions):
-    engine = llm.engine
-    engine.logits_sink, engine.check_integrity_each_step = {}, True
-    try:
-        (out,) = llm.generate([prompt], GREEDY, reuse=opts)
-        return (out,), (torch.stack(engine.logits_sink[out.request_id]),)
-    finally:
-        engine.logits_sink = None
 
 
 def test_cacheblend_spends_the_compute_it_reports():
@@ -143,8 +132,8 @@ def test_full_repair_without_an_exact_prefix_equals_full_prefill():
     llm.warm(doc)
     prompt = corpus_token_ids(llm, 20, seed=71) + doc + [9, 8, 7]  # header shorter than a chunk
     (ref,), (ref_logits,) = generate_with_logits(cold, [prompt], GREEDY)
-    (out,), (logits,) = _gen(
-        llm, prompt, ReuseOptions(reuse="any", recompute_strategy="cacheblend", recompute_ratio=1.0)
+    (out,), (logits,) = generate_with_logits(
+        llm, [prompt], GREEDY, ReuseOptions(reuse="any", recompute_strategy="cacheblend", recompute_ratio=1.0)
     )
     assert out.num_exact_cached_tokens == 0 and out.num_recomputed_tokens > 0
     assert out.token_ids == ref.token_ids and (logits - ref_logits).abs().max().item() <= 1e-4

@@ -45,25 +45,17 @@ def test_documents_in_new_orders_are_reused_and_full_repair_equals_cold_prefill(
     for order in ([2, 0, 1], [1, 2, 0]):
         prompt = header + [t for i in order for t in docs[i]] + corpus_token_ids(llm, 7, seed=201)
         (ref,), (ref_logits,) = generate_with_logits(cold, [prompt], GREEDY)
-        (plain,), _ = _gen(llm, prompt, ReuseOptions(reuse="any", recompute_strategy="none"))
+        (plain,), _ = generate_with_logits(
+            llm, [prompt], GREEDY, ReuseOptions(reuse="any", recompute_strategy="none")
+        )
         assert plain.num_approx_cached_tokens == 9 * CHUNK and plain.num_recomputed_tokens == 0, order
         full = ReuseOptions(reuse="any", recompute_strategy="cacheblend", recompute_ratio=1.0)
-        (out,), (logits,) = _gen(llm, prompt, full)
+        (out,), (logits,) = generate_with_logits(llm, [prompt], GREEDY, full)
         assert out.num_recomputed_tokens == 9 * CHUNK, order
         assert out.token_ids == ref.token_ids, order
         error = (logits - ref_logits).abs().max().item()
         assert error <= LOGIT_TOLERANCE[llm.engine.info.dtype], (order, error)
     llm.engine.check_integrity()
-
-
-def _gen(llm: LLM, prompt: list[int], opts: ReuseOptions):
-    engine = llm.engine
-    engine.logits_sink, engine.check_integrity_each_step = {}, True
-    try:
-        (out,) = llm.generate([prompt], GREEDY, reuse=opts)
-        return (out,), (torch.stack(engine.logits_sink[out.request_id]),)
-    finally:
-        engine.logits_sink = None
 
 
 def test_content_defined_pieces_are_found_at_a_new_offset(llms: tuple[LLM, LLM]):

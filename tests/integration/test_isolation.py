@@ -23,11 +23,15 @@ def _prompts(llm: LLM) -> list[list[int]]:
     return [corpus_token_ids(llm, n, seed=300 + n) for n in (41, 57, 70, 83)]
 
 
-def _run(llm: LLM, requests: list[Request]) -> dict[str, RequestOutput]:
+def _run(llm: LLM, requests: list[Request], unchecked: Request | None = None) -> dict[str, RequestOutput]:
+    """Runs `requests` to the end; `unchecked` among them is added past intake's checks."""
     engine = llm.engine
     engine.check_integrity_each_step = True
     for r in requests:
-        engine.add_request(r)
+        if r is unchecked:
+            _add_unchecked(llm, r)
+        else:
+            engine.add_request(r)
     done: dict[str, RequestOutput] = {}
     while engine.has_unfinished_requests():
         for out in engine.step():
@@ -56,18 +60,7 @@ def test_a_sampling_fault_fails_only_its_request(llm: LLM):
     bad_params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
     object.__setattr__(bad_params, "logit_bias", {llm.tokenizer.vocab_size + 5: 1.0})
     bad = Request("bad", prompts[0][:20], bad_params)
-    engine = llm.engine
-    engine.check_integrity_each_step = True
-    for r in [*requests[:2], bad, *requests[2:]]:
-        if r is bad:
-            _add_unchecked(llm, r)
-        else:
-            engine.add_request(r)
-    done: dict[str, RequestOutput] = {}
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            if out.finished:
-                done[out.request_id] = out
+    done = _run(llm, [*requests[:2], bad, *requests[2:]], unchecked=bad)
     _check(done, "bad", expected)
 
 

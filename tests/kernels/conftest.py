@@ -9,7 +9,19 @@ from __future__ import annotations
 
 import os
 
+import pytest
 import torch
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+
+
+@pytest.fixture(scope="module")
+def ext():
+    """The built CPU extension; its absence is a failure where a compiler exists (make test builds it)."""
+    from kvserve.kernels import cpu_ext  # after TRITON_INTERPRET is set
+
+    reason = cpu_ext.unavailable_reason()
+    if reason:
+        pytest.skip(reason)
+    return cpu_ext.load()

@@ -21,21 +21,12 @@ from kvserve.attention.cpu_paged import CpuPagedBackend
 from kvserve.attention.positional import PositionalBackend
 from kvserve.attention.reference import ReferenceBackend
 from kvserve.attention.testing import make_batch, quantized_copy
-from kvserve.kernels import cpu_ext
 from kvserve.models.cpu_linear import wrap_linears
 
 # (q_len, seq_len) per sequence: a whole prompt, a warm suffix, a decode row, a short prompt
 LENS = [(600, 600), (40, 700), (1, 1300), (17, 17)]
 SHAPES = {"tiny": (4, 2, 16), "smollm2": (9, 3, 64), "d128": (8, 2, 128)}
 FORMATS = ["fp32", "bf16", "fp8_e4m3", "int8", "int4", "turbo4"]  # int4 / turbo4: through a dense copy
-
-
-@pytest.fixture(scope="module")
-def ext():
-    reason = cpu_ext.unavailable_reason()
-    if reason:
-        pytest.skip(reason)
-    return cpu_ext.load()
 
 
 @contextlib.contextmanager

@@ -7,16 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kvserve.kernels import cpu_ext
 from kvserve.models.cpu_linear import RowInvariantLinear, wrap_linears
-
-
-@pytest.fixture(scope="module")
-def ext():
-    reason = cpu_ext.unavailable_reason()
-    if reason:
-        pytest.skip(reason)
-    return cpu_ext.load()
 
 
 @pytest.mark.parametrize("rows", [1, 2, 5, 8, 16, 70])

@@ -29,15 +29,6 @@ def _check(lens, h, h_kv, d, bs, dtype, layout, atol, use_extension=True):
     torch.testing.assert_close(out.float(), ref.float(), atol=atol, rtol=0)
 
 
-@pytest.fixture(scope="module")
-def ext():
-    """The built CPU extension; its absence is a failure where a compiler exists (make test builds it)."""
-    reason = cpu_ext.unavailable_reason()
-    if reason:
-        pytest.skip(reason)
-    return cpu_ext.load()
-
-
 @pytest.mark.parametrize("kind", list(SHAPES))
 @pytest.mark.parametrize("layout", ["contiguous", "shuffled", "mixed"])
 @pytest.mark.parametrize("h,h_kv", [(4, 4), (6, 2), (8, 1)])
