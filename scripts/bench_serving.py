@@ -21,7 +21,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-WORKLOADS = ("shared", "multiturn", "rag", "cold")
+WORKLOADS = ("shared", "multiturn", "rag", "cold", "warm", "burst", "decode")
 RUN_TIMEOUT_S = 1200.0  # one system on one workload; past it the run counts as unavailable
 WARMUP_MESSAGES = [{"role": "user", "content": "Say hello."}]
 QUESTION_TEMPLATES = (
@@ -42,6 +42,8 @@ class Phase:
     name: str
     concurrency: int
     requests: tuple[Req, ...]
+    max_tokens: int = 0  # 0: Size.max_tokens
+    ignore_eos: bool = False  # generate max_tokens whatever the model says (decode-speed phases)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -59,6 +61,12 @@ class Size:
     cold_prompts: int = 12
     cold_tokens: int = 1500
     max_tokens: int = 16
+    warm_prefix_tokens: int = 2000
+    warm_questions: int = 8
+    burst_system_tokens: int = 1400
+    burst_users: int = 8
+    burst_max_tokens: int = 64
+    decode_tokens: int = 128
 
 
 QUICK = Size(
@@ -73,7 +81,16 @@ QUICK = Size(
     cold_prompts=2,
     cold_tokens=300,
     max_tokens=8,
+    warm_prefix_tokens=300,
+    warm_questions=2,
+    burst_system_tokens=300,
+    burst_users=2,
+    burst_max_tokens=8,
+    decode_tokens=16,
 )
+# The side-by-side with vLLM-CPU (issue 12's workloads): a ~1.8k-token cold prompt, a 2k cached prefix
+# plus new questions, two bursts of 8 chats over a 1.4k system prompt, single-stream decode.
+VLLM_SIZE = Size(cold_prompts=6, cold_tokens=1800)
 
 
 # -- workloads (pure given a tokenizer: same seed, same requests) ------------------------------
@@ -166,11 +183,48 @@ def cold_workload(tokenizer, size: Size, seed: int) -> list[Phase]:
     return [Phase("c1", 1, tuple(reqs))]
 
 
+def warm_workload(tokenizer, size: Size, seed: int) -> list[Phase]:
+    """One ~2k-token document primes the cache (phase `prime`), then new questions about it, one at a
+    time (phase `c1`): the TTFT of a cached prefix plus a new question."""
+    rng = random.Random(seed + 11)
+    doc = clip(tokenizer, _long_text(rng.randrange(79)), size.warm_prefix_tokens)
+    system = f"Answer from this document ({rng.random():.6f}).\n\n{doc}"
+    qs = questions(rng, size.warm_questions + 1)
+    prime = Req("warm-prime", (("system", system), ("user", qs[0])))
+    reqs = tuple(Req(f"warm-{i}", (("system", system), ("user", q))) for i, q in enumerate(qs[1:]))
+    return [Phase("prime", 1, (prime,)), Phase("c1", 1, reqs)]
+
+
+def burst_workload(tokenizer, size: Size, seed: int) -> list[Phase]:
+    """Eight chats sharing a ~1.4k-token system prompt, all sent at once (`burst1`: nothing cached), then
+    eight more with new questions (`burst2`: the system prompt cached), burst_max_tokens each."""
+    rng = random.Random(seed + 23)
+    reference = clip(tokenizer, _long_text(rng.randrange(79)), size.burst_system_tokens)
+    system = f"You are a Python documentation assistant ({rng.random():.6f}). Answer from this reference.\n\n"
+    system += reference
+    qs = questions(rng, 2 * size.burst_users)
+    phases = []
+    for b in (1, 2):
+        users = qs[(b - 1) * size.burst_users : b * size.burst_users]
+        reqs = tuple(Req(f"burst{b}-u{u}", (("system", system), ("user", q))) for u, q in enumerate(users))
+        phases.append(Phase(f"burst{b}", size.burst_users, reqs, max_tokens=size.burst_max_tokens))
+    return phases
+
+
+def decode_workload(tokenizer, size: Size, seed: int) -> list[Phase]:
+    """One stream of decode_tokens tokens after a short prompt, end of sequence ignored: decode speed."""
+    req = Req("decode-0", (("user", "Write a long story about a lighthouse keeper and the sea."),))
+    return [Phase("c1", 1, (req,), max_tokens=size.decode_tokens, ignore_eos=True)]
+
+
 BUILDERS = {
     "shared": shared_workload,
     "multiturn": multiturn_workload,
     "rag": rag_workload,
     "cold": cold_workload,
+    "warm": warm_workload,
+    "burst": burst_workload,
+    "decode": decode_workload,
 }
 
 
@@ -239,7 +293,9 @@ def summarize(records: list[dict], wall_s: float) -> dict:
 # -- load generation ----------------------------------------------------------------------------
 
 
-async def _one(client, model: str, req: Req, max_tokens: int, temperature: float, tokenizer):
+async def _one(
+    client, model: str, req: Req, max_tokens: int, temperature: float, tokenizer, ignore_eos=False
+):
     messages = [{"role": r, "content": c} for r, c in req.messages]
     t0 = time.perf_counter()
     ttft, text, error = None, "", None
@@ -250,6 +306,7 @@ async def _one(client, model: str, req: Req, max_tokens: int, temperature: float
             max_tokens=max_tokens,
             temperature=temperature,
             stream=True,
+            extra_body={"ignore_eos": True} if ignore_eos else None,
         )
         async for chunk in stream:
             delta = chunk.choices[0].delta.content if chunk.choices else None
@@ -281,7 +338,8 @@ async def run_phase(client, model, phase: Phase, size: Size, temperature, tokeni
 
     async def bounded(req: Req):
         async with sem:
-            return await _one(client, model, req, size.max_tokens, temperature, tokenizer)
+            max_tokens = phase.max_tokens or size.max_tokens
+            return await _one(client, model, req, max_tokens, temperature, tokenizer, phase.ignore_eos)
 
     t0 = time.perf_counter()
     records = await asyncio.gather(*(bounded(r) for r in reqs))

@@ -10,6 +10,10 @@ import shutil
 if shutil.which("nvidia-smi") is None:
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+# `--dtype auto` resolves by the CPU (bfloat16 where it has native bf16 units): pin it, so that the suite
+# tests the same thing on every machine; tests of bf16 ask for it by name.
+os.environ.setdefault("KVSERVE_AUTO_CPU_DTYPE", "float32")
+
 import pytest  # noqa: E402
 import torch  # noqa: E402
 

@@ -14,6 +14,14 @@
 // rows stream past). Up to 16 rows (decode steps): W streamed from memory once, panel by panel. Work
 // runs on torch's threads. (Measured on the dev machine's AVX-512 core: about 1.4x the throughput of
 // the same chains over W read in place with per-output horizontal sums.)
+//
+// bf16 (`row_linear_bf16`, W packed by `pack_linear_weight_bf16`): the same tiles, with inputs taken two
+// at a time. W is packed [panels, in / 2, kLanes, 2] (input features in pairs, zero-padded to even), so
+// one 64-byte load holds a pair of weights for each of 16 outputs; x's pair is broadcast as one 32-bit
+// value. Where the CPU has AVX-512 BF16, one `vdpbf16ps` per pair adds both products into the fp32
+// accumulator; elsewhere the pair is widened to fp32 and added by two FMAs. Either way every y[m, o] is
+// one fixed chain over the pairs in order, then the bias (fp32), then one rounding to bf16 (to nearest
+// even): batch invariant as in fp32, and half the weight bytes per decode step.
 #include <torch/extension.h>
 
 #include <ATen/Parallel.h>
@@ -31,6 +39,7 @@ constexpr int kTileRows = 8;
 constexpr int kTilePanels = 3;
 constexpr int64_t kBlockRows = 96;
 constexpr int64_t kFewRows = 16;
+constexpr int64_t kMinMacsPerThread = int64_t{1} << 21;
 
 struct Shape {
   const float* x;   // [rows, in]
@@ -88,6 +97,120 @@ void block(const Shape& s, int64_t m0, int64_t m1, int64_t p0, int64_t p1) {
   for (; p < p1; ++p) rows_tile<1>(s, m0, m1, p);
 }
 
+// --- bf16 -------------------------------------------------------------------------------------------
+
+struct ShapeBf16 {
+  const uint32_t* x;   // [rows, in2] pairs of bf16 (in2 = in / 2)
+  const uint32_t* wp;  // [panels, in2, kLanes] pairs of bf16
+  const float* b;      // [panels * kLanes] zero-padded fp32, or null
+  at::BFloat16* y;     // [rows, out]
+  int64_t in2, out;
+};
+
+// acc += x pair . w pair, lane-wise (lane = output feature): (x0 * w0) and (x1 * w1) added in.
+inline vf dot_pair(vf acc, uint32_t x, const uint32_t* w) {
+#if defined(__AVX512BF16__) && defined(__AVX512F__)
+  return reinterpret_cast<vf>(_mm512_dpbf16_ps(reinterpret_cast<__m512>(acc),
+                                               (__m512bh)_mm512_set1_epi32(static_cast<int>(x)),
+                                               (__m512bh)_mm512_loadu_si512(w)));
+#else
+  vi wv;
+  std::memcpy(&wv, w, sizeof(vi));
+  const vi lo = wv << 16, hi = wv & static_cast<int32_t>(0xffff0000u);
+  vf w0, w1;
+  std::memcpy(&w0, &lo, sizeof(vf));
+  std::memcpy(&w1, &hi, sizeof(vf));
+  const uint32_t x0b = x << 16, x1b = x & 0xffff0000u;
+  float x0, x1;
+  std::memcpy(&x0, &x0b, 4);
+  std::memcpy(&x1, &x1b, 4);
+  return fmadd(splat(x1), w1, fmadd(splat(x0), w0, acc));
+#endif
+}
+
+template <int R, int P>
+inline void tile_bf16(const ShapeBf16& s, int64_t m0, int64_t p0) {
+  const uint32_t* x = s.x + m0 * s.in2;
+  const uint32_t* w = s.wp + p0 * s.in2 * kLanes;
+  vf acc[R][P];
+  for (int r = 0; r < R; ++r)
+    for (int p = 0; p < P; ++p) acc[r][p] = vf{};
+  for (int64_t i = 0; i < s.in2; ++i) {
+    for (int r = 0; r < R; ++r) {
+      const uint32_t xr = x[r * s.in2 + i];
+      for (int p = 0; p < P; ++p) acc[r][p] = dot_pair(acc[r][p], xr, w + (p * s.in2 + i) * kLanes);
+    }
+  }
+  for (int p = 0; p < P; ++p) {
+    const int64_t o0 = (p0 + p) * kLanes, n = std::min<int64_t>(kLanes, s.out - o0);
+    const vf bias = s.b ? loadu(s.b + o0) : vf{};
+    for (int r = 0; r < R; ++r) {
+      const vf v = s.b ? acc[r][p] + bias : acc[r][p];
+      at::BFloat16* dst = s.y + (m0 + r) * s.out + o0;
+      for (int64_t l = 0; l < n; ++l) dst[l] = at::BFloat16(v[l]);  // round to nearest even
+    }
+  }
+}
+
+template <int P>
+inline void rows_tile_bf16(const ShapeBf16& s, int64_t m0, int64_t m1, int64_t p0) {
+  int64_t m = m0;
+  for (; m + kTileRows <= m1; m += kTileRows) tile_bf16<kTileRows, P>(s, m, p0);
+  if (m + 4 <= m1) tile_bf16<4, P>(s, m, p0), m += 4;
+  if (m + 2 <= m1) tile_bf16<2, P>(s, m, p0), m += 2;
+  if (m < m1) tile_bf16<1, P>(s, m, p0);
+}
+
+void block_bf16(const ShapeBf16& s, int64_t m0, int64_t m1, int64_t p0, int64_t p1) {
+  int64_t p = p0;
+  for (; p + kTilePanels <= p1; p += kTilePanels) rows_tile_bf16<kTilePanels>(s, m0, m1, p);
+  for (; p < p1; ++p) rows_tile_bf16<1>(s, m0, m1, p);
+}
+
+// The same schedule for both dtypes: few rows stream W panel by panel; many rows go in cache blocks.
+template <typename BlockFn>
+void run_blocks(int64_t rows, int64_t panels, int64_t in_features, BlockFn&& block_fn) {
+  if (rows <= kFewRows) {  // bound by reading W: each panel once, three at a time (three FMA chains)
+    const int64_t groups = (panels + kTilePanels - 1) / kTilePanels;
+    // a thread gets at least kMinMacsPerThread of work: waking a second thread for one decode-step
+    // projection costs more than it saves (with the server's own threads on the same cores, far more)
+    const int64_t group_macs = std::max<int64_t>(1, rows * in_features * kTilePanels * kLanes);
+    const int64_t grain = std::max<int64_t>(2, kMinMacsPerThread / group_macs);
+    at::parallel_for(0, groups, grain, [&](int64_t first, int64_t last) {
+      for (int64_t g = first; g < last; ++g) block_fn(0, rows, g * kTilePanels, std::min(panels, (g + 1) * kTilePanels));
+    });
+    return;
+  }
+  const int64_t row_blocks = (rows + kBlockRows - 1) / kBlockRows;
+  const int64_t panel_blocks = (panels + kTilePanels - 1) / kTilePanels;
+  // panel-major: consecutive blocks of a thread share their panels
+  at::parallel_for(0, row_blocks * panel_blocks, 1, [&](int64_t first, int64_t last) {
+    for (int64_t i = first; i < last; ++i) {
+      const int64_t pb = i / row_blocks, rb = i % row_blocks;
+      block_fn(rb * kBlockRows, std::min(rows, (rb + 1) * kBlockRows), pb * kTilePanels,
+               std::min(panels, (pb + 1) * kTilePanels));
+    }
+  });
+}
+
+at::Tensor padded_bias(const c10::optional<at::Tensor>& bias, int64_t panels, int64_t out_features) {
+  if (!bias.has_value() || !bias->defined()) return {};
+  TORCH_CHECK(bias->dim() == 1 && bias->size(0) == out_features, "bias must be [out_features]");
+  auto b = at::zeros({panels * kLanes}, bias->options().dtype(at::kFloat));
+  b.narrow(0, 0, out_features).copy_(*bias);
+  return b;
+}
+
+void check_packed(const at::Tensor& x, const at::Tensor& packed, int64_t out_features, int64_t in_per_step) {
+  TORCH_CHECK(x.device().is_cpu() && packed.device().is_cpu(), "row_linear runs on CPU tensors");
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous(), "x must be contiguous [rows, in_features]");
+  TORCH_CHECK(packed.dim() == 3 && packed.is_contiguous() && packed.size(2) == kLanes * in_per_step &&
+                  packed.size(0) * kLanes >= out_features && (packed.size(0) - 1) * kLanes < out_features,
+              "packed must be the packed weight of a weight with out_features rows");
+  TORCH_CHECK((x.size(1) + in_per_step - 1) / in_per_step == packed.size(1), "in_features of x (", x.size(1),
+              ") and weight differ");
+}
+
 }  // namespace
 
 at::Tensor pack_linear_weight(const at::Tensor& weight) {
@@ -101,42 +224,46 @@ at::Tensor pack_linear_weight(const at::Tensor& weight) {
 
 at::Tensor row_linear(const at::Tensor& x, const at::Tensor& packed, const c10::optional<at::Tensor>& bias,
                       int64_t out_features) {
-  TORCH_CHECK(x.device().is_cpu() && packed.device().is_cpu(), "row_linear runs on CPU tensors");
   TORCH_CHECK(x.scalar_type() == at::kFloat && packed.scalar_type() == at::kFloat, "row_linear is fp32");
-  TORCH_CHECK(x.dim() == 2 && x.is_contiguous(), "x must be contiguous [rows, in_features]");
-  TORCH_CHECK(packed.dim() == 3 && packed.is_contiguous() && packed.size(2) == kLanes &&
-                  packed.size(0) * kLanes >= out_features && (packed.size(0) - 1) * kLanes < out_features,
-              "packed must be pack_linear_weight(weight) of a weight with out_features rows");
-  TORCH_CHECK(x.size(1) == packed.size(1), "in_features of x (", x.size(1), ") and weight (", packed.size(1),
-              ") differ");
-  at::Tensor b;
-  if (bias.has_value() && bias->defined()) {
-    TORCH_CHECK(bias->scalar_type() == at::kFloat && bias->dim() == 1 && bias->size(0) == out_features,
-                "bias must be fp32 [out_features]");
-    b = at::zeros({packed.size(0) * kLanes}, bias->options());
-    b.narrow(0, 0, out_features).copy_(*bias);
-  }
+  check_packed(x, packed, out_features, 1);
   const int64_t rows = x.size(0), panels = packed.size(0);
+  const at::Tensor b = padded_bias(bias, panels, out_features);
   auto y = at::empty({rows, out_features}, x.options());
   if (rows == 0 || out_features == 0) return y;
   const Shape s{x.data_ptr<float>(), packed.data_ptr<float>(), b.defined() ? b.data_ptr<float>() : nullptr,
                 y.data_ptr<float>(), x.size(1), out_features};
-  if (rows <= kFewRows) {  // bound by reading W: each panel once, three at a time (three FMA chains)
-    const int64_t groups = (panels + kTilePanels - 1) / kTilePanels;
-    at::parallel_for(0, groups, 2, [&](int64_t first, int64_t last) {
-      for (int64_t g = first; g < last; ++g) block(s, 0, rows, g * kTilePanels, std::min(panels, (g + 1) * kTilePanels));
-    });
-    return y;
-  }
-  const int64_t row_blocks = (rows + kBlockRows - 1) / kBlockRows;
-  const int64_t panel_blocks = (panels + kTilePanels - 1) / kTilePanels;
-  // panel-major: consecutive blocks of a thread share their panels
-  at::parallel_for(0, row_blocks * panel_blocks, 1, [&](int64_t first, int64_t last) {
-    for (int64_t i = first; i < last; ++i) {
-      const int64_t pb = i / row_blocks, rb = i % row_blocks;
-      block(s, rb * kBlockRows, std::min(rows, (rb + 1) * kBlockRows), pb * kTilePanels,
-            std::min(panels, (pb + 1) * kTilePanels));
-    }
+  run_blocks(rows, panels, x.size(1), [&](int64_t m0, int64_t m1, int64_t p0, int64_t p1) { block(s, m0, m1, p0, p1); });
+  return y;
+}
+
+at::Tensor pack_linear_weight_bf16(const at::Tensor& weight) {
+  TORCH_CHECK(weight.device().is_cpu() && weight.scalar_type() == at::kBFloat16 && weight.dim() == 2,
+              "weight must be a bf16 CPU tensor [out_features, in_features]");
+  const int64_t out = weight.size(0), in = weight.size(1), panels = (out + kLanes - 1) / kLanes;
+  const int64_t in2 = (in + 1) / 2;
+  auto padded = at::zeros({panels * kLanes, in2 * 2}, weight.options());
+  padded.narrow(0, 0, out).narrow(1, 0, in).copy_(weight);
+  // [panels, kLanes, in2, 2] -> [panels, in2, kLanes * 2]
+  return padded.view({panels, kLanes, in2, 2}).permute({0, 2, 1, 3}).contiguous().view({panels, in2, kLanes * 2});
+}
+
+at::Tensor row_linear_bf16(const at::Tensor& x_in, const at::Tensor& packed, const c10::optional<at::Tensor>& bias,
+                           int64_t out_features) {
+  TORCH_CHECK(x_in.scalar_type() == at::kBFloat16 && packed.scalar_type() == at::kBFloat16,
+              "row_linear_bf16 takes bf16 x and a bf16 packed weight");
+  check_packed(x_in, packed, out_features, 2);
+  at::Tensor x = x_in;
+  if (x.size(1) % 2) x = at::constant_pad_nd(x, {0, 1});  // the zero weight of the pad pairs with it
+  const int64_t rows = x.size(0), panels = packed.size(0);
+  const at::Tensor b = padded_bias(bias, panels, out_features);
+  auto y = at::empty({rows, out_features}, x.options());
+  if (rows == 0 || out_features == 0) return y;
+  const ShapeBf16 s{reinterpret_cast<const uint32_t*>(x.data_ptr<at::BFloat16>()),
+                    reinterpret_cast<const uint32_t*>(packed.data_ptr<at::BFloat16>()),
+                    b.defined() ? b.data_ptr<float>() : nullptr, y.data_ptr<at::BFloat16>(), x.size(1) / 2,
+                    out_features};
+  run_blocks(rows, panels, x.size(1), [&](int64_t m0, int64_t m1, int64_t p0, int64_t p1) {
+    block_bf16(s, m0, m1, p0, p1);
   });
   return y;
 }

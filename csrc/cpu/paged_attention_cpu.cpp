@@ -210,6 +210,9 @@ at::Tensor paged_attention_int8(const at::Tensor& query, const at::Tensor& k_cod
 at::Tensor pack_linear_weight(const at::Tensor& weight);
 at::Tensor row_linear(const at::Tensor& x, const at::Tensor& packed, const c10::optional<at::Tensor>& bias,
                       int64_t out_features);
+at::Tensor pack_linear_weight_bf16(const at::Tensor& weight);
+at::Tensor row_linear_bf16(const at::Tensor& x, const at::Tensor& packed, const c10::optional<at::Tensor>& bias,
+                           int64_t out_features);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_attention_dense", &paged_attention_dense, "causal attention of any rows over a dense paged pool");
@@ -217,4 +220,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_attention_int8", &paged_attention_int8, "the same over an int8 KIVI paged pool, read in place");
   m.def("pack_linear_weight", &pack_linear_weight, "W [out, in] -> the panels row_linear reads");
   m.def("row_linear", &row_linear, "x W^T (+ b) in fp32 over packed W, each row independent of the others");
+  m.def("pack_linear_weight_bf16", &pack_linear_weight_bf16, "bf16 W [out, in] -> the panels row_linear_bf16 reads");
+  m.def("row_linear_bf16", &row_linear_bf16, "x W^T (+ b) for bf16 x and W, fp32 sums, each row independent");
 }

@@ -1,4 +1,5 @@
-"""The kvserve CPU extension (csrc/cpu/): paged attention over the pool read in place, and fp32 linear.
+"""The kvserve CPU extension (csrc/cpu/): paged attention over the pool read in place, and fp32 and bf16
+linear.
 
 JIT-built once with torch.utils.cpp_extension.load (g++ and ninja, about a minute on two cores),
 then cached by torch under TORCH_EXTENSIONS_DIR; a source change rebuilds it. `attention(...)` picks
@@ -23,6 +24,7 @@ from types import ModuleType
 
 import torch
 
+from kvserve.kernels.cpu_features import has_avx512_bf16, torch_capability
 from kvserve.kernels.paged_kv import PagedKV, paged_kv
 from kvserve.kvcache.kv_storage import LayerKV
 
@@ -39,13 +41,24 @@ FLAGS = ["-O3", "-fopenmp", "-std=c++17", "-ffp-contract=off"]
 # an AVX-512 build to a machine without it (which -march=native would risk).
 ISA_FLAGS = {
     "AVX512": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx2", "-mfma", "-mf16c"],
+    "AVX512_BF16": [
+        "-mavx512f",
+        "-mavx512bw",
+        "-mavx512vl",
+        "-mavx512dq",
+        "-mavx2",
+        "-mfma",
+        "-mf16c",
+        "-mavx512bf16",
+    ],
     "AVX2": ["-mavx2", "-mfma", "-mf16c"],
 }
 
 
 def cpu_capability() -> str:
-    """'AVX512', 'AVX2' or another of torch's capabilities (generic code for those)."""
-    return str(torch.backends.cpu.get_cpu_capability())
+    """torch's capability ('AVX512', 'AVX2', ...; generic code for the others), with '_BF16' where the
+    CPU also has AVX-512 BF16 (native bf16 dot products for row_linear_bf16)."""
+    return torch_capability() + ("_BF16" if has_avx512_bf16() else "")
 
 
 def unavailable_reason() -> str:

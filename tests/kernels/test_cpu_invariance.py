@@ -138,19 +138,20 @@ def test_attention_matches_the_reference(ext, shape, fmt):
     torch.testing.assert_close(out, ref, atol=2e-5, rtol=0)
 
 
-def wrapped(ext, out_features: int, in_features: int, bias: bool) -> nn.Module:
+def wrapped(ext, out_features: int, in_features: int, bias: bool, dtype=torch.float32) -> nn.Module:
     torch.manual_seed(out_features + in_features)
-    layer = nn.Sequential(nn.Linear(in_features, out_features, bias=bias))
+    layer = nn.Sequential(nn.Linear(in_features, out_features, bias=bias)).to(dtype)
     assert wrap_linears(layer, ext) == 1
     return layer
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("out_f,in_f", [(576, 576), (192, 576), (37, 100), (5, 7), (1536, 64)])
-def test_linear_rows_are_row_count_invariant(ext, out_f, in_f):
+def test_linear_rows_are_row_count_invariant(ext, out_f, in_f, dtype):
     """Every row of a 300-row call equals the same row computed in calls of 1 to 40 rows (decode steps,
-    small batches, prefill pieces), at several offsets, with 1 and 2 threads."""
-    layer = wrapped(ext, out_f, in_f, bias=True)
-    x = torch.randn(300, in_f, generator=torch.Generator().manual_seed(1))
+    small batches, prefill pieces), at several offsets, with 1 and 2 threads; fp32 and bf16."""
+    layer = wrapped(ext, out_f, in_f, bias=True, dtype=dtype)
+    x = torch.randn(300, in_f, generator=torch.Generator().manual_seed(1)).to(dtype)
     with torch.no_grad(), threads(1):
         full = layer(x)
         for rows in range(1, 41):
@@ -171,3 +172,22 @@ def test_linear_matches_torch(ext, rows, out_f, in_f, bias):
     lin = layer[0].linear
     with torch.no_grad():
         torch.testing.assert_close(layer(x), F.linear(x, lin.weight, lin.bias), atol=2e-4, rtol=1e-5)
+
+
+@pytest.mark.parametrize("rows", [1, 3, 16, 17, 300])
+@pytest.mark.parametrize("out_f,in_f", [(576, 576), (100, 37), (7, 3), (49, 1536)])
+@pytest.mark.parametrize("bias", [True, False])
+def test_bf16_linear_is_the_fp32_sum_rounded_once(ext, rows, out_f, in_f, bias):
+    """row_linear_bf16 = the exact product of the bf16 inputs summed in fp32, plus the bias, rounded to
+    bf16 once: within one bf16 rounding (plus fp32 summation error) of the float64 result, which torch's
+    bf16 linear is not always (it may round partial sums)."""
+    layer = wrapped(ext, out_f, in_f, bias, dtype=torch.bfloat16)
+    x = torch.randn(rows, in_f, generator=torch.Generator().manual_seed(rows)).bfloat16()
+    lin = layer[0].linear
+    exact = F.linear(x.double(), lin.weight.double(), None if lin.bias is None else lin.bias.double())
+    with torch.no_grad():
+        got = layer(x)
+    assert got.dtype == torch.bfloat16
+    # one bf16 rounding: |error| <= 2^-8 |y|; the fp32 sum adds about in_f * 2^-24 * sum |x w|
+    bound = exact.abs() * 2**-8 + in_f * 2**-23 * (x.double().abs() @ lin.weight.double().abs().T) + 1e-30
+    assert ((got.double() - exact).abs() <= bound).all()

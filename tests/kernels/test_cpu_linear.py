@@ -61,6 +61,25 @@ def test_rejects_bad_arguments(ext):
     assert ext.row_linear(torch.randn(0, 16), w, None, 8).shape == (0, 8)
 
 
+def test_bf16_rejects_bad_arguments(ext):
+    w = ext.pack_linear_weight_bf16(torch.randn(8, 16).bfloat16())
+    x = torch.randn(2, 16).bfloat16()
+    with pytest.raises(RuntimeError, match="bf16"):
+        ext.row_linear_bf16(x.float(), w, None, 8)
+    with pytest.raises(RuntimeError, match="bf16"):
+        ext.pack_linear_weight_bf16(torch.randn(8, 16))
+    with pytest.raises(RuntimeError, match="in_features"):
+        ext.row_linear_bf16(torch.randn(2, 13).bfloat16(), w, None, 8)
+    with pytest.raises(RuntimeError, match="bias"):
+        ext.row_linear_bf16(x, w, torch.randn(9), 8)
+    with pytest.raises(RuntimeError, match="packed must be"):
+        ext.row_linear_bf16(x, w, None, 40)
+    assert ext.row_linear_bf16(torch.randn(0, 16).bfloat16(), w, None, 8).shape == (0, 8)
+    odd = torch.randn(5, 7).bfloat16()  # odd in_features: the pad pairs with a zero weight
+    got = ext.row_linear_bf16(torch.randn(3, 7).bfloat16(), ext.pack_linear_weight_bf16(odd), None, 5)
+    assert got.shape == (3, 5)
+
+
 def test_wrapped_model_equals_unwrapped(ext):
     """A small Llama with a tied lm_head: logits for few rows and many equal the unwrapped model's
     within fp32 rounding; the tied weight stays one tensor."""

@@ -155,3 +155,42 @@ def test_dtype_auto_avoids_emulated_bfloat16_on_older_gpus(monkeypatch: pytest.M
     assert resolve_dtype("auto", CUDA) == torch.bfloat16
     assert resolve_dtype("auto", CPU) == torch.float32
     assert resolve_dtype("float16", CPU) == torch.float16  # runs on CPU: test_content_reuse_dtypes.py
+
+
+def test_dtype_auto_on_cpu_follows_the_hardware_and_a_timing(monkeypatch: pytest.MonkeyPatch):
+    """No native bf16 units: float32 without timing anything. With them: bfloat16 only when the measured
+    linear is faster. The test suite's pin (KVSERVE_AUTO_CPU_DTYPE) and --dtype override both."""
+    from kvserve.engine import builder
+    from kvserve.kernels import cpu_features
+
+    monkeypatch.delenv(builder.AUTO_CPU_DTYPE_ENV, raising=False)
+    timed: list[torch.dtype] = []
+    speed = {torch.float32: 2.0, torch.bfloat16: 1.0}
+    monkeypatch.setattr(builder, "_linear_seconds", lambda dtype: timed.append(dtype) or speed[dtype])
+    monkeypatch.setattr(cpu_features, "bf16_units", lambda: "")
+    builder.choose_cpu_dtype.cache_clear()
+    assert resolve_dtype("auto", CPU) == torch.float32 and timed == []
+    assert "no native bf16" in builder.choose_cpu_dtype()[1]
+
+    monkeypatch.setattr(cpu_features, "bf16_units", lambda: "AVX-512 BF16")
+    builder.choose_cpu_dtype.cache_clear()
+    assert resolve_dtype("auto", CPU) == torch.bfloat16
+    assert builder.choose_cpu_dtype()[1] == "AVX-512 BF16; bf16 linear measured 2.0x faster than fp32"
+    speed[torch.bfloat16] = 3.0
+    builder.choose_cpu_dtype.cache_clear()
+    assert resolve_dtype("auto", CPU) == torch.float32
+    assert resolve_dtype("bfloat16", CPU) == torch.bfloat16  # --dtype overrides
+    builder.choose_cpu_dtype.cache_clear()
+
+    monkeypatch.setenv(builder.AUTO_CPU_DTYPE_ENV, "bfloat16")
+    assert resolve_dtype("auto", CPU) == torch.bfloat16
+    monkeypatch.setenv(builder.AUTO_CPU_DTYPE_ENV, "float64")
+    with pytest.raises(ConfigError, match="float32 or bfloat16"):
+        resolve_dtype("auto", CPU)
+
+
+def test_the_cpu_timing_runs_the_kernel_the_model_would_use():
+    from kvserve.engine import builder
+
+    for dtype in (torch.float32, torch.bfloat16):
+        assert 0 < builder._linear_seconds(dtype) < 5

