@@ -211,9 +211,13 @@ def burst_workload(tokenizer, size: Size, seed: int) -> list[Phase]:
     return phases
 
 
+DECODE_SUBJECTS = ("a lighthouse keeper and the sea", "a clockmaker who lost an hour", "a garden on a comet")
+
+
 def decode_workload(tokenizer, size: Size, seed: int) -> list[Phase]:
     """One stream of decode_tokens tokens after a short prompt, end of sequence ignored: decode speed."""
-    req = Req("decode-0", (("user", "Write a long story about a lighthouse keeper and the sea."),))
+    subject = DECODE_SUBJECTS[seed % len(DECODE_SUBJECTS)]
+    req = Req("decode-0", (("user", f"Write a long story about {subject}."),))
     return [Phase("c1", 1, (req,), max_tokens=size.decode_tokens, ignore_eos=True)]
 
 

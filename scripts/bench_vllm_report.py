@@ -121,8 +121,8 @@ def plots(data: dict, img: Path) -> list[str]:
     fig.savefig(img / "vllm_compare.png", dpi=110)
     plt.close(fig)
 
-    fig, ax = plt.subplots(figsize=(8, 4.5))
-    labels = [m[0].split(",")[0] if m[3] != "ttft_p50_s" else m[0].split(" (")[0] for m in MEASURES]
+    fig, ax = plt.subplots(figsize=(9.5, 4.8))
+    labels = [m[0].removesuffix(" (s)") for m in MEASURES]
     for i, peer in enumerate(PEERS):
         ratios = []
         for _, w, ph, key, lower, _ in MEASURES:
@@ -134,7 +134,7 @@ def plots(data: dict, img: Path) -> list[str]:
         )
     ax.axvline(1.0, color="k", lw=0.8)
     ax.set_yticks([j + 0.2 for j in range(len(MEASURES))])
-    ax.set_yticklabels(labels, fontsize=8)
+    ax.set_yticklabels(labels, fontsize=7)
     ax.set_xlabel("kvserve advantage (x; > 1: kvserve better)")
     ax.legend(fontsize=8)
     ax.grid(alpha=0.3, axis="x")
