@@ -21,6 +21,7 @@ from contextlib import contextmanager
 from typing import Any
 
 import torch
+from bench_prefix_reuse import corpus
 from machine import describe
 
 from kvserve import LLM, SamplingParams
@@ -69,24 +70,12 @@ def timed_calls(llm: LLM, timers: Timers) -> Iterator[None]:
                 setattr(obj, attr, own)
 
 
-def prompt_ids(llm: LLM, n: int, seed: int) -> list[int]:
-    from pydoc_data.topics import topics
-
-    keys = sorted(topics)
-    ids: list[int] = []
-    i = seed
-    while len(ids) < n:
-        ids += llm.tokenizer.encode(topics[keys[(i * 7919) % len(keys)]])
-        i += 1
-    return ids[:n]
-
-
 def profile_decode(llm: LLM, batch: int, steps: int, seed: int) -> dict[str, float]:
     engine = llm.engine
     params = SamplingParams(max_tokens=steps + 8, temperature=0, ignore_eos=True)
     ids = [f"p{seed}-{i}" for i in range(batch)]
     for rid, i in zip(ids, range(batch)):
-        engine.add_request(Request(rid, prompt_ids(llm, 64, seed * 100 + i), params))
+        engine.add_request(Request(rid, corpus(llm, 64, seed * 100 + i), params))
     while any((s := engine.scheduler.find(r)) is not None and not s.output_token_ids for r in ids):
         engine.step()  # prefills
     return measure_steps(llm, steps, finish=lambda: any(engine.scheduler.find(r) for r in ids))
@@ -111,7 +100,7 @@ def measure_steps(llm: LLM, steps: int, finish: Callable[[], bool]) -> dict[str,
 
 def profile_prefill(llm: LLM, tokens: int, seed: int) -> dict[str, float]:
     timers: Timers = defaultdict(float)
-    ids = prompt_ids(llm, tokens, seed)
+    ids = corpus(llm, tokens, seed)
     with timed_calls(llm, timers):
         t0 = time.perf_counter()
         llm.generate([ids], SamplingParams(max_tokens=1, temperature=0))
@@ -140,7 +129,7 @@ def main() -> None:
     print("|---|---|---|---|---|---|---|")
     for dtype in args.dtype:
         llm = LLM(model=args.model, dtype=dtype, max_cache_bytes=1_000_000_000, **extra)
-        llm.generate([prompt_ids(llm, 256, 0)], SamplingParams(max_tokens=4, temperature=0))  # warm-up
+        llm.generate([corpus(llm, 256, 0)], SamplingParams(max_tokens=4, temperature=0))  # warm-up
         cases = [(f"decode x{b}", profile_decode(llm, b, args.steps, seed=b)) for b in (1, 8)] + [
             (f"prefill {args.prefill_tokens}", profile_prefill(llm, args.prefill_tokens, seed=7))
         ]

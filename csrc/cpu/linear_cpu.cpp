@@ -41,135 +41,110 @@ constexpr int64_t kBlockRows = 96;
 constexpr int64_t kFewRows = 16;
 constexpr int64_t kMinMacsPerThread = int64_t{1} << 21;
 
+// One step of input: fp32 takes one input feature (x a float, W's step kLanes floats), bf16 a pair
+// (x two bf16 in a uint32, W's step kLanes such pairs). Both a W step and a broadcast x are one vf.
+struct Fp32 {
+  using X = float;
+  using Y = float;
+  static vf broadcast(float x) { return splat(x); }
+  static vf load_w(const float* w) { return loadu(w); }
+  // acc + x * w, one fused multiply-add
+  static vf step(vf acc, vf x, vf w) { return fmadd(x, w, acc); }
+  static void store(float* dst, vf v, int64_t n) {
+    if (n == kLanes) {
+      storeu(dst, v);
+    } else {
+      for (int64_t l = 0; l < n; ++l) dst[l] = v[l];
+    }
+  }
+};
+
+struct Bf16 {
+  using X = uint32_t;
+  using Y = at::BFloat16;
+  static vf broadcast(uint32_t x) {
+    vi bits = vi{} + static_cast<int32_t>(x);
+    vf v;
+    std::memcpy(&v, &bits, sizeof(vf));
+    return v;
+  }
+  static vf load_w(const uint32_t* w) {
+    vf v;
+    std::memcpy(&v, w, sizeof(vf));
+    return v;
+  }
+  // acc + x0 * w0 + x1 * w1 lane-wise (lane = output feature) for the pair in each 32-bit lane
+  static vf step(vf acc, vf x, vf w) {
+#if defined(__AVX512BF16__) && defined(__AVX512F__)
+    return reinterpret_cast<vf>(_mm512_dpbf16_ps(reinterpret_cast<__m512>(acc), (__m512bh)reinterpret_cast<__m512i>(x),
+                                                 (__m512bh)reinterpret_cast<__m512i>(w)));
+#else
+    const vi mask = vi{} + static_cast<int32_t>(0xffff0000u);
+    const vi wb = reinterpret_cast<vi>(w), xb = reinterpret_cast<vi>(x);
+    const vf w0 = reinterpret_cast<vf>(wb << 16), w1 = reinterpret_cast<vf>(wb & mask);
+    const vf x0 = reinterpret_cast<vf>(xb << 16), x1 = reinterpret_cast<vf>(xb & mask);
+    return fmadd(x1, w1, fmadd(x0, w0, acc));
+#endif
+  }
+  static void store(at::BFloat16* dst, vf v, int64_t n) {
+    for (int64_t l = 0; l < n; ++l) dst[l] = at::BFloat16(v[l]);  // round to nearest even
+  }
+};
+
+template <typename T>
 struct Shape {
-  const float* x;   // [rows, in]
-  const float* wp;  // [panels, in, kLanes]
-  const float* b;   // [panels * kLanes] zero-padded, or null
-  float* y;         // [rows, out]
-  int64_t in, out;
+  const typename T::X* x;   // [rows, steps]
+  const typename T::X* wp;  // [panels, steps, kLanes]
+  const float* b;           // [panels * kLanes] zero-padded fp32, or null
+  typename T::Y* y;         // [rows, out]
+  int64_t steps, out;
 };
 
 // y[m0 .. m0 + R, panels p0 .. p0 + P]: the register tile.
-template <int R, int P>
-inline void tile(const Shape& s, int64_t m0, int64_t p0) {
-  const float* x = s.x + m0 * s.in;
-  const float* w = s.wp + p0 * s.in * kLanes;
+template <typename T, int R, int P>
+inline void tile(const Shape<T>& s, int64_t m0, int64_t p0) {
+  const typename T::X* x = s.x + m0 * s.steps;
+  const typename T::X* w = s.wp + p0 * s.steps * kLanes;
   vf acc[R][P];
   for (int r = 0; r < R; ++r)
     for (int p = 0; p < P; ++p) acc[r][p] = vf{};
-  for (int64_t i = 0; i < s.in; ++i) {
+  for (int64_t i = 0; i < s.steps; ++i) {
     vf wv[P];
-    for (int p = 0; p < P; ++p) wv[p] = loadu(w + (p * s.in + i) * kLanes);
+    for (int p = 0; p < P; ++p) wv[p] = T::load_w(w + (p * s.steps + i) * kLanes);
     for (int r = 0; r < R; ++r) {
-      const vf xv = splat(x[r * s.in + i]);
-      for (int p = 0; p < P; ++p) acc[r][p] = fmadd(xv, wv[p], acc[r][p]);
+      const vf xv = T::broadcast(x[r * s.steps + i]);
+      for (int p = 0; p < P; ++p) acc[r][p] = T::step(acc[r][p], xv, wv[p]);
     }
   }
   for (int p = 0; p < P; ++p) {
     const int64_t o0 = (p0 + p) * kLanes, n = std::min<int64_t>(kLanes, s.out - o0);
     const vf bias = s.b ? loadu(s.b + o0) : vf{};
-    for (int r = 0; r < R; ++r) {
-      const vf v = s.b ? acc[r][p] + bias : acc[r][p];
-      float* dst = s.y + (m0 + r) * s.out + o0;
-      if (n == kLanes) {
-        storeu(dst, v);
-      } else {
-        for (int64_t l = 0; l < n; ++l) dst[l] = v[l];
-      }
-    }
+    for (int r = 0; r < R; ++r) T::store(s.y + (m0 + r) * s.out + o0, s.b ? acc[r][p] + bias : acc[r][p], n);
   }
 }
 
 // Rows [m0, m1) x panels [p0, p0 + P): row tiles of 8, then 4, 2, 1.
-template <int P>
-inline void rows_tile(const Shape& s, int64_t m0, int64_t m1, int64_t p0) {
+template <typename T, int P>
+inline void rows_tile(const Shape<T>& s, int64_t m0, int64_t m1, int64_t p0) {
   int64_t m = m0;
-  for (; m + kTileRows <= m1; m += kTileRows) tile<kTileRows, P>(s, m, p0);
-  if (m + 4 <= m1) tile<4, P>(s, m, p0), m += 4;
-  if (m + 2 <= m1) tile<2, P>(s, m, p0), m += 2;
-  if (m < m1) tile<1, P>(s, m, p0);
+  for (; m + kTileRows <= m1; m += kTileRows) tile<T, kTileRows, P>(s, m, p0);
+  if (m + 4 <= m1) tile<T, 4, P>(s, m, p0), m += 4;
+  if (m + 2 <= m1) tile<T, 2, P>(s, m, p0), m += 2;
+  if (m < m1) tile<T, 1, P>(s, m, p0);
 }
 
 // The block rows [m0, m1) x panels [p0, p1).
-void block(const Shape& s, int64_t m0, int64_t m1, int64_t p0, int64_t p1) {
+template <typename T>
+void block(const Shape<T>& s, int64_t m0, int64_t m1, int64_t p0, int64_t p1) {
   int64_t p = p0;
-  for (; p + kTilePanels <= p1; p += kTilePanels) rows_tile<kTilePanels>(s, m0, m1, p);
-  for (; p < p1; ++p) rows_tile<1>(s, m0, m1, p);
-}
-
-// --- bf16 -------------------------------------------------------------------------------------------
-
-struct ShapeBf16 {
-  const uint32_t* x;   // [rows, in2] pairs of bf16 (in2 = in / 2)
-  const uint32_t* wp;  // [panels, in2, kLanes] pairs of bf16
-  const float* b;      // [panels * kLanes] zero-padded fp32, or null
-  at::BFloat16* y;     // [rows, out]
-  int64_t in2, out;
-};
-
-// acc += x pair . w pair, lane-wise (lane = output feature): (x0 * w0) and (x1 * w1) added in.
-inline vf dot_pair(vf acc, uint32_t x, const uint32_t* w) {
-#if defined(__AVX512BF16__) && defined(__AVX512F__)
-  return reinterpret_cast<vf>(_mm512_dpbf16_ps(reinterpret_cast<__m512>(acc),
-                                               (__m512bh)_mm512_set1_epi32(static_cast<int>(x)),
-                                               (__m512bh)_mm512_loadu_si512(w)));
-#else
-  vi wv;
-  std::memcpy(&wv, w, sizeof(vi));
-  const vi lo = wv << 16, hi = wv & static_cast<int32_t>(0xffff0000u);
-  vf w0, w1;
-  std::memcpy(&w0, &lo, sizeof(vf));
-  std::memcpy(&w1, &hi, sizeof(vf));
-  const uint32_t x0b = x << 16, x1b = x & 0xffff0000u;
-  float x0, x1;
-  std::memcpy(&x0, &x0b, 4);
-  std::memcpy(&x1, &x1b, 4);
-  return fmadd(splat(x1), w1, fmadd(splat(x0), w0, acc));
-#endif
-}
-
-template <int R, int P>
-inline void tile_bf16(const ShapeBf16& s, int64_t m0, int64_t p0) {
-  const uint32_t* x = s.x + m0 * s.in2;
-  const uint32_t* w = s.wp + p0 * s.in2 * kLanes;
-  vf acc[R][P];
-  for (int r = 0; r < R; ++r)
-    for (int p = 0; p < P; ++p) acc[r][p] = vf{};
-  for (int64_t i = 0; i < s.in2; ++i) {
-    for (int r = 0; r < R; ++r) {
-      const uint32_t xr = x[r * s.in2 + i];
-      for (int p = 0; p < P; ++p) acc[r][p] = dot_pair(acc[r][p], xr, w + (p * s.in2 + i) * kLanes);
-    }
-  }
-  for (int p = 0; p < P; ++p) {
-    const int64_t o0 = (p0 + p) * kLanes, n = std::min<int64_t>(kLanes, s.out - o0);
-    const vf bias = s.b ? loadu(s.b + o0) : vf{};
-    for (int r = 0; r < R; ++r) {
-      const vf v = s.b ? acc[r][p] + bias : acc[r][p];
-      at::BFloat16* dst = s.y + (m0 + r) * s.out + o0;
-      for (int64_t l = 0; l < n; ++l) dst[l] = at::BFloat16(v[l]);  // round to nearest even
-    }
-  }
-}
-
-template <int P>
-inline void rows_tile_bf16(const ShapeBf16& s, int64_t m0, int64_t m1, int64_t p0) {
-  int64_t m = m0;
-  for (; m + kTileRows <= m1; m += kTileRows) tile_bf16<kTileRows, P>(s, m, p0);
-  if (m + 4 <= m1) tile_bf16<4, P>(s, m, p0), m += 4;
-  if (m + 2 <= m1) tile_bf16<2, P>(s, m, p0), m += 2;
-  if (m < m1) tile_bf16<1, P>(s, m, p0);
-}
-
-void block_bf16(const ShapeBf16& s, int64_t m0, int64_t m1, int64_t p0, int64_t p1) {
-  int64_t p = p0;
-  for (; p + kTilePanels <= p1; p += kTilePanels) rows_tile_bf16<kTilePanels>(s, m0, m1, p);
-  for (; p < p1; ++p) rows_tile_bf16<1>(s, m0, m1, p);
+  for (; p + kTilePanels <= p1; p += kTilePanels) rows_tile<T, kTilePanels>(s, m0, m1, p);
+  for (; p < p1; ++p) rows_tile<T, 1>(s, m0, m1, p);
 }
 
 // The same schedule for both dtypes: few rows stream W panel by panel; many rows go in cache blocks.
-template <typename BlockFn>
-void run_blocks(int64_t rows, int64_t panels, int64_t in_features, BlockFn&& block_fn) {
+template <typename T>
+void run_blocks(const Shape<T>& s, int64_t rows, int64_t panels, int64_t in_features) {
+  auto block_fn = [&](int64_t m0, int64_t m1, int64_t p0, int64_t p1) { block<T>(s, m0, m1, p0, p1); };
   if (rows <= kFewRows) {  // bound by reading W: each panel once, three at a time (three FMA chains)
     const int64_t groups = (panels + kTilePanels - 1) / kTilePanels;
     // a thread gets at least kMinMacsPerThread of work: waking a second thread for one decode-step
@@ -230,9 +205,9 @@ at::Tensor row_linear(const at::Tensor& x, const at::Tensor& packed, const c10::
   const at::Tensor b = padded_bias(bias, panels, out_features);
   auto y = at::empty({rows, out_features}, x.options());
   if (rows == 0 || out_features == 0) return y;
-  const Shape s{x.data_ptr<float>(), packed.data_ptr<float>(), b.defined() ? b.data_ptr<float>() : nullptr,
-                y.data_ptr<float>(), x.size(1), out_features};
-  run_blocks(rows, panels, x.size(1), [&](int64_t m0, int64_t m1, int64_t p0, int64_t p1) { block(s, m0, m1, p0, p1); });
+  const Shape<Fp32> s{x.data_ptr<float>(), packed.data_ptr<float>(), b.defined() ? b.data_ptr<float>() : nullptr,
+                      y.data_ptr<float>(), x.size(1), out_features};
+  run_blocks(s, rows, panels, x.size(1));
   return y;
 }
 
@@ -258,12 +233,10 @@ at::Tensor row_linear_bf16(const at::Tensor& x_in, const at::Tensor& packed, con
   const at::Tensor b = padded_bias(bias, panels, out_features);
   auto y = at::empty({rows, out_features}, x.options());
   if (rows == 0 || out_features == 0) return y;
-  const ShapeBf16 s{reinterpret_cast<const uint32_t*>(x.data_ptr<at::BFloat16>()),
-                    reinterpret_cast<const uint32_t*>(packed.data_ptr<at::BFloat16>()),
-                    b.defined() ? b.data_ptr<float>() : nullptr, y.data_ptr<at::BFloat16>(), x.size(1) / 2,
-                    out_features};
-  run_blocks(rows, panels, x.size(1), [&](int64_t m0, int64_t m1, int64_t p0, int64_t p1) {
-    block_bf16(s, m0, m1, p0, p1);
-  });
+  const Shape<Bf16> s{reinterpret_cast<const uint32_t*>(x.data_ptr<at::BFloat16>()),
+                      reinterpret_cast<const uint32_t*>(packed.data_ptr<at::BFloat16>()),
+                      b.defined() ? b.data_ptr<float>() : nullptr, y.data_ptr<at::BFloat16>(), x.size(1) / 2,
+                      out_features};
+  run_blocks(s, rows, panels, x.size(1));
   return y;
 }
