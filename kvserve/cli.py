@@ -83,6 +83,7 @@ def describe(config: ServeConfig, info: Any) -> str:
         [
             f"kvserve: model {config.model} ({info.model_path})",
             f"  device {info.device}, dtype {info.dtype}, attention backend {info.attention_backend}",
+            f"  model forward {info.model_forward}",
             f"  KV codec {info.kv_codec}: {info.bytes_per_token:g} bytes/token "
             f"({info.num_layers} layers x {info.num_kv_heads} KV heads x {info.head_dim})",
             f"  KV pool {info.num_blocks} blocks x {info.block_size} = {info.pool_tokens} tokens, "

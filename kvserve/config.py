@@ -64,6 +64,13 @@ class ServeConfig:
     attention_backend: str = field(
         default="auto", metadata={"help": "auto, reference, cpu_paged, triton or cuda"}
     )
+    model_forward: str = field(
+        default="auto",
+        metadata={
+            "help": "auto (the fused CPU forward for Llama-family models where the CPU extension runs, else "
+            "Hugging Face's modeling code) or hf (always the modeling code, the reference)"
+        },
+    )
     # --- position-independent reuse (approximate) --------------------------------------------
     reuse: str = field(
         default="prefix", metadata={"help": "prefix (exact only) or any (also content matches)"}
@@ -134,6 +141,7 @@ _CHOICES: dict[str, tuple[str, ...]] = {
     "dtype": ("auto", "float32", "bfloat16", "float16"),
     "eviction_policy": ("lru_freq", "lru"),
     "attention_backend": ("auto", "reference", "cpu_paged", "triton", "cuda"),
+    "model_forward": ("auto", "hf"),
     "reuse": ("prefix", "any"),
     "recompute_strategy": ("none", "selective", "cacheblend"),
     "pieces": ("fixed", "content"),

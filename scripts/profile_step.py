@@ -5,6 +5,7 @@ Times each linear's forward and each attention backend call with a wall clock ar
 engine steps (decode at batch 1 and 8, and a prefill), and reports per-step medians:
 
     python scripts/profile_step.py [--dtype float32 bfloat16] [--threads 2] [--steps 30]
+                                   [--extra model_forward=hf]
 
 The wall-clock wrappers add a little time of their own to "linear" and "attention" (two clock reads per
 call); "other" is the step's time minus those, so it is what a fused or compiled forward could remove.
@@ -25,6 +26,7 @@ from bench_prefix_reuse import corpus
 from machine import describe
 
 from kvserve import LLM, SamplingParams
+from kvserve.models.fused_llama import FusedLinear
 from kvserve.request import Request
 
 Timers = dict[str, float]
@@ -32,7 +34,8 @@ Timers = dict[str, float]
 
 @contextmanager
 def timed_calls(llm: LLM, timers: Timers) -> Iterator[None]:
-    """Adds the wall time of every linear forward and attention call to timers['linear'/'attention']."""
+    """Adds the wall time of every linear forward (module or fused call) and attention call to
+    timers['linear'/'attention']."""
     runner = llm.engine.runner
     patched: list[tuple[Any, str, Any]] = []
 
@@ -57,6 +60,8 @@ def timed_calls(llm: LLM, timers: Timers) -> Iterator[None]:
     for module in runner.model.modules():
         if type(module) is torch.nn.Linear and id(module) not in inner:
             wrap(module, "forward", "linear")
+    if runner.fused is not None:  # its projections are FusedLinear calls, not module forwards
+        wrap(FusedLinear, "__call__", "linear")
     wrap(runner.backend, "forward", "attention")
     for layer in runner.layers:
         wrap(layer, "write", "attention")

@@ -45,6 +45,7 @@ def stats_body(
             "device": info.device,
             "dtype": info.dtype,
             "attention_backend": info.attention_backend,
+            "model_forward": info.model_forward,
             "max_model_len": info.max_model_len,
             "pool_tokens": info.pool_tokens,
         },

@@ -17,6 +17,7 @@ from kvserve.attention.registry import create_backend
 from kvserve.config import ServeConfig
 from kvserve.errors import ConfigError, InvalidRequestError
 from kvserve.kvcache.kv_storage import LayerKV
+from kvserve.models.fused_llama import FusedLlamaForward, unsupported_reason
 from kvserve.models.hf_adapter import ATTN_IMPLEMENTATION, check_supported
 from kvserve.models.loader import model_fingerprint, resolve_model_path
 from kvserve.quant.storage import create_layer_kv
@@ -37,6 +38,7 @@ class RuntimeInfo:
     dtype: str
     kv_codec: str
     attention_backend: str
+    model_forward: str  # "fused" or "hf (why)"
     num_layers: int
     num_kv_heads: int
     head_dim: int
@@ -168,12 +170,28 @@ class EngineParts:
     layers: list[LayerKV]
     backend: AttentionBackend
     info: RuntimeInfo
+    fused: FusedLlamaForward | None  # the fused CPU decoder forward, None: the HF modeling code
+
+
+def fused_forward(config: ServeConfig, model: torch.nn.Module) -> tuple[FusedLlamaForward | None, str]:
+    """(the fused forward, "fused") where --model-forward auto and the model qualifies, else (None, "hf (why)")."""
+    if config.model_forward == "hf":
+        return None, "hf (--model-forward hf)"
+    from kvserve.kernels import cpu_ext
+
+    on_cpu = next(model.parameters()).device.type == "cpu"
+    ext = cpu_ext.load_or_none() if on_cpu else None
+    reason = unsupported_reason(model, ext) if on_cpu else "the fused forward runs on CPU only"
+    if reason or ext is None:
+        return None, f"hf ({reason})"
+    return FusedLlamaForward(model, ext), "fused"
 
 
 def build_parts(config: ServeConfig) -> EngineParts:
     device = resolve_device(config.device)
     dtype = resolve_dtype(config.dtype, device)
     model, path = load_model(config, device, dtype)
+    fused, forward_name = fused_forward(config, model)
     tokenizer = Tokenizer(path)
     mc: Any = model.config
     num_layers = mc.num_hidden_layers
@@ -215,6 +233,7 @@ def build_parts(config: ServeConfig) -> EngineParts:
         dtype=str(dtype).replace("torch.", ""),
         kv_codec=codec,
         attention_backend=backend.name,
+        model_forward=forward_name,
         num_layers=num_layers,
         num_kv_heads=num_kv_heads,
         head_dim=head_dim,
@@ -226,7 +245,7 @@ def build_parts(config: ServeConfig) -> EngineParts:
         eos_token_ids=eos,
         namespace=namespace,
     )
-    return EngineParts(model, tokenizer, layers, backend, info)
+    return EngineParts(model, tokenizer, layers, backend, info, fused)
 
 
 def _eos_ids(model: torch.nn.Module, tokenizer: Tokenizer) -> tuple[int, ...]:

@@ -71,7 +71,7 @@ class Engine:
             config.enable_prefix_caching,
             self.content,
         )
-        self.runner = ModelRunner(self.model, self.layers, parts.backend, device)
+        self.runner = ModelRunner(self.model, self.layers, parts.backend, device, parts.fused)
         self.outputs = OutputProcessor(self.info.eos_token_ids, self.info.max_model_len)
         self._seqs: dict[str, Sequence] = {}
         self._pending: list[RequestOutput] = []

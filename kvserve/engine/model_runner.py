@@ -10,6 +10,7 @@ import torch
 from kvserve.attention.base import AttentionBackend, AttentionMetadata, SeqRows
 from kvserve.attention.forward_context import ForwardContext, forward_context
 from kvserve.kvcache.kv_storage import LayerKV
+from kvserve.models.fused_llama import FusedLlamaForward
 from kvserve.models.hf_adapter import PoolCache
 from kvserve.scheduler.batch import ScheduledBatch
 
@@ -23,8 +24,16 @@ class StepInputs:
 
 
 class ModelRunner:
-    def __init__(self, model: Any, layers: list[LayerKV], backend: AttentionBackend, device: torch.device):
+    def __init__(
+        self,
+        model: Any,
+        layers: list[LayerKV],
+        backend: AttentionBackend,
+        device: torch.device,
+        fused: FusedLlamaForward | None = None,
+    ):
         self.model = model
+        self.fused = fused  # the decoder forward when set; else HF's modeling code (the reference)
         self.decoder = model.model
         self.lm_head = model.get_output_embeddings()
         self.layers = layers
@@ -59,14 +68,19 @@ class ModelRunner:
     def execute(self, batch: ScheduledBatch) -> torch.Tensor:
         """Runs the step; returns float32 logits [num_sampled, vocab] in batch order of sampled items."""
         inputs = self.prepare_inputs(batch)
-        with forward_context(ForwardContext(self.layers, self.backend, inputs.meta)):
-            hidden = self.decoder(
-                input_ids=inputs.input_ids,
-                position_ids=inputs.position_ids,
-                past_key_values=PoolCache(),
-                use_cache=True,
-            ).last_hidden_state  # [1, num_tokens, hidden]
-        hidden = hidden[0].index_select(0, inputs.logits_indices)
+        if self.fused is not None:
+            hidden = self.fused(
+                inputs.input_ids[0], inputs.position_ids[0], self.layers, self.backend, inputs.meta
+            )  # [num_tokens, hidden]
+        else:
+            with forward_context(ForwardContext(self.layers, self.backend, inputs.meta)):
+                hidden = self.decoder(
+                    input_ids=inputs.input_ids,
+                    position_ids=inputs.position_ids,
+                    past_key_values=PoolCache(),
+                    use_cache=True,
+                ).last_hidden_state[0]  # [num_tokens, hidden]
+        hidden = hidden.index_select(0, inputs.logits_indices)
         logits = self.lm_head(hidden).float()
         if self.softcap:
             logits = torch.tanh(logits / self.softcap) * self.softcap

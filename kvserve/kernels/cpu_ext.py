@@ -1,5 +1,5 @@
-"""The kvserve CPU extension (csrc/cpu/): paged attention over the pool read in place, and fp32 and bf16
-linear.
+"""The kvserve CPU extension (csrc/cpu/): paged attention over the pool read in place, fp32 and bf16
+linear, and the fused forward's RMSNorm and rotary embedding (layer_ops.cpp).
 
 JIT-built once with torch.utils.cpp_extension.load (g++ and ninja, about a minute on two cores),
 then cached by torch under TORCH_EXTENSIONS_DIR; a source change rebuilds it. `attention(...)` picks
@@ -31,7 +31,7 @@ from kvserve.kvcache.kv_storage import LayerKV
 log = logging.getLogger(__name__)
 
 CSRC = Path(__file__).resolve().parents[2] / "csrc"
-SOURCES = ["cpu/paged_attention_cpu.cpp", "cpu/linear_cpu.cpp"]
+SOURCES = ["cpu/paged_attention_cpu.cpp", "cpu/linear_cpu.cpp", "cpu/layer_ops.cpp"]
 HEADERS = ["cpu/vec.h", "cpu/kv_readers.h", "cpu/attention_math.h", "cpu/paged_attention.h"]
 # -ffp-contract=off: a multiply-add is fused only where the source says so (csrc/cpu/vec.h: fmadd), so
 # the arithmetic of every output element is fixed by the source, not by how the compiler schedules it.

@@ -21,10 +21,16 @@ PARAMS = [
 ]
 
 
-@pytest.fixture(scope="module", params=["tiny-random-llama", "smollm2-135m"])
+@pytest.fixture(
+    scope="module",
+    params=[("tiny-random-llama", "auto"), ("smollm2-135m", "auto"), ("tiny-random-llama", "hf")],
+    ids=["tiny-random-llama", "smollm2-135m", "tiny-random-llama-hf-forward"],
+)
 def llm(request: pytest.FixtureRequest) -> LLM:
+    model, forward = request.param
     return LLM(
-        model=request.param,
+        model=model,
+        model_forward=forward,
         attention_backend="reference",
         chunk_size=32,
         max_cache_bytes=200_000_000,

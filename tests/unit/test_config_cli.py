@@ -58,6 +58,7 @@ def test_bad_values_are_errors() -> None:
 def test_describe_names_the_choices() -> None:
     class Info:
         model_path, device, dtype, kv_codec, attention_backend = "/m", "cpu", "float32", "fp32", "cpu_paged"
+        model_forward = "fused"
         num_layers, num_kv_heads, head_dim, num_blocks, block_size = 4, 2, 16, 10, 16
         bytes_per_token, max_model_len, pool_tokens = 1024.0, 4096, 160
 
@@ -68,6 +69,7 @@ def test_describe_names_the_choices() -> None:
         "float32",
         "fp32",
         "cpu_paged",
+        "model forward fused",
         "160 tokens",
         "1024 bytes/token",
     ):

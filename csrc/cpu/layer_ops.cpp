@@ -1,0 +1,148 @@
+// The small per-token operations of a Llama-family decoder layer, for the fused CPU forward
+// (kvserve/models/fused_llama.py): RMSNorm (optionally after the residual add) and rotary embedding.
+//
+// Each is one call per layer where Hugging Face's modeling code dispatches six to twelve torch ops, which
+// is most of a small model's decode step on CPU. They compute what the modeling code computes, with the
+// same rounding points in bf16:
+//   rms_norm:      y = w * dtype(x * rsqrt(mean(x^2) + eps))   (x^2 summed in fp32)
+//   add_rms_norm_: residual = dtype(residual + x); y = rms_norm(residual)
+//   rope_:         q = dtype(dtype(q * cos) + dtype(rotate_half(q) * sin)), the same for k, in place
+// The rotary products and sums are bitwise those of torch's elementwise ops (one rounding each, no fused
+// multiply-add: the extension is compiled with -ffp-contract=off). The sum of squares has an order of its
+// own (kLanes partial sums, then csrc/cpu/vec.h's fixed halving), so norms agree with torch's to rounding,
+// not bitwise. Every row is computed by the same sequence of operations whatever the other rows: batch
+// invariant, like the linear and attention kernels.
+#include <torch/extension.h>
+
+#include <ATen/Parallel.h>
+
+#include <cmath>
+
+#include "vec.h"
+
+namespace {
+
+using namespace kvserve_cpu;
+
+constexpr int64_t kMinElementsPerThread = 1 << 16;  // below this a row range stays on the calling thread
+
+template <typename T>
+inline float f32(T x) {
+  return static_cast<float>(x);
+}
+template <typename T>
+inline T round_to(float x) {
+  return static_cast<T>(x);  // c10::BFloat16: to nearest even; float: exact
+}
+
+template <typename T>
+float inv_rms(const T* x, int64_t n, float eps) {
+  float lanes[kLanes] = {};
+  int64_t i = 0;
+  for (; i + kLanes <= n; i += kLanes) {
+    for (int l = 0; l < kLanes; ++l) {
+      const float v = f32(x[i + l]);
+      lanes[l] += v * v;
+    }
+  }
+  for (int l = 0; i < n; ++i, ++l) {
+    const float v = f32(x[i]);
+    lanes[l] += v * v;
+  }
+  const float mean = hsum(loadu(lanes)) / static_cast<float>(n);
+  return 1.0f / std::sqrt(mean + eps);
+}
+
+template <typename T>
+void norm_row(const T* x, const T* w, T* y, int64_t n, float eps) {
+  const float r = inv_rms(x, n, eps);
+  for (int64_t i = 0; i < n; ++i) y[i] = round_to<T>(f32(w[i]) * f32(round_to<T>(f32(x[i]) * r)));
+}
+
+void check_rows(const at::Tensor& x, const at::Tensor& w, const char* name) {
+  TORCH_CHECK(x.device().is_cpu() && x.dim() == 2 && x.stride(1) == 1, name, " must be a 2-D CPU tensor with contiguous rows");
+  TORCH_CHECK(w.dim() == 1 && w.is_contiguous() && w.size(0) == x.size(1), "the norm weight must be [", x.size(1), "]");
+  TORCH_CHECK(w.scalar_type() == x.scalar_type(), "the norm weight's dtype ", w.scalar_type(), " is not ", name, "'s ",
+              x.scalar_type());
+  TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16, name,
+              " must be float32 or bfloat16, got ", x.scalar_type());
+}
+
+template <typename F>
+void for_rows(int64_t rows, int64_t cols, const F& f) {
+  const int64_t grain = std::max<int64_t>(1, kMinElementsPerThread / std::max<int64_t>(cols, 1));
+  at::parallel_for(0, rows, grain, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) f(r);
+  });
+}
+
+}  // namespace
+
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
+  check_rows(x, weight, "x");
+  auto y = at::empty(x.sizes(), x.options());
+  const int64_t rows = x.size(0), n = x.size(1);
+  AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, x.scalar_type(), "rms_norm", [&] {
+    const scalar_t* xp = x.data_ptr<scalar_t>();
+    const scalar_t* wp = weight.data_ptr<scalar_t>();
+    scalar_t* yp = y.data_ptr<scalar_t>();
+    for_rows(rows, n, [&](int64_t r) { norm_row(xp + r * x.stride(0), wp, yp + r * n, n, static_cast<float>(eps)); });
+  });
+  return y;
+}
+
+at::Tensor add_rms_norm_(at::Tensor& residual, const at::Tensor& x, const at::Tensor& weight, double eps) {
+  check_rows(residual, weight, "residual");
+  TORCH_CHECK(x.sizes() == residual.sizes() && x.scalar_type() == residual.scalar_type() && x.stride(1) == 1,
+              "x must match the residual's shape and dtype, with contiguous rows");
+  auto y = at::empty(x.sizes(), x.options());
+  const int64_t rows = x.size(0), n = x.size(1);
+  AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, x.scalar_type(), "add_rms_norm_", [&] {
+    scalar_t* rp = residual.data_ptr<scalar_t>();
+    const scalar_t* xp = x.data_ptr<scalar_t>();
+    const scalar_t* wp = weight.data_ptr<scalar_t>();
+    scalar_t* yp = y.data_ptr<scalar_t>();
+    for_rows(rows, n, [&](int64_t r) {
+      scalar_t* res = rp + r * residual.stride(0);
+      const scalar_t* xr = xp + r * x.stride(0);
+      for (int64_t i = 0; i < n; ++i) res[i] = round_to<scalar_t>(f32(res[i]) + f32(xr[i]));
+      norm_row(res, wp, yp + r * n, n, static_cast<float>(eps));
+    });
+  });
+  return y;
+}
+
+// qk: [rows, heads * head_dim] columns of q and k heads (a view into the fused qkv projection is fine:
+// rows may have any stride); cos, sin: [rows, head_dim] as the model's rotary embedding returns them.
+void rope_(at::Tensor& qk, const at::Tensor& cos, const at::Tensor& sin, int64_t heads, int64_t head_dim) {
+  TORCH_CHECK(qk.device().is_cpu() && qk.dim() == 2 && qk.stride(1) == 1 && qk.size(1) >= heads * head_dim,
+              "qk must be a 2-D CPU tensor with contiguous rows of at least heads * head_dim columns");
+  TORCH_CHECK(head_dim % 2 == 0, "head_dim must be even");
+  TORCH_CHECK(qk.scalar_type() == at::kFloat || qk.scalar_type() == at::kBFloat16,
+              "qk must be float32 or bfloat16, got ", qk.scalar_type());
+  TORCH_CHECK(cos.dim() == 2 && cos.sizes() == sin.sizes() && cos.size(0) == qk.size(0) && cos.size(1) == head_dim &&
+                  cos.stride(1) == 1 && sin.stride(1) == 1,
+              "cos and sin must be [rows, head_dim] with contiguous rows");
+  TORCH_CHECK(cos.scalar_type() == qk.scalar_type() && sin.scalar_type() == qk.scalar_type(),
+              "cos and sin must have qk's dtype");
+  const int64_t rows = qk.size(0), half = head_dim / 2;
+  AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, qk.scalar_type(), "rope_", [&] {
+    scalar_t* base = qk.data_ptr<scalar_t>();
+    const scalar_t* cp = cos.data_ptr<scalar_t>();
+    const scalar_t* sp = sin.data_ptr<scalar_t>();
+    for_rows(rows, heads * head_dim, [&](int64_t r) {
+      const scalar_t* c = cp + r * cos.stride(0);
+      const scalar_t* s = sp + r * sin.stride(0);
+      for (int64_t h = 0; h < heads; ++h) {
+        scalar_t* x = base + r * qk.stride(0) + h * head_dim;
+        for (int64_t i = 0; i < half; ++i) {
+          const float a = f32(x[i]), b = f32(x[i + half]);  // rotate_half(x) = [-x2, x1]
+          const float lo = f32(round_to<scalar_t>(a * f32(c[i]))) + f32(round_to<scalar_t>(-b * f32(s[i])));
+          const float hi = f32(round_to<scalar_t>(b * f32(c[i + half]))) + f32(round_to<scalar_t>(a * f32(s[i + half])));
+          x[i] = round_to<scalar_t>(lo);
+          x[i + half] = round_to<scalar_t>(hi);
+        }
+      }
+    });
+  });
+}

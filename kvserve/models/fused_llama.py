@@ -1,0 +1,204 @@
+"""The Llama-family decoder forward on CPU in a few extension calls per layer, instead of Hugging Face's
+eager modeling code.
+
+Why: a small model's decode step on CPU is mostly per-op dispatch. SmolLM2-135M's HF forward issues
+about 50 torch ops per layer; at batch 8 on the dev machine (bf16), 19 ms of a 45 ms step went to them
+rather than to GEMMs or attention (scripts/profile_step.py). Here a layer is nine calls:
+
+    add_rms_norm_ -> row_linear(q|k|v) -> rope_ -> KV write -> attention -> row_linear(o)
+    -> add_rms_norm_ -> row_linear(gate|up) -> silu * up -> row_linear(down)
+
+What it computes is the HF forward's arithmetic, checked against it (tests/models/test_fused_llama.py):
+- The projections are the same `row_linear` chains as the wrapped HF modules. q, k and v (and gate and
+  up) are one call over their packed weights concatenated: every output element is its own fixed chain,
+  so the fused call is bitwise the separate ones. The concatenation shares memory with the HF modules'
+  packs (they become views into it), so nothing is stored twice.
+- Rotary embedding and the residual adds are bitwise torch's elementwise ops (csrc/cpu/layer_ops.cpp);
+  cos / sin come from the model's own rotary module (so any RoPE scaling it implements applies), and
+  SiLU is torch's.
+- RMSNorm sums squares in an order of its own, so hidden states agree with HF's to rounding (fp32 logits
+  within about 1e-5 of HF's on SmolLM2), not bitwise. Every row's arithmetic is fixed whatever the other
+  rows, so batch invariance and cache-on == cache-off hold exactly, as tested for the engine.
+
+The HF model stays loaded and is the reference: `--no-fused-forward` serves through it, the positional
+content-reuse forward (engine/blend_runner.py) uses it, and models this module does not cover (see
+`unsupported_reason`) always use it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from types import ModuleType
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from kvserve.attention.base import AttentionBackend, AttentionMetadata
+from kvserve.kvcache.kv_storage import LayerKV
+from kvserve.models.cpu_linear import RowInvariantLinear
+
+MODEL_TYPES = ("llama", "mistral", "qwen2")  # RMSNorm, SiLU gated MLP, RoPE, no q/k norms or softcaps
+
+
+@dataclass
+class FusedLinear:
+    """One row_linear call over several RowInvariantLinears' packed weights, concatenated by output."""
+
+    packed: torch.Tensor
+    bias: torch.Tensor | None
+    out_features: int
+    kernel: object
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return self.kernel(x, self.packed, self.bias, self.out_features)  # type: ignore[operator]
+
+
+@dataclass
+class FusedLayer:
+    input_norm: torch.Tensor
+    post_norm: torch.Tensor
+    qkv: FusedLinear
+    o: FusedLinear
+    gate_up: FusedLinear
+    down: FusedLinear
+
+
+def unsupported_reason(model: nn.Module, ext: ModuleType | None) -> str:
+    """'' when `model` can run through FusedLlamaForward, else why not."""
+    config = model.config
+    if ext is None:
+        return "the CPU extension is unavailable"
+    if config.model_type not in MODEL_TYPES:
+        return f"model type {config.model_type!r} is not one of {', '.join(MODEL_TYPES)}"
+    if getattr(config, "hidden_act", "silu") != "silu":
+        return f"activation {config.hidden_act!r} is not silu"
+    for layer in model.model.layers:
+        attn, mlp = layer.self_attn, layer.mlp
+        linears = [
+            attn.q_proj,
+            attn.k_proj,
+            attn.v_proj,
+            attn.o_proj,
+            mlp.gate_proj,
+            mlp.up_proj,
+            mlp.down_proj,
+        ]
+        if not all(isinstance(m, RowInvariantLinear) for m in linears):
+            return "its linear layers are not on the CPU extension (fp32 or bf16 on CPU)"
+        if any(
+            type(n).__name__ not in ("LlamaRMSNorm", "MistralRMSNorm", "Qwen2RMSNorm")
+            for n in (layer.input_layernorm, layer.post_attention_layernorm)
+        ):
+            return "its norms are not the Llama-family RMSNorm"
+        for group in ([attn.q_proj, attn.k_proj, attn.v_proj], [mlp.gate_proj, mlp.up_proj]):
+            lanes = panel_width(group[0])
+            if any(m.out_features % lanes or m.dtype != group[0].dtype for m in group):
+                return f"projections of {[m.out_features for m in group]} features are not whole {lanes}-wide panels"
+        if type(mlp.act_fn).__name__ not in ("SiLU", "SiLUActivation"):  # torch's, transformers' (F.silu)
+            return "its MLP activation is not SiLU"
+    return ""
+
+
+def panel_width(linear: RowInvariantLinear) -> int:
+    """Output features per panel of the kernel's packed weight (csrc/cpu/linear_cpu.cpp)."""
+    return linear.packed.shape[-1] // (2 if linear.dtype == torch.bfloat16 else 1)
+
+
+def fuse(linears: list[RowInvariantLinear], ext: ModuleType) -> FusedLinear:
+    """One call for several projections of the same input. Their packs are concatenated (whole panels:
+    every out_features must be a multiple of the panel width) and each module's `packed` becomes a view
+    of the concatenation, so memory does not grow."""
+    first = linears[0]
+    kernel = ext.row_linear_bf16 if first.dtype == torch.bfloat16 else ext.row_linear
+    if len(linears) == 1:
+        return FusedLinear(first.packed, first.bias, first.out_features, kernel)
+    lanes = panel_width(first)
+    if any(m.out_features % lanes for m in linears):
+        raise ValueError(f"out_features {[m.out_features for m in linears]} are not multiples of {lanes}")
+    packed = torch.cat([m.packed for m in linears])
+    start = 0
+    for m in linears:
+        panels = m.packed.shape[0]
+        m.packed = packed[start : start + panels]
+        start += panels
+    biases = [m.bias for m in linears]
+    if all(b is None for b in biases):
+        bias = None
+    else:
+        bias = torch.cat(
+            [
+                b if b is not None else torch.zeros(m.out_features, dtype=m.dtype)
+                for b, m in zip(biases, linears)
+            ]
+        )
+    return FusedLinear(packed, bias, sum(m.out_features for m in linears), kernel)
+
+
+class FusedLlamaForward:
+    """decoder(input_ids) -> last hidden states [num_tokens, hidden], for one packed step."""
+
+    def __init__(self, model: nn.Module, ext: ModuleType):
+        reason = unsupported_reason(model, ext)
+        if reason:
+            raise ValueError(f"fused forward unsupported: {reason}")
+        config = model.config
+        self.ext = ext
+        self.decoder = model.model
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = getattr(config, "num_key_value_heads", None) or self.num_heads
+        first_attn = self.decoder.layers[0].self_attn
+        self.head_dim = first_attn.head_dim
+        self.scale = first_attn.scaling
+        self.eps = self.decoder.norm.variance_epsilon
+        self.layers = []
+        for layer in self.decoder.layers:
+            attn, mlp = layer.self_attn, layer.mlp
+            self.layers.append(
+                FusedLayer(
+                    input_norm=layer.input_layernorm.weight.detach(),
+                    post_norm=layer.post_attention_layernorm.weight.detach(),
+                    qkv=fuse([attn.q_proj, attn.k_proj, attn.v_proj], ext),
+                    o=fuse([attn.o_proj], ext),
+                    gate_up=fuse([mlp.gate_proj, mlp.up_proj], ext),
+                    down=fuse([mlp.down_proj], ext),
+                )
+            )
+        self.final_norm = self.decoder.norm.weight.detach()
+
+    @torch.inference_mode()
+    def __call__(
+        self,
+        input_ids: torch.Tensor,  # [num_tokens] int64
+        position_ids: torch.Tensor,  # [num_tokens] int64
+        kv_layers: list[LayerKV],
+        backend: AttentionBackend,
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        ext = self.ext
+        hidden = self.decoder.embed_tokens(input_ids)  # [T, hidden], the residual stream
+        cos, sin = self.decoder.rotary_emb(hidden, position_ids.unsqueeze(0))
+        cos, sin = cos[0].contiguous(), sin[0].contiguous()  # [T, head_dim]
+        q_cols = self.num_heads * self.head_dim
+        kv_cols = self.num_kv_heads * self.head_dim
+        rows = hidden.shape[0]
+        x = ext.rms_norm(hidden, self.layers[0].input_norm, self.eps) if self.layers else hidden
+        delta = None  # the MLP output still to be added to the residual
+        for i, layer in enumerate(self.layers):
+            if delta is not None:
+                x = ext.add_rms_norm_(hidden, delta, layer.input_norm, self.eps)
+            qkv = layer.qkv(x)  # [T, q_cols + 2 kv_cols]
+            ext.rope_(qkv, cos, sin, self.num_heads + self.num_kv_heads, self.head_dim)
+            k = qkv[:, q_cols : q_cols + kv_cols].view(rows, self.num_kv_heads, self.head_dim)
+            v = qkv[:, q_cols + kv_cols :].view(rows, self.num_kv_heads, self.head_dim)
+            kv_layers[i].write(meta.slot_mapping, k, v)
+            q = qkv[:, :q_cols].view(rows, self.num_heads, self.head_dim)
+            attn = backend.forward(q, kv_layers[i], meta, self.scale)  # [T, heads, head_dim]
+            o = layer.o(attn.reshape(rows, q_cols))
+            x = ext.add_rms_norm_(hidden, o, layer.post_norm, self.eps)
+            gate_up = layer.gate_up(x)
+            inter = gate_up.shape[1] // 2
+            delta = layer.down(F.silu(gate_up[:, :inter]) * gate_up[:, inter:])
+        if delta is None:
+            return ext.rms_norm(hidden, self.final_norm, self.eps)
+        return ext.add_rms_norm_(hidden, delta, self.final_norm, self.eps)
