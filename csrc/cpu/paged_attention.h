@@ -8,6 +8,7 @@
 #include <algorithm>
 #include <atomic>
 #include <cstdint>
+#include <map>
 #include <utility>
 #include <vector>
 
@@ -17,9 +18,9 @@
 namespace kvserve_cpu {
 
 constexpr int64_t kStepTokens = 64;     // online-softmax step (at least a block)
-constexpr int64_t kSplitTokens = 512;   // KV split length (at least a step)
+constexpr int64_t kSplitTokens = 256;   // KV split length (at least a step)
 constexpr int64_t kTileRows = 32;       // query rows per item (a performance choice only)
-constexpr int64_t kSplitModeRows = 16;  // with threads, a sequence of at most this many rows: an item per split
+constexpr int64_t kSplitModeRows = 16;  // a sequence of at most this many rows: an item per split
 
 struct Problem {
   int64_t num_seqs, num_rows, num_heads, h_kv, d, block_size, max_blocks, step_tokens, split_tokens;
@@ -30,9 +31,13 @@ struct Problem {
   std::vector<int32_t> pos;     // [num_rows]: each row's position
 };
 
-// Rows [row_begin, row_end) of sequence seq; split >= 0: only that split, stored as a partial.
+// Query rows `rows`, reading KV through sequence seq's block table; split >= 0: only that split, stored
+// as a partial. The rows are one sequence's, or (a shared split) those of every sequence whose block
+// table holds the same blocks over the whole split: a prefix cached once and used by several requests
+// is then read, and its K transposed, once per step for all of them.
 struct Item {
-  int64_t seq, row_begin, row_end, split, cost;
+  int64_t seq, split, cost;
+  std::vector<int64_t> rows;
 };
 
 // Per-thread buffers, sized for the largest item. Per-step K/V state is per KV head: [h_kv][...].
@@ -128,14 +133,14 @@ void run_step(const Problem& p, Work& w, int64_t h, int64_t start, int64_t num_r
 template <int D, typename Reader>
 void run_item(const Problem& p, const Reader& reader, Work& w, const Item& it, const float* q, float* out,
               float* partials, const int64_t* partial_base) {
-  const int64_t h_all = p.num_heads, st = p.split_tokens, num_rows = it.row_end - it.row_begin;
+  const int64_t h_all = p.num_heads, st = p.split_tokens, num_rows = static_cast<int64_t>(it.rows.size());
   const int64_t num_lanes = num_rows * h_all;
   int64_t max_pos = 0;
-  for (int64_t r = it.row_begin; r < it.row_end; ++r) max_pos = std::max<int64_t>(max_pos, p.pos[r]);
+  for (const int64_t r : it.rows) max_pos = std::max<int64_t>(max_pos, p.pos[r]);
   const int64_t first_split = it.split >= 0 ? it.split : 0;
   const int64_t last_split = it.split >= 0 ? it.split : max_pos / st;
   for (int64_t lane = 0; lane < num_lanes; ++lane) {
-    const int64_t r = it.row_begin + lane / h_all;
+    const int64_t r = it.rows[lane / h_all];
     w.lane_pos[lane] = p.pos[r];
     w.lane_q[lane] = q + (r * h_all + lane % h_all) * D;
     w.tm[lane] = kNegInf;
@@ -154,7 +159,7 @@ void run_item(const Problem& p, const Reader& reader, Work& w, const Item& it, c
     for (int64_t lane = 0; lane < num_lanes; ++lane) {
       if (w.lane_pos[lane] < split_begin) continue;
       if (it.split >= 0) {  // a partial for the final fold: [acc D, m, l] per (row, split, head)
-        const int64_t r = it.row_begin + lane / h_all;
+        const int64_t r = it.rows[lane / h_all];
         float* dst = partials + ((partial_base[r] + split) * h_all + lane % h_all) * (D + 2);
         std::memcpy(dst, w.acc.data() + lane * D, D * sizeof(float));
         dst[D] = w.m[lane], dst[D + 1] = w.l[lane];
@@ -165,30 +170,55 @@ void run_item(const Problem& p, const Reader& reader, Work& w, const Item& it, c
   }
   if (it.split >= 0) return;
   for (int64_t lane = 0; lane < num_lanes; ++lane) {
-    finish<D>(w.total.data() + lane * D, w.tl[lane], out + (it.row_begin * h_all + lane) * D);
+    finish<D>(w.total.data() + lane * D, w.tl[lane], out + (it.rows[lane / h_all] * h_all + lane % h_all) * D);
   }
 }
 
+inline std::vector<int64_t> row_range(int64_t begin, int64_t end) {
+  std::vector<int64_t> rows(end - begin);
+  for (int64_t r = begin; r < end; ++r) rows[r - begin] = r;
+  return rows;
+}
+
+// Split mode (a sequence of at most kSplitModeRows rows, more than one split): an item per split, so a
+// decode row spreads over threads, and a split that several such sequences hold in the same blocks
+// (a shared cached prefix) is one item for all their rows. Other sequences: tiles of kTileRows rows over
+// all splits. The arithmetic of a (row, head) is the same in every case: splits at fixed positions,
+// folded in order (paged_attention_cpu.cpp).
 inline std::vector<Item> plan_items(const Problem& p, std::vector<int64_t>& partial_base, int64_t& num_partials) {
   std::vector<Item> items;
   num_partials = 0;
-  const int64_t threads = at::get_num_threads();  // one split per item only to spread a row over threads
+  const int64_t st = p.split_tokens, blocks_per_split = st / p.block_size;
+  std::map<std::vector<int32_t>, size_t> shared;  // (split, its block ids) -> item
   for (int64_t b = 0; b < p.num_seqs; ++b) {
     const int64_t r0 = p.row_start[b], r1 = p.row_start[b + 1];
     if (r0 == r1) continue;
-    int64_t max_pos = 0;
-    for (int64_t r = r0; r < r1; ++r) max_pos = std::max<int64_t>(max_pos, p.pos[r]);
-    const int64_t num_splits = max_pos / p.split_tokens + 1;
-    if (threads > 1 && r1 - r0 <= kSplitModeRows && num_splits > 1) {
+    int64_t max_pos = 0, min_pos = p.pos[r0];
+    for (int64_t r = r0; r < r1; ++r) max_pos = std::max<int64_t>(max_pos, p.pos[r]), min_pos = std::min<int64_t>(min_pos, p.pos[r]);
+    const int64_t num_splits = max_pos / st + 1;
+    if (r1 - r0 <= kSplitModeRows && num_splits > 1) {
       for (int64_t r = r0; r < r1; ++r) {
         partial_base[r] = num_partials;
-        num_partials += p.pos[r] / p.split_tokens + 1;
+        num_partials += p.pos[r] / st + 1;
       }
       for (int64_t s = 0; s < num_splits; ++s) {
         int64_t cost = 0;
         for (int64_t r = r0; r < r1; ++r)
-          cost += std::max<int64_t>(0, std::min<int64_t>(p.pos[r] + 1, (s + 1) * p.split_tokens) - s * p.split_tokens);
-        items.push_back({b, r0, r1, s, cost});
+          cost += std::max<int64_t>(0, std::min<int64_t>(p.pos[r] + 1, (s + 1) * st) - s * st);
+        if ((s + 1) * st <= min_pos) {  // every row sees the whole split: it may be shared
+          std::vector<int32_t> key(blocks_per_split + 1);
+          key[0] = static_cast<int32_t>(s);
+          const int32_t* table = p.block_tables + b * p.max_blocks + s * blocks_per_split;
+          std::copy(table, table + blocks_per_split, key.begin() + 1);
+          const auto [at, added] = shared.emplace(std::move(key), items.size());
+          if (!added) {
+            Item& item = items[at->second];
+            for (int64_t r = r0; r < r1; ++r) item.rows.push_back(r);
+            item.cost += cost;
+            continue;
+          }
+        }
+        items.push_back({b, s, cost, row_range(r0, r1)});
       }
       continue;
     }
@@ -196,7 +226,7 @@ inline std::vector<Item> plan_items(const Problem& p, std::vector<int64_t>& part
       const int64_t e = std::min(a + kTileRows, r1);
       int64_t cost = 0;
       for (int64_t r = a; r < e; ++r) cost += p.pos[r] + 1;
-      items.push_back({b, a, e, -1, cost});
+      items.push_back({b, -1, cost, row_range(a, e)});
     }
   }
   // the costliest first: threads take items as they finish the last (longest processing time first)
@@ -210,7 +240,7 @@ void run_rows(const Problem& p, const Reader& reader, const float* q, float* out
   int64_t num_partials = 0;
   const std::vector<Item> items = plan_items(p, partial_base, num_partials);
   int64_t max_rows = 1;
-  for (const Item& it : items) max_rows = std::max(max_rows, it.row_end - it.row_begin);
+  for (const Item& it : items) max_rows = std::max<int64_t>(max_rows, static_cast<int64_t>(it.rows.size()));
   std::vector<float> partials(num_partials * p.num_heads * (D + 2));
   std::atomic<int64_t> next{0};
   const int64_t num_items = static_cast<int64_t>(items.size());

@@ -19,7 +19,9 @@
 // Work items are (sequence, tile of its rows, split or all splits); a block is read and converted
 // once per item for all the rows of the tile and all query heads of a KV head's GQA group. Items
 // with one split store a partial result that a final pass folds in order, so that a long sequence
-// with a single row (decode) spreads over threads; other items fold as they go. Items run on torch's
+// with a single row (decode) spreads over threads; other items fold as they go. A split that several
+// decoding sequences hold in the same blocks (a shared cached prefix) is one item for all their rows:
+// read, and K transposed, once instead of once per sequence. Items run on torch's
 // threads (at::parallel_for), costliest first.
 #include <torch/extension.h>
 

@@ -75,11 +75,16 @@ def unavailable_reason() -> str:
 
 
 def _build_directory(name: str) -> Path:
-    """One build directory per source tree: torch writes absolute source paths into build.ninja, so two
-    checkouts sharing a directory rebuild over each other (minutes each) and wait on each other's lock."""
+    """One build directory per source tree and header contents: torch writes absolute source paths into
+    build.ninja, so two checkouts sharing a directory rebuild over each other (minutes each) and wait on
+    each other's lock; and torch rebuilds when a source file changes but not when only a header does,
+    so the headers' bytes are part of the directory's name."""
     from torch.utils.cpp_extension import _get_build_directory
 
-    tree = hashlib.sha256(str(CSRC).encode()).hexdigest()[:10]
+    digest = hashlib.sha256(str(CSRC).encode())
+    for header in HEADERS:
+        digest.update((CSRC / header).read_bytes())
+    tree = digest.hexdigest()[:10]
     path = Path(_get_build_directory(name, verbose=False)).with_name(f"{name}-{tree}")
     path.mkdir(parents=True, exist_ok=True)
     return path

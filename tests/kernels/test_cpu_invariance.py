@@ -116,6 +116,39 @@ def test_attention_is_thread_count_invariant(ext, fmt):
     assert torch.equal(one, two)
 
 
+def shared_prefix_decode(fmt: str, shared_blocks: int):
+    """Six decode rows whose sequences hold the same first `shared_blocks` blocks (a cached prefix used by
+    several requests) and blocks of their own after it, at different lengths: (query, kv, meta, scale)."""
+    lens = [(1, 1300), (1, 1100), (1, 1500), (1, 1030), (1, 2100), (1, 1300)]
+    query, kv, meta, scale = batch("smollm2", fmt, lens=lens, seed=3)
+    prefix = blocks_of(meta, 0)[:shared_blocks]
+    seqs = [
+        SeqRows(prefix + blocks_of(meta, i)[shared_blocks:], torch.tensor([seq_len - 1]), seq_len)
+        for i, (_, seq_len) in enumerate(lens)
+    ]
+    return query, kv, AttentionMetadata.build(seqs, meta.block_size, "cpu", write=False), scale
+
+
+@pytest.mark.parametrize("fmt", ["fp32", "bf16", "fp8_e4m3", "int8"])
+@pytest.mark.parametrize("shared_blocks", [64, 70])
+def test_decode_rows_sharing_a_prefix_equal_each_alone(ext, fmt, shared_blocks):
+    """Splits that several decoding sequences hold in the same blocks are one work item for all of them
+    (csrc/cpu/paged_attention.h, plan_items): each row is still bitwise its result alone, with 1 or 2
+    threads, and matches the reference."""
+    query, kv, meta, scale = shared_prefix_decode(fmt, shared_blocks)
+    backend = CpuPagedBackend()
+    with threads(2):
+        together = backend.forward(query, kv, meta, scale)
+    for n in (1, 2):
+        with threads(n):
+            for i in range(len(meta.seq_lens_list)):
+                _, sub, rows = pieces_meta(query, meta, [(i, 0, 1)])
+                alone = backend.forward(query[rows].contiguous(), kv, sub, scale)
+                assert torch.equal(alone[0], together[i]), f"row {i}, {n} thread(s)"
+    ref = ReferenceBackend().forward(query, kv, meta, scale)
+    torch.testing.assert_close(together, ref, atol=2e-5, rtol=0)
+
+
 @pytest.mark.parametrize("fmt", ["fp32", "int8", "turbo4"])
 def test_rows_at_explicit_positions_equal_the_prefill_rows(ext, fmt):
     """Content-reuse repair recomputes rows at chosen positions (PositionalBackend): bitwise the rows of
