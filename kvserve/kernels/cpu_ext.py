@@ -39,18 +39,10 @@ FLAGS = ["-O3", "-fopenmp", "-std=c++17", "-ffp-contract=off"]
 # Vector ISA flags per torch's CPU capability (what ATen itself dispatches to on this machine). The
 # capability is part of the extension's name, so a build cache shared by different CPUs never hands
 # an AVX-512 build to a machine without it (which -march=native would risk).
+AVX512_FLAGS = ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx2", "-mfma", "-mf16c"]
 ISA_FLAGS = {
-    "AVX512": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx2", "-mfma", "-mf16c"],
-    "AVX512_BF16": [
-        "-mavx512f",
-        "-mavx512bw",
-        "-mavx512vl",
-        "-mavx512dq",
-        "-mavx2",
-        "-mfma",
-        "-mf16c",
-        "-mavx512bf16",
-    ],
+    "AVX512": AVX512_FLAGS,
+    "AVX512_BF16": [*AVX512_FLAGS, "-mavx512bf16"],
     "AVX2": ["-mavx2", "-mfma", "-mf16c"],
 }
 

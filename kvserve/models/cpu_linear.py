@@ -38,9 +38,9 @@ class RowInvariantLinear(nn.Module):
     def repack(self) -> torch.Tensor:
         weight = self.linear.weight.detach()
         self.dtype = weight.dtype
-        pack = (
-            self.ext.pack_linear_weight_bf16 if self.dtype == torch.bfloat16 else self.ext.pack_linear_weight
-        )
+        bf16 = self.dtype == torch.bfloat16
+        pack = self.ext.pack_linear_weight_bf16 if bf16 else self.ext.pack_linear_weight
+        self.kernel = self.ext.row_linear_bf16 if bf16 else self.ext.row_linear  # reads what pack wrote
         self.packed = pack(weight)  # fp32 [panels, in, lanes]; bf16 [panels, in / 2, lanes * 2]
         return self.packed
 
@@ -56,8 +56,7 @@ class RowInvariantLinear(nn.Module):
         if x.dtype != self.dtype or x.device.type != "cpu":
             return self.linear(x)  # not what wrap_linears wraps; kept correct, not invariant
         rows = x.reshape(-1, x.shape[-1]).contiguous()
-        kernel = self.ext.row_linear_bf16 if self.dtype == torch.bfloat16 else self.ext.row_linear
-        y = kernel(rows, self.packed, self.linear.bias, self.out_features)
+        y = self.kernel(rows, self.packed, self.linear.bias, self.out_features)
         return y.view(*x.shape[:-1], self.out_features)
 
 

@@ -8,7 +8,7 @@ rather than to GEMMs or attention (scripts/profile_step.py). Here a layer is nin
     add_rms_norm_ -> row_linear(q|k|v) -> rope_ -> KV write -> attention -> row_linear(o)
     -> add_rms_norm_ -> row_linear(gate|up) -> silu * up -> row_linear(down)
 
-What it computes is the HF forward's arithmetic, checked against it (tests/models/test_fused_llama.py):
+What it computes is the HF forward's arithmetic, checked against it (tests/kernels/test_fused_llama.py):
 - The projections are the same `row_linear` chains as the wrapped HF modules. q, k and v (and gate and
   up) are one call over their packed weights concatenated: every output element is its own fixed chain,
   so the fused call is bitwise the separate ones. The concatenation shares memory with the HF modules'
@@ -58,8 +58,8 @@ class FusedLinear:
 
 @dataclass
 class FusedLayer:
-    input_norm: torch.Tensor
     post_norm: torch.Tensor
+    next_norm: torch.Tensor  # the next layer's input norm; after the last layer, the final norm
     qkv: FusedLinear
     o: FusedLinear
     gate_up: FusedLinear
@@ -112,9 +112,8 @@ def fuse(linears: list[RowInvariantLinear], ext: ModuleType) -> FusedLinear:
     every out_features must be a multiple of the panel width) and each module's `packed` becomes a view
     of the concatenation, so memory does not grow."""
     first = linears[0]
-    kernel = ext.row_linear_bf16 if first.dtype == torch.bfloat16 else ext.row_linear
     if len(linears) == 1:
-        return FusedLinear(first.packed, first.bias, first.out_features, kernel)
+        return FusedLinear(first.packed, first.bias, first.out_features, first.kernel)
     lanes = panel_width(first)
     if any(m.out_features % lanes for m in linears):
         raise ValueError(f"out_features {[m.out_features for m in linears]} are not multiples of {lanes}")
@@ -134,7 +133,7 @@ def fuse(linears: list[RowInvariantLinear], ext: ModuleType) -> FusedLinear:
                 for b, m in zip(biases, linears)
             ]
         )
-    return FusedLinear(packed, bias, sum(m.out_features for m in linears), kernel)
+    return FusedLinear(packed, bias, sum(m.out_features for m in linears), first.kernel)
 
 
 class FusedLlamaForward:
@@ -153,20 +152,23 @@ class FusedLlamaForward:
         self.head_dim = first_attn.head_dim
         self.scale = first_attn.scaling
         self.eps = self.decoder.norm.variance_epsilon
+        layers = self.decoder.layers
+        self.first_norm = layers[0].input_layernorm.weight.detach()
+        next_norms = [layer.input_layernorm.weight.detach() for layer in layers[1:]]
+        next_norms.append(self.decoder.norm.weight.detach())
         self.layers = []
-        for layer in self.decoder.layers:
+        for layer, next_norm in zip(layers, next_norms, strict=True):
             attn, mlp = layer.self_attn, layer.mlp
             self.layers.append(
                 FusedLayer(
-                    input_norm=layer.input_layernorm.weight.detach(),
                     post_norm=layer.post_attention_layernorm.weight.detach(),
+                    next_norm=next_norm,
                     qkv=fuse([attn.q_proj, attn.k_proj, attn.v_proj], ext),
                     o=fuse([attn.o_proj], ext),
                     gate_up=fuse([mlp.gate_proj, mlp.up_proj], ext),
                     down=fuse([mlp.down_proj], ext),
                 )
             )
-        self.final_norm = self.decoder.norm.weight.detach()
 
     @torch.inference_mode()
     def __call__(
@@ -184,11 +186,8 @@ class FusedLlamaForward:
         q_cols = self.num_heads * self.head_dim
         kv_cols = self.num_kv_heads * self.head_dim
         rows = hidden.shape[0]
-        x = ext.rms_norm(hidden, self.layers[0].input_norm, self.eps) if self.layers else hidden
-        delta = None  # the MLP output still to be added to the residual
+        x = ext.rms_norm(hidden, self.first_norm, self.eps)
         for i, layer in enumerate(self.layers):
-            if delta is not None:
-                x = ext.add_rms_norm_(hidden, delta, layer.input_norm, self.eps)
             qkv = layer.qkv(x)  # [T, q_cols + 2 kv_cols]
             ext.rope_(qkv, cos, sin, self.num_heads + self.num_kv_heads, self.head_dim)
             k = qkv[:, q_cols : q_cols + kv_cols].view(rows, self.num_kv_heads, self.head_dim)
@@ -200,7 +199,6 @@ class FusedLlamaForward:
             x = ext.add_rms_norm_(hidden, o, layer.post_norm, self.eps)
             gate_up = layer.gate_up(x)
             inter = gate_up.shape[1] // 2
-            delta = layer.down(F.silu(gate_up[:, :inter]) * gate_up[:, inter:])
-        if delta is None:
-            return ext.rms_norm(hidden, self.final_norm, self.eps)
-        return ext.add_rms_norm_(hidden, delta, self.final_norm, self.eps)
+            mlp = layer.down(F.silu(gate_up[:, :inter]) * gate_up[:, inter:])
+            x = ext.add_rms_norm_(hidden, mlp, layer.next_norm, self.eps)
+        return x
