@@ -18,6 +18,7 @@
 
 #include <cmath>
 
+#include "parallel.h"
 #include "vec.h"
 
 namespace {
@@ -71,7 +72,7 @@ void check_rows(const at::Tensor& x, const at::Tensor& w, const char* name) {
 template <typename F>
 void for_rows(int64_t rows, int64_t cols, const F& f) {
   const int64_t grain = std::max<int64_t>(1, kMinElementsPerThread / std::max<int64_t>(cols, 1));
-  at::parallel_for(0, rows, grain, [&](int64_t begin, int64_t end) {
+  parallel_chunks(rows, grain, grain, [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) f(r);
   });
 }

@@ -14,6 +14,7 @@
 
 #include "attention_math.h"
 #include "kv_readers.h"
+#include "parallel.h"
 
 namespace kvserve_cpu {
 
@@ -242,16 +243,11 @@ void run_rows(const Problem& p, const Reader& reader, const float* q, float* out
   int64_t max_rows = 1;
   for (const Item& it : items) max_rows = std::max<int64_t>(max_rows, static_cast<int64_t>(it.rows.size()));
   std::vector<float> partials(num_partials * p.num_heads * (D + 2));
-  std::atomic<int64_t> next{0};
-  const int64_t num_items = static_cast<int64_t>(items.size());
-  at::parallel_for(0, std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), num_items)), 1,
-                   [&](int64_t, int64_t) {
-                     Work w(p, max_rows * p.num_heads);
-                     for (int64_t i = next++; i < num_items; i = next++)
-                       run_item<D>(p, reader, w, items[i], q, out, partials.data(), partial_base.data());
-                   });
+  parallel_chunks_with(
+      static_cast<int64_t>(items.size()), 1, 1, [&] { return Work(p, max_rows * p.num_heads); },
+      [&](Work& w, int64_t i, int64_t) { run_item<D>(p, reader, w, items[i], q, out, partials.data(), partial_base.data()); });
   if (num_partials == 0) return;
-  at::parallel_for(0, p.num_rows, 1, [&](int64_t first, int64_t last) {
+  parallel_chunks(p.num_rows, 1, 1, [&](int64_t first, int64_t last) {
     std::vector<float> ta(D);
     for (int64_t r = first; r < last; ++r) {
       if (partial_base[r] < 0) continue;

@@ -22,7 +22,7 @@
 // with a single row (decode) spreads over threads; other items fold as they go. A split that several
 // decoding sequences hold in the same blocks (a shared cached prefix) is one item for all their rows:
 // read, and K transposed, once instead of once per sequence. Items run on torch's
-// threads (at::parallel_for), costliest first.
+// threads, costliest first, each taken by the next free thread (parallel.h).
 #include <torch/extension.h>
 
 #include <cstdint>
