@@ -1,6 +1,7 @@
 // The arithmetic of the CPU attention kernel (csrc/cpu/paged_attention_cpu.cpp), one online-softmax
 // step at a time. A "lane" is one (query row, query head); a step covers `sp` consecutive KV tokens
-// (a multiple of 4 * kLanes) whose K is transposed into kt [D][sp], so that vector lanes are tokens.
+// (a multiple of 4 * kLanes) whose K is transposed into kt [D][sp] (fp32) or kt2 [D / 2][sp] (bf16
+// channel pairs), so that vector lanes are tokens. Fp32Math and Bf16Math below are the two arithmetics.
 //
 // Each function computes every lane with the same operations whatever the number of lanes it is
 // given (the register tiles only decide which lanes share a load): that is what makes a row's result
@@ -98,74 +99,128 @@ __attribute__((always_inline)) inline void transpose_tile(const float* const* ro
 #endif
 }
 
-// out[j][v] = sum over d = 0..D-1 in order of q_j[d] * kt[d][v] (one FMA chain per score), for R lanes
-// and the first nv token vectors (nv a multiple of 4).
-template <int D, int R>
-inline void score_tile(const float* const* q, const float* kt, int64_t sp, int64_t nv, float* const* out) {
+// The two arithmetics of a step. Fp32Math: fp32 queries (pre-scaled), K and V, one FMA per product.
+// Bf16Math (bf16 queries over a bf16 pool): operands in bf16 pairs, one dot_pairs per two products
+// with fp32 sums: Q . K over channel pairs (2d, 2d + 1), the scale applied to the sum, and P V over
+// token pairs (2u, 2u + 1), with the probabilities rounded to bf16 (what a bf16 flash-attention kernel
+// does); the softmax stays in fp32. `Unit` is what one multiply-add step covers: a channel / token for
+// fp32, a pair for bf16.
+struct Fp32Math {
+  using Q = float;    // a query element
+  using K = float;    // an element of transposed K: kt [D][sp]
+  using P = float;    // a probability
+  static constexpr int kPack = 1;
+  struct V {          // token t's V row: rows[t]
+    const float* const* rows;
+  };
+  static vf splat_q(const float* q, int64_t i) { return splat(q[i]); }
+  static vf load_k(const float* kt) { return loadu(kt); }
+  static vf splat_p(const float* p, int64_t t) { return splat(p[t]); }
+  static vf load_v(const V& v, int64_t t, int c) { return loadu(v.rows[t] + c * kLanes); }
+  static vf mac(vf acc, vf a, vf b) { return fmadd(a, b, acc); }
+  static vf scaled(vf s, float) { return s; }  // q came pre-scaled
+};
+
+struct Bf16Math {
+  using Q = uint32_t;  // a channel pair of the query
+  using K = uint32_t;  // kt [D / 2][sp]: channel pair i of token t at kt[i * sp + t]
+  using P = uint16_t;  // bf16 bits
+  static constexpr int kPack = 2;
+  struct V {           // [D / kLanes][stride][kLanes]: lane i of vector (c, u) = channel c * kLanes + i of tokens 2u, 2u + 1
+    const uint32_t* pairs;
+    int64_t stride;
+  };
+  static vf splat_q(const uint32_t* q, int64_t i) { return splat_pair(q[i]); }
+  static vf load_k(const uint32_t* kt) { return load_pairs(kt); }
+  static vf splat_p(const uint16_t* p, int64_t u) {
+    uint32_t pair;
+    std::memcpy(&pair, p + 2 * u, sizeof(pair));
+    return splat_pair(pair);
+  }
+  static vf load_v(const V& v, int64_t u, int c) { return load_pairs(v.pairs + (c * v.stride + u) * kLanes); }
+  static vf mac(vf acc, vf a, vf b) { return dot_pairs(acc, a, b); }
+  static vf scaled(vf s, float scale) { return s * scale; }
+};
+
+// out[j][v] = sum over the units of d in order of q_j . kt[.][v] (one chain of M::mac per score), for R
+// lanes and the first nv token vectors (nv a multiple of 4).
+template <int D, int R, typename M>
+inline void score_tile(const typename M::Q* const* q, const typename M::K* kt, int64_t sp, int64_t nv, float scale,
+                       float* const* out) {
   for (int64_t v0 = 0; v0 < nv * kLanes; v0 += 4 * kLanes) {
     vf s[R][4];
     for (int j = 0; j < R; ++j)
       for (int i = 0; i < 4; ++i) s[j][i] = vf{};
 #pragma GCC unroll 4
-    for (int d = 0; d < D; ++d) {
+    for (int d = 0; d < D / M::kPack; ++d) {
       vf k[4];
-      for (int i = 0; i < 4; ++i) k[i] = loadu(kt + d * sp + v0 + i * kLanes);
+      for (int i = 0; i < 4; ++i) k[i] = M::load_k(kt + d * sp + v0 + i * kLanes);
       for (int j = 0; j < R; ++j) {
-        const vf qd = splat(q[j][d]);
-        for (int i = 0; i < 4; ++i) s[j][i] = fmadd(qd, k[i], s[j][i]);
+        const vf qd = M::splat_q(q[j], d);
+        for (int i = 0; i < 4; ++i) s[j][i] = M::mac(s[j][i], qd, k[i]);
       }
     }
     for (int j = 0; j < R; ++j)
-      for (int i = 0; i < 4; ++i) storeu(out[j] + v0 + i * kLanes, s[j][i]);
+      for (int i = 0; i < 4; ++i) storeu(out[j] + v0 + i * kLanes, M::scaled(s[j][i], scale));
   }
 }
 
 // n lanes: tiles of R, then one tile of the remaining n % R (a GQA group of 3 in one pass).
-template <int D, int R>
-void score_lanes(const float* const* q, const float* kt, int64_t sp, int64_t nv, float* const* out, int64_t n) {
+template <int D, int R, typename M>
+void score_lanes(const typename M::Q* const* q, const typename M::K* kt, int64_t sp, int64_t nv, float scale,
+                 float* const* out, int64_t n) {
   int64_t j = 0;
-  for (; j + R <= n; j += R) score_tile<D, R>(q + j, kt, sp, nv, out + j);
+  for (; j + R <= n; j += R) score_tile<D, R, M>(q + j, kt, sp, nv, scale, out + j);
   if constexpr (R > 1) {
     if (n - j == R - 1) {
-      score_tile<D, R - 1>(q + j, kt, sp, nv, out + j);
+      score_tile<D, R - 1, M>(q + j, kt, sp, nv, scale, out + j);
     } else if (j < n) {
-      score_lanes<D, R - 1>(q + j, kt, sp, nv, out + j, n - j);
+      score_lanes<D, R - 1, M>(q + j, kt, sp, nv, scale, out + j, n - j);
     }
   }
 }
 
-// acc_j <- acc_j * corr_j (when corr is given), then += p_j[t] v_t for t in [t0, t1) in order: one FMA
-// chain per output element. v[t] is token t's V row.
-template <int D, int R>
-inline void pv_tile(float* const* acc, const float* const* p, const float* corr, const float* const* v, int64_t t0,
-                    int64_t t1) {
+// acc_j <- acc_j * corr_j (when corr is given), then += p_j v over the units [u0, u1) in order: one chain
+// of M::mac per output element.
+template <int D, int R, typename M>
+inline void pv_tile(float* const* acc, const typename M::P* const* p, const float* corr, const typename M::V& v,
+                    int64_t u0, int64_t u1) {
   constexpr int C = D / kLanes;
   vf a[R][C];
   for (int j = 0; j < R; ++j)
     for (int c = 0; c < C; ++c) a[j][c] = corr ? loadu(acc[j] + c * kLanes) * splat(corr[j]) : loadu(acc[j] + c * kLanes);
-  for (int64_t t = t0; t < t1; ++t) {
+  for (int64_t u = u0; u < u1; ++u) {
     vf vr[C];
-    for (int c = 0; c < C; ++c) vr[c] = loadu(v[t] + c * kLanes);
+    for (int c = 0; c < C; ++c) vr[c] = M::load_v(v, u, c);
     for (int j = 0; j < R; ++j) {
-      const vf pj = splat(p[j][t]);
-      for (int c = 0; c < C; ++c) a[j][c] = fmadd(pj, vr[c], a[j][c]);
+      const vf pj = M::splat_p(p[j], u);
+      for (int c = 0; c < C; ++c) a[j][c] = M::mac(a[j][c], pj, vr[c]);
     }
   }
   for (int j = 0; j < R; ++j)
     for (int c = 0; c < C; ++c) storeu(acc[j] + c * kLanes, a[j][c]);
 }
 
-template <int D, int R>
-void pv_lanes(float* const* acc, const float* const* p, const float* corr, const float* const* v, int64_t t1,
+template <int D, int R, typename M>
+void pv_lanes(float* const* acc, const typename M::P* const* p, const float* corr, const typename M::V& v, int64_t u1,
               int64_t n) {
   int64_t j = 0;
-  for (; j + R <= n; j += R) pv_tile<D, R>(acc + j, p + j, corr + j, v, 0, t1);
+  for (; j + R <= n; j += R) pv_tile<D, R, M>(acc + j, p + j, corr + j, v, 0, u1);
   if constexpr (R > 1) {
     if (n - j == R - 1) {
-      pv_tile<D, R - 1>(acc + j, p + j, corr + j, v, 0, t1);
+      pv_tile<D, R - 1, M>(acc + j, p + j, corr + j, v, 0, u1);
     } else if (j < n) {
-      pv_lanes<D, R - 1>(acc + j, p + j, corr + j, v, t1, n - j);
+      pv_lanes<D, R - 1, M>(acc + j, p + j, corr + j, v, u1, n - j);
     }
+  }
+}
+
+// The bf16 bits of the probabilities p[0 .. n) (n a multiple of kLanes), rounded to nearest even.
+inline void probs_to_bf16(const float* p, int64_t n, uint16_t* out) {
+  typedef uint16_t vh __attribute__((vector_size(kLanes * sizeof(uint16_t))));
+  for (int64_t i = 0; i < n; i += kLanes) {
+    const vh h = __builtin_convertvector(bf16_bits(loadu(p + i)), vh);
+    std::memcpy(out + i, &h, sizeof(vh));
   }
 }
 

@@ -63,30 +63,10 @@ struct Fp32 {
 struct Bf16 {
   using X = uint32_t;
   using Y = at::BFloat16;
-  static vf broadcast(uint32_t x) {
-    vi bits = vi{} + static_cast<int32_t>(x);
-    vf v;
-    std::memcpy(&v, &bits, sizeof(vf));
-    return v;
-  }
-  static vf load_w(const uint32_t* w) {
-    vf v;
-    std::memcpy(&v, w, sizeof(vf));
-    return v;
-  }
+  static vf broadcast(uint32_t x) { return splat_pair(x); }
+  static vf load_w(const uint32_t* w) { return load_pairs(w); }
   // acc + x0 * w0 + x1 * w1 lane-wise (lane = output feature) for the pair in each 32-bit lane
-  static vf step(vf acc, vf x, vf w) {
-#if defined(__AVX512BF16__) && defined(__AVX512F__)
-    return reinterpret_cast<vf>(_mm512_dpbf16_ps(reinterpret_cast<__m512>(acc), (__m512bh)reinterpret_cast<__m512i>(x),
-                                                 (__m512bh)reinterpret_cast<__m512i>(w)));
-#else
-    const vi mask = vi{} + static_cast<int32_t>(0xffff0000u);
-    const vi wb = reinterpret_cast<vi>(w), xb = reinterpret_cast<vi>(x);
-    const vf w0 = reinterpret_cast<vf>(wb << 16), w1 = reinterpret_cast<vf>(wb & mask);
-    const vf x0 = reinterpret_cast<vf>(xb << 16), x1 = reinterpret_cast<vf>(xb & mask);
-    return fmadd(x1, w1, fmadd(x0, w0, acc));
-#endif
-  }
+  static vf step(vf acc, vf x, vf w) { return dot_pairs(acc, x, w); }
   static void store(at::BFloat16* dst, vf v, int64_t n) {
     for (int64_t l = 0; l < n; ++l) dst[l] = at::BFloat16(v[l]);  // round to nearest even
   }

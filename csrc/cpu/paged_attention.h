@@ -9,6 +9,7 @@
 #include <atomic>
 #include <cstdint>
 #include <map>
+#include <type_traits>
 #include <utility>
 #include <vector>
 
@@ -41,7 +42,8 @@ struct Item {
   std::vector<int64_t> rows;
 };
 
-// Per-thread buffers, sized for the largest item. Per-step K/V state is per KV head: [h_kv][...].
+// Per-thread buffers, sized for the largest item. Per-step K/V state is per KV head: [h_kv][...]. The
+// bf16 arithmetic's buffers (kt2, vt2, probs16) are only sized when it runs.
 struct Work {
   std::vector<Scratch> scratch;  // one per (block of a step, KV head)
   std::vector<float> zeros, kt, k_mult, v_mult, scores, acc, total;
@@ -50,13 +52,20 @@ struct Work {
   std::vector<const float*> lane_q, tok_k, tok_v, q_act, p_act;
   std::vector<float*> s_ptr, acc_ptr;
   std::vector<bool> has_k_mult, has_v_mult;
-  Work(const Problem& p, int64_t lanes)
-      : scratch(p.step_tokens / p.block_size * p.h_kv, Scratch(p.block_size, p.d)), zeros(p.d),
-        kt(p.h_kv * p.d * p.step_tokens), k_mult(p.h_kv * p.step_tokens), v_mult(p.h_kv * p.step_tokens),
+  std::vector<uint32_t> kt2, vt2;  // bf16 pairs: K transposed [h_kv][D / 2][sp], V [h_kv][D / kLanes][sp / 2][kLanes]
+  std::vector<uint16_t> probs16;   // [lanes][sp]
+  std::vector<const uint16_t*> tok_v16, p16_act;
+  std::vector<const uint32_t*> lane_q2, q2_act;
+  Work(const Problem& p, int64_t lanes, bool bf16)
+      : scratch(bf16 ? 0 : p.step_tokens / p.block_size * p.h_kv, Scratch(p.block_size, p.d)), zeros(p.d),
+        kt(bf16 ? 0 : p.h_kv * p.d * p.step_tokens), k_mult(p.h_kv * p.step_tokens), v_mult(p.h_kv * p.step_tokens),
         scores(lanes * p.step_tokens), acc(lanes * p.d), total(lanes * p.d), m(lanes), l(lanes), tm(lanes),
         tl(lanes), corr(lanes), lane_pos(lanes), active(lanes), n_valid(lanes), lane_q(lanes),
         tok_k(p.h_kv * p.step_tokens), tok_v(p.h_kv * p.step_tokens), q_act(lanes), p_act(lanes), s_ptr(lanes),
-        acc_ptr(lanes), has_k_mult(p.h_kv), has_v_mult(p.h_kv) {}
+        acc_ptr(lanes), has_k_mult(p.h_kv), has_v_mult(p.h_kv), kt2(bf16 ? p.h_kv * p.d / 2 * p.step_tokens : 0),
+        vt2(bf16 ? p.h_kv * p.d / 2 * p.step_tokens : 0), probs16(bf16 ? lanes * p.step_tokens : 0),
+        tok_v16(bf16 ? p.h_kv * p.step_tokens : 0), p16_act(bf16 ? lanes : 0), lane_q2(bf16 ? lanes : 0),
+        q2_act(bf16 ? lanes : 0) {}
 };
 
 // Reads the blocks of the step [start, start + n) for every KV head, in the order they lie in memory
@@ -93,10 +102,61 @@ void read_step(const Problem& p, const Reader& reader, Work& w, int64_t seq, int
   }
 }
 
+// read_step for the bf16 arithmetic over a bf16 pool, read in place without conversion: K's rows, as
+// D / 2 channel pairs, transposed into w.kt2 (the same 32-bit tile transpose); V's rows interleaved by
+// token pairs into w.vt2. Tokens past n read as zeros.
+template <int D>
+void read_step_bf16(const Problem& p, const DenseReader<at::BFloat16>& reader, Work& w, int64_t seq, int64_t start,
+                    int64_t n, int64_t next_n) {
+  const int64_t sp = p.step_tokens, bs = p.block_size, stride = p.h_kv * D;
+  const auto* k = reinterpret_cast<const uint16_t*>(reader.k);
+  const auto* v = reinterpret_cast<const uint16_t*>(reader.v);
+  for (int64_t t0 = 0; t0 < n; t0 += bs) {
+    const int64_t block = p.block_tables[seq * p.max_blocks + (start + t0) / bs];
+    const int64_t count = std::min(bs, n - t0);
+    for (int64_t h = 0; h < p.h_kv; ++h) {
+      const int64_t first = (block * bs * p.h_kv + h) * D;
+      for (int64_t t = 0; t < count; ++t) {
+        w.tok_k[h * sp + t0 + t] = reinterpret_cast<const float*>(k + first + t * stride);  // D / 2 pairs
+        w.tok_v16[h * sp + t0 + t] = v + first + t * stride;
+      }
+    }
+  }
+  const int64_t padded = (n + 4 * kLanes - 1) / (4 * kLanes) * (4 * kLanes);  // what score_tile reads
+  const auto* zeros16 = reinterpret_cast<const uint16_t*>(w.zeros.data());  // D floats: 2 D zero bf16
+  for (int64_t h = 0; h < p.h_kv; ++h) {
+    for (int64_t t = n; t < padded; ++t) w.tok_k[h * sp + t] = w.zeros.data(), w.tok_v16[h * sp + t] = zeros16;
+  }
+  auto* kt2 = reinterpret_cast<float*>(w.kt2.data());
+  for (int64_t t0 = 0; t0 < padded; t0 += kLanes)
+    for (int64_t h = 0; h < p.h_kv; ++h)
+      for (int d0 = 0; d0 < D / 2; d0 += kLanes)
+        transpose_tile(w.tok_k.data() + h * sp + t0, d0, kt2 + (h * D / 2 + d0) * sp + t0, sp);
+  typedef uint16_t vh __attribute__((vector_size(kLanes * sizeof(uint16_t))));
+  for (int64_t h = 0; h < p.h_kv; ++h) {
+    const uint16_t* const* rows = w.tok_v16.data() + h * sp;
+    uint32_t* dst = w.vt2.data() + h * D / 2 * sp;
+    for (int64_t u = 0; u < padded / 2; ++u) {
+      for (int c = 0; c < D / kLanes; ++c) {
+        vh lo, hi;
+        std::memcpy(&lo, rows[2 * u] + c * kLanes, sizeof(vh));
+        std::memcpy(&hi, rows[2 * u + 1] + c * kLanes, sizeof(vh));
+        const vu pair = __builtin_convertvector(lo, vu) | (__builtin_convertvector(hi, vu) << 16);
+        std::memcpy(dst + (c * (sp / 2) + u) * kLanes, &pair, sizeof(vu));
+      }
+    }
+  }
+  for (int64_t t0 = 0; t0 < next_n; t0 += bs) {
+    const int64_t block = p.block_tables[seq * p.max_blocks + (start + sp + t0) / bs];
+    for (int64_t h = 0; h < p.h_kv; ++h) reader.prefetch(block, h, std::min(bs, next_n - t0));
+  }
+}
+
 // One online-softmax step of KV head h (read by read_step) for the lanes of its query heads that see
 // it (lane = local row * num_heads + query head).
-template <int D>
+template <int D, typename M>
 void run_step(const Problem& p, Work& w, int64_t h, int64_t start, int64_t num_rows, int64_t n_max) {
+  constexpr bool kBf16 = std::is_same_v<M, Bf16Math>;
   const int64_t sp = p.step_tokens, group = p.num_heads / p.h_kv;
   int64_t num_active = 0;
   int64_t n_common = sp;
@@ -106,33 +166,56 @@ void run_step(const Problem& p, Work& w, int64_t h, int64_t start, int64_t num_r
     const int64_t n = std::min<int64_t>(sp, w.lane_pos[lane] + 1 - start);
     w.active[num_active] = static_cast<int32_t>(lane);
     w.n_valid[num_active] = static_cast<int32_t>(n);
-    w.q_act[num_active] = w.lane_q[lane];
     w.s_ptr[num_active] = w.scores.data() + num_active * sp;
     w.p_act[num_active] = w.s_ptr[num_active];
+    if constexpr (kBf16) {
+      w.q2_act[num_active] = w.lane_q2[lane];
+      w.p16_act[num_active] = w.probs16.data() + num_active * sp;
+    } else {
+      w.q_act[num_active] = w.lane_q[lane];
+    }
     w.acc_ptr[num_active] = w.acc.data() + lane * D;
     n_common = std::min(n_common, n);
     ++num_active;
   }
-  const float* kt = w.kt.data() + h * D * sp;
-  const float* const* tok_v = w.tok_v.data() + h * sp;
+  const int64_t nv = (n_max + 4 * kLanes - 1) / (4 * kLanes) * 4;
   const float* k_mult = w.has_k_mult[h] ? w.k_mult.data() + h * sp : nullptr;
   const float* v_mult = w.has_v_mult[h] ? w.v_mult.data() + h * sp : nullptr;
-  const int64_t nv = (n_max + 4 * kLanes - 1) / (4 * kLanes) * 4;
-  score_lanes<D, 4>(w.q_act.data(), kt, sp, nv, w.s_ptr.data(), num_active);
+  if constexpr (kBf16) {
+    score_lanes<D, 4, M>(w.q2_act.data(), w.kt2.data() + h * D / 2 * sp, sp, nv, p.scale, w.s_ptr.data(), num_active);
+  } else {
+    score_lanes<D, 4, M>(w.q_act.data(), w.kt.data() + h * D * sp, sp, nv, p.scale, w.s_ptr.data(), num_active);
+  }
   for (int64_t a = 0; a < num_active; ++a) {
     const int64_t lane = w.active[a];
     w.corr[a] = softmax_step(w.s_ptr[a], w.n_valid[a], k_mult, v_mult, w.m[lane], w.l[lane]);
+    // probabilities past n_valid are 0: a lane's last pair may hold one
+    if constexpr (kBf16) {
+      const int64_t n_vec = (w.n_valid[a] + kLanes - 1) / kLanes * kLanes;  // what softmax_step wrote
+      probs_to_bf16(w.s_ptr[a], n_vec, w.probs16.data() + a * sp);
+    }
   }
-  pv_lanes<D, pv_rows(D)>(w.acc_ptr.data(), w.p_act.data(), w.corr.data(), tok_v, n_common, num_active);
-  for (int64_t a = 0; a < num_active; ++a) {  // lanes that see more of the step than all do
-    if (w.n_valid[a] > n_common) pv_tile<D, 1>(&w.acc_ptr[a], &w.p_act[a], nullptr, tok_v, n_common, w.n_valid[a]);
+  // Units of the P V chain: tokens (fp32) or token pairs (bf16). All lanes run [0, common) together,
+  // then each the rest of its own; where that boundary falls never changes a lane's chain.
+  const int64_t common = n_common / M::kPack;
+  auto pv = [&](const typename M::P* const* probs, const typename M::V& v) {
+    pv_lanes<D, pv_rows(D), M>(w.acc_ptr.data(), probs, w.corr.data(), v, common, num_active);
+    for (int64_t a = 0; a < num_active; ++a) {
+      const int64_t end = (w.n_valid[a] + M::kPack - 1) / M::kPack;
+      if (end > common) pv_tile<D, 1, M>(&w.acc_ptr[a], probs + a, nullptr, v, common, end);
+    }
+  };
+  if constexpr (kBf16) {
+    pv(w.p16_act.data(), typename M::V{w.vt2.data() + h * D / 2 * sp, sp / 2});
+  } else {
+    pv(w.p_act.data(), typename M::V{w.tok_v.data() + h * sp});
   }
 }
 
 // Blocks in order of position, and for each step every KV head, so that a block's bytes (all heads,
 // interleaved) are read together: one pass over the sequence's KV. Lane = local row * H + query head.
-template <int D, typename Reader>
-void run_item(const Problem& p, const Reader& reader, Work& w, const Item& it, const float* q, float* out,
+template <int D, typename Reader, typename M>
+void run_item(const Problem& p, const Reader& reader, Work& w, const Item& it, const typename M::Q* q, float* out,
               float* partials, const int64_t* partial_base) {
   const int64_t h_all = p.num_heads, st = p.split_tokens, num_rows = static_cast<int64_t>(it.rows.size());
   const int64_t num_lanes = num_rows * h_all;
@@ -143,7 +226,12 @@ void run_item(const Problem& p, const Reader& reader, Work& w, const Item& it, c
   for (int64_t lane = 0; lane < num_lanes; ++lane) {
     const int64_t r = it.rows[lane / h_all];
     w.lane_pos[lane] = p.pos[r];
-    w.lane_q[lane] = q + (r * h_all + lane % h_all) * D;
+    const typename M::Q* lane_q = q + (r * h_all + lane % h_all) * (D / M::kPack);
+    if constexpr (std::is_same_v<M, Bf16Math>) {
+      w.lane_q2[lane] = lane_q;
+    } else {
+      w.lane_q[lane] = lane_q;
+    }
     w.tm[lane] = kNegInf;
   }
   for (int64_t split = first_split; split <= last_split; ++split) {
@@ -154,8 +242,12 @@ void run_item(const Problem& p, const Reader& reader, Work& w, const Item& it, c
     for (int64_t start = split_begin; start < split_begin + st && start <= max_pos; start += p.step_tokens) {
       const int64_t n_max = std::min<int64_t>(p.step_tokens, max_pos + 1 - start);
       const int64_t next_n = std::min<int64_t>(p.step_tokens, max_pos + 1 - start - p.step_tokens);
-      read_step<D>(p, reader, w, it.seq, start, n_max, next_n);
-      for (int64_t h = 0; h < p.h_kv; ++h) run_step<D>(p, w, h, start, num_rows, n_max);
+      if constexpr (std::is_same_v<M, Bf16Math>) {
+        read_step_bf16<D>(p, reader, w, it.seq, start, n_max, next_n);
+      } else {
+        read_step<D>(p, reader, w, it.seq, start, n_max, next_n);
+      }
+      for (int64_t h = 0; h < p.h_kv; ++h) run_step<D, M>(p, w, h, start, num_rows, n_max);
     }
     for (int64_t lane = 0; lane < num_lanes; ++lane) {
       if (w.lane_pos[lane] < split_begin) continue;
@@ -235,8 +327,8 @@ inline std::vector<Item> plan_items(const Problem& p, std::vector<int64_t>& part
   return items;
 }
 
-template <int D, typename Reader>
-void run_rows(const Problem& p, const Reader& reader, const float* q, float* out) {
+template <int D, typename Reader, typename M>
+void run_rows(const Problem& p, const Reader& reader, const typename M::Q* q, float* out) {
   std::vector<int64_t> partial_base(p.num_rows, -1);
   int64_t num_partials = 0;
   const std::vector<Item> items = plan_items(p, partial_base, num_partials);
@@ -244,8 +336,10 @@ void run_rows(const Problem& p, const Reader& reader, const float* q, float* out
   for (const Item& it : items) max_rows = std::max<int64_t>(max_rows, static_cast<int64_t>(it.rows.size()));
   std::vector<float> partials(num_partials * p.num_heads * (D + 2));
   parallel_chunks_with(
-      static_cast<int64_t>(items.size()), 1, 1, [&] { return Work(p, max_rows * p.num_heads); },
-      [&](Work& w, int64_t i, int64_t) { run_item<D>(p, reader, w, items[i], q, out, partials.data(), partial_base.data()); });
+      static_cast<int64_t>(items.size()), 1, 1, [&] { return Work(p, max_rows * p.num_heads, std::is_same_v<M, Bf16Math>); },
+      [&](Work& w, int64_t i, int64_t) {
+        run_item<D, Reader, M>(p, reader, w, items[i], q, out, partials.data(), partial_base.data());
+      });
   if (num_partials == 0) return;
   parallel_chunks(p.num_rows, 1, 1, [&](int64_t first, int64_t last) {
     std::vector<float> ta(D);
@@ -263,17 +357,17 @@ void run_rows(const Problem& p, const Reader& reader, const float* q, float* out
   });
 }
 
-template <typename Reader>
-using RunFn = void (*)(const Problem&, const Reader&, const float*, float*);
+template <typename Reader, typename M = Fp32Math>
+using RunFn = void (*)(const Problem&, const Reader&, const typename M::Q*, float*);
 
-template <typename Reader>
-RunFn<Reader> run_for_head_dim(int64_t d) {
+template <typename Reader, typename M = Fp32Math>
+RunFn<Reader, M> run_for_head_dim(int64_t d) {
   switch (d) {
-    case 16: return &run_rows<16, Reader>;
-    case 32: return &run_rows<32, Reader>;
-    case 64: return &run_rows<64, Reader>;
-    case 128: return &run_rows<128, Reader>;
-    case 256: return &run_rows<256, Reader>;
+    case 16: return &run_rows<16, Reader, M>;
+    case 32: return &run_rows<32, Reader, M>;
+    case 64: return &run_rows<64, Reader, M>;
+    case 128: return &run_rows<128, Reader, M>;
+    case 256: return &run_rows<256, Reader, M>;
     default: TORCH_CHECK(false, "head_dim must be 16, 32, 64, 128 or 256, got ", d);
   }
 }

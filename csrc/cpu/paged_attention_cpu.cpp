@@ -15,7 +15,10 @@
 //     then folded in split order (`fold`), and the result divided by its sum.
 //   - a score is q . k summed over d = 0..D-1 by one fused multiply-add chain (K is transposed per
 //     step so that vector lanes are tokens); P V is one FMA chain per output element over the tokens
-//     in order.
+//     in order. bf16 queries over a bf16 pool take the bf16 arithmetic instead (attention_math.h,
+//     Bf16Math): the same chains two products at a time (vdpbf16ps where the CPU has AVX-512 BF16),
+//     over channel pairs for Q . K and token pairs for P V, with the probabilities rounded to bf16 and
+//     fp32 sums; the pool is read as it lies, without converting it to fp32.
 // Work items are (sequence, tile of its rows, split or all splits); a block is read and converted
 // once per item for all the rows of the tile and all query heads of a KV head's GQA group. Items
 // with one split store a partial result that a final pass folds in order, so that a long sequence
@@ -26,6 +29,7 @@
 #include <torch/extension.h>
 
 #include <cstdint>
+#include <type_traits>
 #include <vector>
 
 #include "paged_attention.h"
@@ -115,9 +119,22 @@ at::Tensor run(const Problem& p, const Reader& reader, const at::Tensor& query) 
   return out.to(query.scalar_type());
 }
 
+// bf16 queries over a bf16 pool: the bf16 arithmetic (attention_math.h, Bf16Math), operands read as
+// they are, scale applied to the fp32 scores. Needs D / 2 to be a whole number of vector tiles.
+at::Tensor run_bf16(const Problem& p, const DenseReader<at::BFloat16>& reader, const at::Tensor& query) {
+  const RunFn<DenseReader<at::BFloat16>, Bf16Math> fn = run_for_head_dim<DenseReader<at::BFloat16>, Bf16Math>(p.d);
+  const at::Tensor q = query.contiguous();
+  at::Tensor out = at::empty(q.sizes(), q.options().dtype(at::kFloat));
+  fn(p, reader, reinterpret_cast<const uint32_t*>(q.data_ptr<at::BFloat16>()), out.data_ptr<float>());
+  return out.to(at::kBFloat16);
+}
+
 template <typename T>
 at::Tensor run_dense(const Problem& p, const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Tensor& query) {
   DenseReader<T> reader{k_cache.data_ptr<T>(), v_cache.data_ptr<T>(), p.block_size, p.h_kv, p.d};
+  if constexpr (std::is_same_v<T, at::BFloat16>) {
+    if (query.scalar_type() == at::kBFloat16 && p.d / 2 % kLanes == 0) return run_bf16(p, reader, query);
+  }
   return run(p, reader, query);
 }
 

@@ -24,6 +24,7 @@ constexpr int kLanes = 4;
 #endif
 typedef float vf __attribute__((vector_size(kLanes * sizeof(float))));
 typedef int32_t vi __attribute__((vector_size(kLanes * sizeof(int32_t))));
+typedef uint32_t vu __attribute__((vector_size(kLanes * sizeof(uint32_t))));
 
 inline vf loadu(const float* p) {
   vf v;
@@ -62,6 +63,43 @@ inline float hsum(vf v) {
 #else
   return (v[0] + v[2]) + (v[1] + v[3]);
 #endif
+}
+
+// bf16 pairs: two bf16 values in one 32-bit lane (the first in the low half), as vdpbf16ps reads them.
+inline vf splat_pair(uint32_t pair) {
+  const vi bits = vi{} + static_cast<int32_t>(pair);
+  vf v;
+  std::memcpy(&v, &bits, sizeof(vf));
+  return v;
+}
+inline vf load_pairs(const uint32_t* p) {
+  vf v;
+  std::memcpy(&v, p, sizeof(vf));
+  return v;
+}
+
+// acc + x0 * w0 + x1 * w1 in each 32-bit lane, for the bf16 pairs (x0, x1) of x and (w0, w1) of w: one
+// vdpbf16ps where the CPU has AVX-512 BF16, else the pair widened to fp32 and two FMAs. (The products
+// of two bf16 values are exact in fp32; either way a lane's result depends on its own inputs only.)
+inline vf dot_pairs(vf acc, vf x, vf w) {
+#if defined(__AVX512BF16__) && defined(__AVX512F__)
+  return reinterpret_cast<vf>(_mm512_dpbf16_ps(reinterpret_cast<__m512>(acc), (__m512bh)reinterpret_cast<__m512i>(x),
+                                               (__m512bh)reinterpret_cast<__m512i>(w)));
+#else
+  const vi mask = vi{} + static_cast<int32_t>(0xffff0000u);
+  const vi wb = reinterpret_cast<vi>(w), xb = reinterpret_cast<vi>(x);
+  const vf w0 = reinterpret_cast<vf>(wb << 16), w1 = reinterpret_cast<vf>(wb & mask);
+  const vf x0 = reinterpret_cast<vf>(xb << 16), x1 = reinterpret_cast<vf>(xb & mask);
+  return fmadd(x1, w1, fmadd(x0, w0, acc));
+#endif
+}
+
+// The bf16 bit patterns of finite floats, rounded to nearest even with integer operations (the same on
+// every ISA, denormals included), in the low 16 bits of each lane.
+inline vu bf16_bits(vf x) {
+  vu b;
+  std::memcpy(&b, &x, sizeof(vf));
+  return (b + 0x7fffu + ((b >> 16) & 1u)) >> 16;
 }
 
 inline float hmax(vf v) {

@@ -26,7 +26,9 @@ from kvserve.models.cpu_linear import wrap_linears
 # (q_len, seq_len) per sequence: a whole prompt, a warm suffix, a decode row, a short prompt
 LENS = [(600, 600), (40, 700), (1, 1300), (17, 17)]
 SHAPES = {"tiny": (4, 2, 16), "smollm2": (9, 3, 64), "d128": (8, 2, 128)}
-FORMATS = ["fp32", "bf16", "fp8_e4m3", "int8", "int4", "turbo4"]  # int4 / turbo4: through a dense copy
+# int4 / turbo4: through a dense copy. bf16q: bf16 queries over a bf16 pool, the kernel's bf16 arithmetic
+# (csrc/cpu/attention_math.h, Bf16Math) where head_dim / 2 fills whole vectors (not "tiny" on AVX-512).
+FORMATS = ["fp32", "bf16", "bf16q", "fp8_e4m3", "int8", "int4", "turbo4"]
 
 
 @contextlib.contextmanager
@@ -42,6 +44,8 @@ def threads(n: int):
 def batch(shape: str, fmt: str, lens=LENS, seed: int = 0):
     h, h_kv, d = SHAPES[shape]
     query, dense, meta = make_batch(lens, h, h_kv, d, 16, torch.float32, "mixed", seed=seed)
+    if fmt == "bf16q":
+        return query.bfloat16(), quantized_copy(dense, meta, "bf16", torch.float32), meta, d**-0.5
     kv = dense if fmt == "fp32" else quantized_copy(dense, meta, fmt, torch.float32)
     return query, kv, meta, d**-0.5
 
@@ -106,7 +110,7 @@ def test_attention_rows_are_batch_invariant(ext, shape, fmt):
             assert_rows_equal(backend, query, kv, meta, scale, full, pieces, what)
 
 
-@pytest.mark.parametrize("fmt", ["fp32", "fp8_e4m3", "int8"])
+@pytest.mark.parametrize("fmt", ["fp32", "bf16q", "fp8_e4m3", "int8"])
 def test_attention_is_thread_count_invariant(ext, fmt):
     query, kv, meta, scale = batch("smollm2", fmt, lens=[(300, 300), (1, 2000), (1, 700), (5, 1500)])
     with threads(1):
@@ -129,7 +133,7 @@ def shared_prefix_decode(fmt: str, shared_blocks: int):
     return query, kv, AttentionMetadata.build(seqs, meta.block_size, "cpu", write=False), scale
 
 
-@pytest.mark.parametrize("fmt", ["fp32", "bf16", "fp8_e4m3", "int8"])
+@pytest.mark.parametrize("fmt", ["fp32", "bf16", "bf16q", "fp8_e4m3", "int8"])
 @pytest.mark.parametrize("shared_blocks", [64, 70])
 def test_decode_rows_sharing_a_prefix_equal_each_alone(ext, fmt, shared_blocks):
     """Splits that several decoding sequences hold in the same blocks are one work item for all of them
@@ -145,8 +149,7 @@ def test_decode_rows_sharing_a_prefix_equal_each_alone(ext, fmt, shared_blocks):
                 _, sub, rows = pieces_meta(query, meta, [(i, 0, 1)])
                 alone = backend.forward(query[rows].contiguous(), kv, sub, scale)
                 assert torch.equal(alone[0], together[i]), f"row {i}, {n} thread(s)"
-    ref = ReferenceBackend().forward(query, kv, meta, scale)
-    torch.testing.assert_close(together, ref, atol=2e-5, rtol=0)
+    assert_matches_reference(together, query, kv, meta, scale)
 
 
 @pytest.mark.parametrize("fmt", ["fp32", "int8", "turbo4"])
@@ -166,9 +169,22 @@ def test_rows_at_explicit_positions_equal_the_prefill_rows(ext, fmt):
 @pytest.mark.parametrize("shape", list(SHAPES))
 def test_attention_matches_the_reference(ext, shape, fmt):
     query, kv, meta, scale = batch(shape, fmt, lens=[(70, 70), (9, 140), (1, 1300), (1, 5)], seed=1)
-    ref = ReferenceBackend().forward(query, kv, meta, scale)
     out = CpuPagedBackend().forward(query, kv, meta, scale)
-    torch.testing.assert_close(out, ref, atol=2e-5, rtol=0)
+    assert_matches_reference(out, query, kv, meta, scale)
+
+
+def assert_matches_reference(out, query, kv, meta, scale):
+    """Within fp32 rounding of the reference; for bf16 queries, of the reference's fp32 arithmetic over the
+    same bf16 values, within the bf16 arithmetic's two roundings: probabilities (sum |dp| |v| / l <= 2^-9
+    max |v|) and the output's (2^-9 |out| <= 2^-9 max |v|)."""
+    ref = ReferenceBackend().forward(query.float(), kv, meta, scale)
+    if query.dtype == torch.bfloat16:
+        blocks = torch.unique(meta.block_tables[meta.block_tables >= 0]).long()
+        atol = 2**-8 * kv.gather(blocks)[1].float().abs().max().item()
+        assert out.dtype == torch.bfloat16
+        torch.testing.assert_close(out.float(), ref, atol=atol, rtol=0)
+    else:
+        torch.testing.assert_close(out, ref, atol=2e-5, rtol=0)
 
 
 def wrapped(ext, out_features: int, in_features: int, bias: bool, dtype=torch.float32) -> nn.Module:
