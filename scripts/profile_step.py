@@ -2,7 +2,8 @@
 everything else (per-op dispatch through the modeling code, norms, RoPE, activations, Python).
 
 Times each linear's forward and each attention backend call with a wall clock around it, inside real
-engine steps (decode at batch 1 and 8, and a prefill), and reports per-step medians:
+engine steps (decode at batch 1 and 8, 8 decoding over a shared 1.4k-token prefix as in the burst
+workload, and a prefill), and reports per-step medians:
 
     python scripts/profile_step.py [--dtype float32 bfloat16] [--threads 2] [--steps 30]
                                    [--extra model_forward=hf]
@@ -75,12 +76,17 @@ def timed_calls(llm: LLM, timers: Timers) -> Iterator[None]:
                 setattr(obj, attr, own)
 
 
-def profile_decode(llm: LLM, batch: int, steps: int, seed: int) -> dict[str, float]:
+def profile_decode(llm: LLM, batch: int, steps: int, seed: int, shared_prefix: int = 0) -> dict[str, float]:
+    """Decode steps of `batch` sequences of 64-token prompts, after a common `shared_prefix` tokens (the
+    burst workload's shape: chats over one cached system prompt)."""
     engine = llm.engine
     params = SamplingParams(max_tokens=steps + 8, temperature=0, ignore_eos=True)
     ids = [f"p{seed}-{i}" for i in range(batch)]
+    prefix = corpus(llm, shared_prefix, seed * 1000) if shared_prefix else []
+    if prefix:  # cached first, so that the 8 hit it and decode over the same blocks
+        llm.generate([prefix], SamplingParams(max_tokens=1, temperature=0))
     for rid, i in zip(ids, range(batch)):
-        engine.add_request(Request(rid, corpus(llm, 64, seed * 100 + i), params))
+        engine.add_request(Request(rid, prefix + corpus(llm, 64, seed * 100 + i), params))
     while any((s := engine.scheduler.find(r)) is not None and not s.output_token_ids for r in ids):
         engine.step()  # prefills
     return measure_steps(llm, steps, finish=lambda: any(engine.scheduler.find(r) for r in ids))
@@ -125,6 +131,7 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--steps", type=int, default=30)
     ap.add_argument("--prefill-tokens", type=int, default=1024)
+    ap.add_argument("--shared-prefix", type=int, default=1400, help="the shared-prefix decode case's prefix")
     ap.add_argument("--extra", nargs="*", default=[], help="ServeConfig overrides, key=value")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
@@ -136,7 +143,11 @@ def main() -> None:
         llm = LLM(model=args.model, dtype=dtype, max_cache_bytes=1_000_000_000, **extra)
         llm.generate([corpus(llm, 256, 0)], SamplingParams(max_tokens=4, temperature=0))  # warm-up
         cases = [(f"decode x{b}", profile_decode(llm, b, args.steps, seed=b)) for b in (1, 8)] + [
-            (f"prefill {args.prefill_tokens}", profile_prefill(llm, args.prefill_tokens, seed=7))
+            (
+                f"decode x8, shared {args.shared_prefix}-token prefix",
+                profile_decode(llm, 8, args.steps, seed=9, shared_prefix=args.shared_prefix),
+            ),
+            (f"prefill {args.prefill_tokens}", profile_prefill(llm, args.prefill_tokens, seed=7)),
         ]
         for name, r in cases:
             print(
