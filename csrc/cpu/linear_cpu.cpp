@@ -12,8 +12,9 @@
 // sum. Many rows: register tiles of 8 rows x 3 panels (24 accumulators, 11 loads per 24 FMAs) over
 // cache blocks of 96 rows x 3 panels (the block's panels, 3 x in x kLanes floats, stay in L2 while the
 // rows stream past). Up to 16 rows (decode steps): W streamed from memory once, panel by panel. Work
-// runs on torch's threads in chunks taken from a shared counter (parallel.h). (Measured on the dev machine's AVX-512 core: about 1.4x the throughput of
-// the same chains over W read in place with per-output horizontal sums.)
+// runs on torch's threads in chunks taken from a shared counter (parallel.h). (Measured on the dev
+// machine's AVX-512 core: about 1.4x the throughput of the same chains over W read in place with
+// per-output horizontal sums.)
 //
 // bf16 (`row_linear_bf16`, W packed by `pack_linear_weight_bf16`): the same tiles, with inputs taken two
 // at a time. W is packed [panels, in / 2, kLanes, 2] (input features in pairs, zero-padded to even), so

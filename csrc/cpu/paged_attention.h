@@ -3,10 +3,7 @@
 // paged_attention_cpu.cpp (which has the design notes).
 #pragma once
 
-#include <ATen/Parallel.h>
-
 #include <algorithm>
-#include <atomic>
 #include <cstdint>
 #include <map>
 #include <type_traits>
@@ -42,37 +39,41 @@ struct Item {
   std::vector<int64_t> rows;
 };
 
-// Per-thread buffers, sized for the largest item. Per-step K/V state is per KV head: [h_kv][...]. The
-// bf16 arithmetic's buffers (kt2, vt2, probs16) are only sized when it runs.
+// Per-thread buffers, sized for the largest item, typed by the arithmetic M. Per-step K/V state is per KV
+// head: [h_kv][...]. K transposed is kt [h_kv][D / M::kPack][sp] (fp32 values, or bf16 channel pairs).
+template <typename M>
 struct Work {
-  std::vector<Scratch> scratch;  // one per (block of a step, KV head)
-  std::vector<float> zeros, kt, k_mult, v_mult, scores, acc, total;
+  static constexpr bool kBf16 = std::is_same_v<M, Bf16Math>;
+  std::vector<Scratch> scratch;  // fp32: one per (block of a step, KV head)
+  std::vector<typename M::K> kt;
+  std::vector<float> zeros, k_mult, v_mult, scores, acc, total;
   std::vector<float> m, l, tm, tl, corr;
   std::vector<int32_t> lane_pos, active, n_valid;
-  std::vector<const float*> lane_q, tok_k, tok_v, q_act, p_act;
+  std::vector<const typename M::Q*> lane_q, q_act;
+  std::vector<const typename M::P*> p_act;  // fp32: the scores, overwritten with probabilities
+  std::vector<const float*> tok_k, tok_v;
   std::vector<float*> s_ptr, acc_ptr;
   std::vector<bool> has_k_mult, has_v_mult;
-  std::vector<uint32_t> kt2, vt2;  // bf16 pairs: K transposed [h_kv][D / 2][sp], V [h_kv][D / kLanes][sp / 2][kLanes]
-  std::vector<uint16_t> probs16;   // [lanes][sp]
-  std::vector<const uint16_t*> tok_v16, p16_act;
-  std::vector<const uint32_t*> lane_q2, q2_act;
-  Work(const Problem& p, int64_t lanes, bool bf16)
-      : scratch(bf16 ? 0 : p.step_tokens / p.block_size * p.h_kv, Scratch(p.block_size, p.d)), zeros(p.d),
-        kt(bf16 ? 0 : p.h_kv * p.d * p.step_tokens), k_mult(p.h_kv * p.step_tokens), v_mult(p.h_kv * p.step_tokens),
-        scores(lanes * p.step_tokens), acc(lanes * p.d), total(lanes * p.d), m(lanes), l(lanes), tm(lanes),
-        tl(lanes), corr(lanes), lane_pos(lanes), active(lanes), n_valid(lanes), lane_q(lanes),
-        tok_k(p.h_kv * p.step_tokens), tok_v(p.h_kv * p.step_tokens), q_act(lanes), p_act(lanes), s_ptr(lanes),
-        acc_ptr(lanes), has_k_mult(p.h_kv), has_v_mult(p.h_kv), kt2(bf16 ? p.h_kv * p.d / 2 * p.step_tokens : 0),
-        vt2(bf16 ? p.h_kv * p.d / 2 * p.step_tokens : 0), probs16(bf16 ? lanes * p.step_tokens : 0),
-        tok_v16(bf16 ? p.h_kv * p.step_tokens : 0), p16_act(bf16 ? lanes : 0), lane_q2(bf16 ? lanes : 0),
-        q2_act(bf16 ? lanes : 0) {}
+  // bf16 only: V interleaved by token pairs [h_kv][D / kLanes][sp / 2][kLanes], V's rows, the rounded
+  // probabilities [lanes][sp]
+  std::vector<uint32_t> vt2;
+  std::vector<const uint16_t*> tok_v16;
+  std::vector<uint16_t> probs16;
+  Work(const Problem& p, int64_t lanes)
+      : scratch(kBf16 ? 0 : p.step_tokens / p.block_size * p.h_kv, Scratch(p.block_size, p.d)),
+        kt(p.h_kv * p.d / M::kPack * p.step_tokens), zeros(p.d), k_mult(p.h_kv * p.step_tokens),
+        v_mult(p.h_kv * p.step_tokens), scores(lanes * p.step_tokens), acc(lanes * p.d), total(lanes * p.d), m(lanes),
+        l(lanes), tm(lanes), tl(lanes), corr(lanes), lane_pos(lanes), active(lanes), n_valid(lanes), lane_q(lanes),
+        q_act(lanes), p_act(lanes), tok_k(p.h_kv * p.step_tokens), tok_v(p.h_kv * p.step_tokens), s_ptr(lanes),
+        acc_ptr(lanes), has_k_mult(p.h_kv), has_v_mult(p.h_kv), vt2(kBf16 ? p.h_kv * p.d / 2 * p.step_tokens : 0),
+        tok_v16(kBf16 ? p.h_kv * p.step_tokens : 0), probs16(kBf16 ? lanes * p.step_tokens : 0) {}
 };
 
 // Reads the blocks of the step [start, start + n) for every KV head, in the order they lie in memory
 // (block, then token group, then head): token rows in w.tok_k / w.tok_v, K transposed into w.kt,
 // per-token multipliers. Then prefetches the next step's blocks.
 template <int D, typename Reader>
-void read_step(const Problem& p, const Reader& reader, Work& w, int64_t seq, int64_t start, int64_t n,
+void read_step(const Problem& p, const Reader& reader, Work<Fp32Math>& w, int64_t seq, int64_t start, int64_t n,
                int64_t next_n) {
   const int64_t sp = p.step_tokens, bs = p.block_size;
   for (int64_t t0 = 0; t0 < n; t0 += bs) {
@@ -103,10 +104,10 @@ void read_step(const Problem& p, const Reader& reader, Work& w, int64_t seq, int
 }
 
 // read_step for the bf16 arithmetic over a bf16 pool, read in place without conversion: K's rows, as
-// D / 2 channel pairs, transposed into w.kt2 (the same 32-bit tile transpose); V's rows interleaved by
+// D / 2 channel pairs, transposed into w.kt (the same 32-bit tile transpose); V's rows interleaved by
 // token pairs into w.vt2. Tokens past n read as zeros.
 template <int D>
-void read_step_bf16(const Problem& p, const DenseReader<at::BFloat16>& reader, Work& w, int64_t seq, int64_t start,
+void read_step_bf16(const Problem& p, const DenseReader<at::BFloat16>& reader, Work<Bf16Math>& w, int64_t seq, int64_t start,
                     int64_t n, int64_t next_n) {
   const int64_t sp = p.step_tokens, bs = p.block_size, stride = p.h_kv * D;
   const auto* k = reinterpret_cast<const uint16_t*>(reader.k);
@@ -127,7 +128,7 @@ void read_step_bf16(const Problem& p, const DenseReader<at::BFloat16>& reader, W
   for (int64_t h = 0; h < p.h_kv; ++h) {
     for (int64_t t = n; t < padded; ++t) w.tok_k[h * sp + t] = w.zeros.data(), w.tok_v16[h * sp + t] = zeros16;
   }
-  auto* kt2 = reinterpret_cast<float*>(w.kt2.data());
+  auto* kt2 = reinterpret_cast<float*>(w.kt.data());
   for (int64_t t0 = 0; t0 < padded; t0 += kLanes)
     for (int64_t h = 0; h < p.h_kv; ++h)
       for (int d0 = 0; d0 < D / 2; d0 += kLanes)
@@ -155,8 +156,8 @@ void read_step_bf16(const Problem& p, const DenseReader<at::BFloat16>& reader, W
 // One online-softmax step of KV head h (read by read_step) for the lanes of its query heads that see
 // it (lane = local row * num_heads + query head).
 template <int D, typename M>
-void run_step(const Problem& p, Work& w, int64_t h, int64_t start, int64_t num_rows, int64_t n_max) {
-  constexpr bool kBf16 = std::is_same_v<M, Bf16Math>;
+void run_step(const Problem& p, Work<M>& w, int64_t h, int64_t start, int64_t num_rows, int64_t n_max) {
+  constexpr bool kBf16 = Work<M>::kBf16;
   const int64_t sp = p.step_tokens, group = p.num_heads / p.h_kv;
   int64_t num_active = 0;
   int64_t n_common = sp;
@@ -166,13 +167,12 @@ void run_step(const Problem& p, Work& w, int64_t h, int64_t start, int64_t num_r
     const int64_t n = std::min<int64_t>(sp, w.lane_pos[lane] + 1 - start);
     w.active[num_active] = static_cast<int32_t>(lane);
     w.n_valid[num_active] = static_cast<int32_t>(n);
+    w.q_act[num_active] = w.lane_q[lane];
     w.s_ptr[num_active] = w.scores.data() + num_active * sp;
-    w.p_act[num_active] = w.s_ptr[num_active];
     if constexpr (kBf16) {
-      w.q2_act[num_active] = w.lane_q2[lane];
-      w.p16_act[num_active] = w.probs16.data() + num_active * sp;
+      w.p_act[num_active] = w.probs16.data() + num_active * sp;
     } else {
-      w.q_act[num_active] = w.lane_q[lane];
+      w.p_act[num_active] = w.s_ptr[num_active];
     }
     w.acc_ptr[num_active] = w.acc.data() + lane * D;
     n_common = std::min(n_common, n);
@@ -181,11 +181,8 @@ void run_step(const Problem& p, Work& w, int64_t h, int64_t start, int64_t num_r
   const int64_t nv = (n_max + 4 * kLanes - 1) / (4 * kLanes) * 4;
   const float* k_mult = w.has_k_mult[h] ? w.k_mult.data() + h * sp : nullptr;
   const float* v_mult = w.has_v_mult[h] ? w.v_mult.data() + h * sp : nullptr;
-  if constexpr (kBf16) {
-    score_lanes<D, 4, M>(w.q2_act.data(), w.kt2.data() + h * D / 2 * sp, sp, nv, p.scale, w.s_ptr.data(), num_active);
-  } else {
-    score_lanes<D, 4, M>(w.q_act.data(), w.kt.data() + h * D * sp, sp, nv, p.scale, w.s_ptr.data(), num_active);
-  }
+  score_lanes<D, 4, M>(w.q_act.data(), w.kt.data() + h * (D / M::kPack) * sp, sp, nv, p.scale, w.s_ptr.data(),
+                       num_active);
   for (int64_t a = 0; a < num_active; ++a) {
     const int64_t lane = w.active[a];
     w.corr[a] = softmax_step(w.s_ptr[a], w.n_valid[a], k_mult, v_mult, w.m[lane], w.l[lane]);
@@ -198,24 +195,23 @@ void run_step(const Problem& p, Work& w, int64_t h, int64_t start, int64_t num_r
   // Units of the P V chain: tokens (fp32) or token pairs (bf16). All lanes run [0, common) together,
   // then each the rest of its own; where that boundary falls never changes a lane's chain.
   const int64_t common = n_common / M::kPack;
-  auto pv = [&](const typename M::P* const* probs, const typename M::V& v) {
-    pv_lanes<D, pv_rows(D), M>(w.acc_ptr.data(), probs, w.corr.data(), v, common, num_active);
-    for (int64_t a = 0; a < num_active; ++a) {
-      const int64_t end = (w.n_valid[a] + M::kPack - 1) / M::kPack;
-      if (end > common) pv_tile<D, 1, M>(&w.acc_ptr[a], probs + a, nullptr, v, common, end);
-    }
-  };
+  typename M::V v;
   if constexpr (kBf16) {
-    pv(w.p16_act.data(), typename M::V{w.vt2.data() + h * D / 2 * sp, sp / 2});
+    v = {w.vt2.data() + h * D / 2 * sp, sp / 2};
   } else {
-    pv(w.p_act.data(), typename M::V{w.tok_v.data() + h * sp});
+    v = {w.tok_v.data() + h * sp};
+  }
+  pv_lanes<D, pv_rows(D), M>(w.acc_ptr.data(), w.p_act.data(), w.corr.data(), v, common, num_active);
+  for (int64_t a = 0; a < num_active; ++a) {
+    const int64_t end = (w.n_valid[a] + M::kPack - 1) / M::kPack;
+    if (end > common) pv_tile<D, 1, M>(&w.acc_ptr[a], &w.p_act[a], nullptr, v, common, end);
   }
 }
 
 // Blocks in order of position, and for each step every KV head, so that a block's bytes (all heads,
 // interleaved) are read together: one pass over the sequence's KV. Lane = local row * H + query head.
 template <int D, typename Reader, typename M>
-void run_item(const Problem& p, const Reader& reader, Work& w, const Item& it, const typename M::Q* q, float* out,
+void run_item(const Problem& p, const Reader& reader, Work<M>& w, const Item& it, const typename M::Q* q, float* out,
               float* partials, const int64_t* partial_base) {
   const int64_t h_all = p.num_heads, st = p.split_tokens, num_rows = static_cast<int64_t>(it.rows.size());
   const int64_t num_lanes = num_rows * h_all;
@@ -226,12 +222,7 @@ void run_item(const Problem& p, const Reader& reader, Work& w, const Item& it, c
   for (int64_t lane = 0; lane < num_lanes; ++lane) {
     const int64_t r = it.rows[lane / h_all];
     w.lane_pos[lane] = p.pos[r];
-    const typename M::Q* lane_q = q + (r * h_all + lane % h_all) * (D / M::kPack);
-    if constexpr (std::is_same_v<M, Bf16Math>) {
-      w.lane_q2[lane] = lane_q;
-    } else {
-      w.lane_q[lane] = lane_q;
-    }
+    w.lane_q[lane] = q + (r * h_all + lane % h_all) * (D / M::kPack);
     w.tm[lane] = kNegInf;
   }
   for (int64_t split = first_split; split <= last_split; ++split) {
@@ -242,7 +233,7 @@ void run_item(const Problem& p, const Reader& reader, Work& w, const Item& it, c
     for (int64_t start = split_begin; start < split_begin + st && start <= max_pos; start += p.step_tokens) {
       const int64_t n_max = std::min<int64_t>(p.step_tokens, max_pos + 1 - start);
       const int64_t next_n = std::min<int64_t>(p.step_tokens, max_pos + 1 - start - p.step_tokens);
-      if constexpr (std::is_same_v<M, Bf16Math>) {
+      if constexpr (Work<M>::kBf16) {
         read_step_bf16<D>(p, reader, w, it.seq, start, n_max, next_n);
       } else {
         read_step<D>(p, reader, w, it.seq, start, n_max, next_n);
@@ -336,8 +327,8 @@ void run_rows(const Problem& p, const Reader& reader, const typename M::Q* q, fl
   for (const Item& it : items) max_rows = std::max<int64_t>(max_rows, static_cast<int64_t>(it.rows.size()));
   std::vector<float> partials(num_partials * p.num_heads * (D + 2));
   parallel_chunks_with(
-      static_cast<int64_t>(items.size()), 1, 1, [&] { return Work(p, max_rows * p.num_heads, std::is_same_v<M, Bf16Math>); },
-      [&](Work& w, int64_t i, int64_t) {
+      static_cast<int64_t>(items.size()), 1, 1, [&] { return Work<M>(p, max_rows * p.num_heads); },
+      [&](Work<M>& w, int64_t i, int64_t) {
         run_item<D, Reader, M>(p, reader, w, items[i], q, out, partials.data(), partial_base.data());
       });
   if (num_partials == 0) return;

@@ -109,31 +109,24 @@ void check_block_ids(const Problem& p, int64_t num_blocks) {
   }
 }
 
-// q in fp32, pre-scaled; the kernel; out in the query's dtype.
-template <typename Reader>
+// The kernel in arithmetic M; out in the query's dtype. Fp32Math takes q in fp32, pre-scaled (one rounding
+// per element, any dtype); Bf16Math takes bf16 q as it is (the scale is applied to the fp32 scores).
+template <typename M = Fp32Math, typename Reader>
 at::Tensor run(const Problem& p, const Reader& reader, const at::Tensor& query) {
-  const RunFn<Reader> fn = run_for_head_dim<Reader>(p.d);
-  at::Tensor q = query.to(at::kFloat).mul(p.scale).contiguous();  // one rounding per element, any dtype
-  at::Tensor out = at::empty_like(q);
-  fn(p, reader, q.data_ptr<float>(), out.data_ptr<float>());
-  return out.to(query.scalar_type());
-}
-
-// bf16 queries over a bf16 pool: the bf16 arithmetic (attention_math.h, Bf16Math), operands read as
-// they are, scale applied to the fp32 scores. Needs D / 2 to be a whole number of vector tiles.
-at::Tensor run_bf16(const Problem& p, const DenseReader<at::BFloat16>& reader, const at::Tensor& query) {
-  const RunFn<DenseReader<at::BFloat16>, Bf16Math> fn = run_for_head_dim<DenseReader<at::BFloat16>, Bf16Math>(p.d);
-  const at::Tensor q = query.contiguous();
+  const RunFn<Reader, M> fn = run_for_head_dim<Reader, M>(p.d);
+  const at::Tensor q =
+      std::is_same_v<M, Bf16Math> ? query.contiguous() : query.to(at::kFloat).mul(p.scale).contiguous();
   at::Tensor out = at::empty(q.sizes(), q.options().dtype(at::kFloat));
-  fn(p, reader, reinterpret_cast<const uint32_t*>(q.data_ptr<at::BFloat16>()), out.data_ptr<float>());
-  return out.to(at::kBFloat16);
+  fn(p, reader, static_cast<const typename M::Q*>(q.data_ptr()), out.data_ptr<float>());
+  return out.to(query.scalar_type());
 }
 
 template <typename T>
 at::Tensor run_dense(const Problem& p, const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Tensor& query) {
   DenseReader<T> reader{k_cache.data_ptr<T>(), v_cache.data_ptr<T>(), p.block_size, p.h_kv, p.d};
   if constexpr (std::is_same_v<T, at::BFloat16>) {
-    if (query.scalar_type() == at::kBFloat16 && p.d / 2 % kLanes == 0) return run_bf16(p, reader, query);
+    // bf16 queries over a bf16 pool: the bf16 arithmetic, where D / 2 is a whole number of vector tiles
+    if (query.scalar_type() == at::kBFloat16 && p.d / 2 % kLanes == 0) return run<Bf16Math>(p, reader, query);
   }
   return run(p, reader, query);
 }
