@@ -90,9 +90,37 @@ class ServeConfig:
     blend_check_layer: int = field(
         default=1, metadata={"help": "cacheblend: layers up to this one recompute every reused token"}
     )
+    blend_seam_tokens: int = field(
+        default=0,
+        metadata={
+            "help": "cacheblend: the first N tokens after each seam are always among the recomputed "
+            "(seam-aware), the rest of the ratio goes by deviation"
+        },
+    )
     recompute_ratio: float = field(
         default=0.15,
         metadata={"help": "cacheblend: fraction of reused tokens recomputed after the check layer"},
+    )
+    reuse_min_saving: float = field(
+        default=0.1,
+        metadata={
+            "help": "take a content match only if its estimated prefill time is at least this fraction "
+            "below exact-only reuse's (0 = whenever it is not slower; negative = also when slower, "
+            "for measuring the repair strategies)"
+        },
+    )
+    audit_rate: float = field(
+        default=0.02,
+        metadata={
+            "help": "fraction of approximately reused prompts recomputed in full when the engine is idle, "
+            "to measure the served first token's KL and top-1 agreement (0 = only requests with audit: true)"
+        },
+    )
+    audit_max_kl: float = field(
+        default=0.1,
+        metadata={
+            "help": "stop approximate reuse of a document whose audited first-token KL exceeds this (nats)"
+        },
     )
     pieces: str = field(
         default="content",
@@ -109,6 +137,14 @@ class ServeConfig:
     max_num_seqs: int = field(default=32, metadata={"help": "most sequences in one step"})
     max_num_batched_tokens: int = field(
         default=2048, metadata={"help": "token budget of one step (long prompts are prefilled in pieces)"}
+    )
+    decode_slowdown_limit: float = field(
+        default=0.0,
+        metadata={
+            "help": "while sequences decode, give prefill and repair pieces only as many rows as keep a "
+            "step's estimated time within this multiple of the decode rows' own (e.g. 1.5; 0 = off: "
+            "only max_num_batched_tokens limits them)"
+        },
     )
     batch_window_ms: float = field(
         default=0.0,
@@ -170,11 +206,27 @@ def validate(cfg: ServeConfig) -> None:
         raise ConfigError(
             f"max_num_batched_tokens must be at least block_size (got {cfg.max_num_batched_tokens})"
         )
-    for name in ("recompute_tokens", "sink_tokens", "overlap_tokens", "blend_check_layer"):
+    for name in (
+        "recompute_tokens",
+        "sink_tokens",
+        "overlap_tokens",
+        "blend_check_layer",
+        "blend_seam_tokens",
+    ):
         if getattr(cfg, name) < 0:
             raise ConfigError(f"{name} must be >= 0 (got {getattr(cfg, name)})")
     if not 0.0 <= cfg.max_pinned_fraction <= 1.0:
         raise ConfigError(f"max_pinned_fraction must be in [0, 1] (got {cfg.max_pinned_fraction})")
+    if cfg.decode_slowdown_limit != 0.0 and cfg.decode_slowdown_limit <= 1.0:
+        raise ConfigError(
+            f"decode_slowdown_limit must be above 1, or 0 for off (got {cfg.decode_slowdown_limit})"
+        )
+    if not cfg.reuse_min_saving < 1.0:
+        raise ConfigError(f"reuse_min_saving must be below 1 (got {cfg.reuse_min_saving})")
+    if not 0.0 <= cfg.audit_rate <= 1.0:
+        raise ConfigError(f"audit_rate must be in [0, 1] (got {cfg.audit_rate})")
+    if not cfg.audit_max_kl > 0.0:
+        raise ConfigError(f"audit_max_kl must be positive (got {cfg.audit_max_kl})")
     if not 0.0 <= cfg.recompute_ratio <= 1.0:
         raise ConfigError(f"recompute_ratio must be in [0, 1] (got {cfg.recompute_ratio})")
     if not 0 < cfg.piece_min_tokens <= cfg.piece_max_tokens:

@@ -14,7 +14,7 @@ from collections.abc import Iterator
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
-from kvserve.engine.stats import EngineStats
+from kvserve.engine.stats import ContentReuseStats, EngineStats
 from kvserve.request import RequestOutput
 
 WINDOW_S = 60.0
@@ -238,3 +238,57 @@ class _EngineStatsCollector:
             c = CounterMetricFamily(metric_name, doc, labels=["model_name"])
             c.add_metric([name], float(value))
             yield c
+        yield from _reuse_quality(name, s.content_reuse)
+
+
+def _reuse_quality(name: str, reuse: ContentReuseStats) -> Iterator[Metric]:
+    """Cost-aware plan decisions, the online audit's KL distribution per strategy, and the guard."""
+    plans = CounterMetricFamily(
+        "kvserve:reuse_plans",
+        "Prompts with content matches by the cost-aware decision (taken, or declined and why).",
+        labels=["model_name", "decision"],
+    )
+    for decision, count in reuse.plans.items():
+        plans.add_metric([name, decision], float(count))
+    yield plans
+    kl = GaugeMetricFamily(
+        "kvserve:audit_first_token_kl",
+        "Audited first-token KL(full prefill || served), nats, by repair strategy (quantile 1 = max).",
+        labels=["model_name", "strategy", "quantile"],
+    )
+    audits = CounterMetricFamily(
+        "kvserve:audits",
+        "Approximately reused prompts recomputed in full by the audit.",
+        labels=["model_name", "strategy"],
+    )
+    agree = GaugeMetricFamily(
+        "kvserve:audit_top1_agreement",
+        "Share of audited prompts whose served first token's top-1 equals the full prefill's.",
+        labels=["model_name", "strategy"],
+    )
+    for strategy, a in reuse.audit.items():
+        for q, value in (("0.5", a.kl_p50), ("0.95", a.kl_p95), ("1", a.kl_max)):
+            kl.add_metric([name, strategy, q], value)
+        audits.add_metric([name, strategy], float(a.num_audited))
+        agree.add_metric([name, strategy], a.top1_agreement)
+    yield from (kl, audits, agree)
+    for metric_name, doc, value in (
+        (
+            "kvserve:audit_guard_fired",
+            "Audits over --audit-max-kl (their documents are guarded).",
+            reuse.num_guard_fired,
+        ),
+        (
+            "kvserve:audit_guard_skipped_matches",
+            "Content matches skipped: their document is guarded.",
+            reuse.num_guard_skips,
+        ),
+        (
+            "kvserve:audits_dropped",
+            "Audits not run (too many pending, or the recompute failed).",
+            reuse.num_audits_dropped,
+        ),
+    ):
+        c = CounterMetricFamily(metric_name, doc, labels=["model_name"])
+        c.add_metric([name], float(value))
+        yield c

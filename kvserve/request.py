@@ -58,6 +58,7 @@ RANGES: dict[str, Range] = {
     "recompute_tokens": Range(0, INT32_MAX),
     "recompute_ratio": Range(0.0, 1.0),
     "blend_check_layer": Range(0, INT32_MAX),
+    "blend_seam_tokens": Range(0, INT32_MAX),
 }
 
 
@@ -155,6 +156,8 @@ class ReuseOptions:
     recompute_tokens: int | None = None
     recompute_ratio: float | None = None
     blend_check_layer: int | None = None
+    blend_seam_tokens: int | None = None
+    audit: bool | None = None  # with reuse=any: recompute this prompt in full later, to measure the KL
 
     def __post_init__(self) -> None:
         if self.reuse not in (None, "prefix", "any"):
@@ -164,7 +167,7 @@ class ReuseOptions:
                 f"recompute_strategy must be none, selective or cacheblend (got {self.recompute_strategy!r})",
                 param="recompute_strategy",
             )
-        for name in ("recompute_tokens", "recompute_ratio", "blend_check_layer"):
+        for name in ("recompute_tokens", "recompute_ratio", "blend_check_layer", "blend_seam_tokens"):
             value = getattr(self, name)
             if value is not None:
                 RANGES[name].check(name, value)
@@ -203,6 +206,9 @@ class Request:
     pin: bool = False
     reuse: ReuseOptions | None = None
     metrics: RequestMetrics = field(default_factory=RequestMetrics)
+    # engine-internal (an audit's full recompute): scheduled only while no other request runs or
+    # waits, and its output goes to the engine, never to a client
+    background: bool = False
 
 
 def sample_requests(
@@ -291,6 +297,8 @@ class RequestOutput:
     num_approx_cached_tokens: int = 0  # reused from content matches (moved and not recomputed)
     num_recomputed_tokens: int = 0  # reused tokens recomputed by the repair
     compute_fraction: float | None = None  # repair forwards only: token-layers computed / full prefill's
+    reuse_plan: str | None = None  # with content matches: "taken" or "declined: <why>" (cost-aware choice)
+    estimated_saving: float | None = None  # the choice's estimate: 1 - repair time / exact-only time
     logprobs: list[TokenLogprob] | None = None  # one per token in token_ids (cumulative)
     error: str | None = None
     metrics: RequestMetrics = field(default_factory=RequestMetrics)

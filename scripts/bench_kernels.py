@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from machine import describe
 
 from kvserve.attention.base import AttentionMetadata, SeqRows
-from kvserve.attention.positional import PositionalBackend, sdpa_attention
+from kvserve.attention.positional import PositionalBackend
 from kvserve.attention.registry import create_backend
 from kvserve.attention.testing import make_batch, quantized_copy
 
@@ -159,7 +159,7 @@ def main() -> None:
         if case == "repair":
             query, meta = repair_rows(query, meta)
             case_backends = {"positional": PositionalBackend()}
-            fns = [functools.partial(sdpa_attention, query, kv, meta, scale)]
+            fns = [functools.partial(PositionalBackend(use_extension=False).forward, query, kv, meta, scale)]
         else:
             fns = [sdpa_fn(query, kv, meta, scale)]
         runs = [(fmt, name) for fmt in pools for name in case_backends]

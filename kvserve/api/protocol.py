@@ -136,9 +136,23 @@ class _Sampling(_Strict):
     recompute_tokens: int | None = _ranged("recompute_tokens")
     recompute_ratio: float | None = _ranged("recompute_ratio")
     blend_check_layer: int | None = _ranged("blend_check_layer")
+    blend_seam_tokens: int | None = _ranged("blend_seam_tokens")
+    audit: bool | None = Field(
+        default=None,
+        description="With approximate reuse: recompute the prompt in full when the server is idle and "
+        "record the served first token's KL and top-1 agreement (/v1/stats content_reuse.audit).",
+    )
 
     def reuse_options(self) -> ReuseOptions | None:
-        fields = ("reuse", "recompute_strategy", "recompute_tokens", "recompute_ratio", "blend_check_layer")
+        fields = (
+            "reuse",
+            "recompute_strategy",
+            "recompute_tokens",
+            "recompute_ratio",
+            "blend_check_layer",
+            "blend_seam_tokens",
+            "audit",
+        )
         values = {f: getattr(self, f) for f in fields}
         return ReuseOptions(**values) if any(v is not None for v in values.values()) else None
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -83,6 +84,8 @@ def usage(job: Job, finals: dict[str, RequestOutput]) -> dict[str, Any]:
             "exact_cached_tokens": sum(o.num_exact_cached_tokens for o in first_of_prompt.values()),
             "approx_cached_tokens": sum(o.num_approx_cached_tokens for o in first_of_prompt.values()),
             "recomputed_tokens": sum(o.num_recomputed_tokens for o in first_of_prompt.values()),
+            # prompts with content matches, by the cost-aware decision: "taken" or "declined: <why>"
+            "reuse_plans": dict(Counter(o.reuse_plan for o in first_of_prompt.values() if o.reuse_plan)),
         },
     }
 

@@ -34,8 +34,8 @@ class SeqRows:
 
 @dataclass
 class AttentionMetadata:
-    """Built once per forward by `AttentionMetadata.build` (ModelRunner.prepare_inputs for a step,
-    BlendRunner for a content-reuse repair, the kernel tests' fixtures); read by every layer."""
+    """Built once per forward by `AttentionMetadata.build` (ModelRunner.prepare_inputs, the kernel
+    tests' fixtures); read by every layer."""
 
     query_start_loc: torch.Tensor  # [num_seqs + 1] int32, cumulative query lengths
     seq_lens: torch.Tensor  # [num_seqs] int32, KV length per sequence (context + new tokens)
@@ -44,8 +44,8 @@ class AttentionMetadata:
     query_lens_list: list[int]  # python copies for CPU loops and launch grids
     seq_lens_list: list[int]
     block_size: int
-    # Only for partial forwards (content reuse repair): the absolute position of every query row.
-    # A row at position p sees KV positions [0, p]. None = the bottom-right rule above.
+    # Set when the step has rows at chosen positions (content-reuse repair): the absolute position of
+    # every query row. A row at position p sees KV positions [0, p]. None = the bottom-right rule above.
     query_positions: torch.Tensor | None = None
 
     @classmethod
@@ -135,6 +135,11 @@ class AttentionBackend(ABC):
     ) -> tuple[bool, str]:
         """(available, reason if not) for this device and, when given, the model's head_dim and dtype."""
         return True, ""
+
+    def handles_positions(self, head_dim: int) -> bool:
+        """Whether it takes rows at explicit positions (`AttentionMetadata.query_positions`); the
+        model runner sends batches with such rows to PositionalBackend otherwise."""
+        return False
 
 
 def dense_copy(

@@ -256,6 +256,9 @@ class CpuPagedBackend(AttentionBackend):
             "(triton or the cuda extension, else the slow torch reference) or --device cpu"
         )
 
+    def handles_positions(self, head_dim: int) -> bool:
+        return self.ext is not None and head_dim in cpu_ext.HEAD_DIMS
+
     def forward(
         self, query: torch.Tensor, kv: LayerKV, meta: AttentionMetadata, scale: float
     ) -> torch.Tensor:

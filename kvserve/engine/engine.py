@@ -1,9 +1,11 @@
 """Engine: step() = schedule -> execute -> update, plus request intake, aborts and pins.
 
 One request can never hurt another: a fault while processing one sequence (sampling, detokenizing,
-stop checks, a repair forward) fails that request alone; a fault in a batched forward is retried
-sequence by sequence, so only the sequence that causes it fails. Everything else stays as it would
-have been without the fault.
+stop checks, moving a content match's KV in) fails that request alone; a fault in a batched forward is
+retried sequence by sequence, so only the sequence that causes it fails. Everything else stays as it
+would have been without the fault.
+
+Every step's wall time and work (scheduler/cost.py) feed the cost model that content reuse plans with.
 
 Not thread-safe: one thread drives it (LLM directly, AsyncEngine through its worker thread).
 """
@@ -18,7 +20,7 @@ from collections.abc import Iterable
 import torch
 
 from kvserve.config import ServeConfig
-from kvserve.engine.blend_runner import BlendRunner
+from kvserve.engine.audit import Auditor
 from kvserve.engine.builder import (
     build_parts,
     check_content_reuse,
@@ -28,6 +30,7 @@ from kvserve.engine.builder import (
 from kvserve.engine.model_runner import ModelRunner
 from kvserve.engine.output import OutputProcessor
 from kvserve.engine.pins import WarmPins
+from kvserve.engine.repair import Repairer
 from kvserve.engine.sampler import sample_one
 from kvserve.engine.stats import EngineStats
 from kvserve.errors import InvalidRequestError
@@ -36,8 +39,9 @@ from kvserve.kvcache.chunk_store import ChunkStore
 from kvserve.kvcache.hashing import root_hash
 from kvserve.kvcache.piece_index import PieceIndex
 from kvserve.request import FinishReason, Request, RequestOutput, check_token_ids
-from kvserve.scheduler.batch import BlendPlan, ScheduledBatch, ScheduledSeq
+from kvserve.scheduler.batch import ScheduledBatch, ScheduledSeq
 from kvserve.scheduler.content import ContentMatcher
+from kvserve.scheduler.cost import CostModel, Work
 from kvserve.scheduler.scheduler import Scheduler
 from kvserve.scheduler.sequence import SeqCache, SeqOutput, Sequence
 from kvserve.tokenizer import IncrementalDetokenizer
@@ -59,8 +63,9 @@ class Engine:
         self.pins = WarmPins(self.store, config.chunk_size, config.block_size, config.max_pinned_fraction)
         device = torch.device(self.info.device)
         rotator, reason = check_content_reuse(self.model)
-        self.content = ContentMatcher(config, PieceIndex(self.store), rotator is not None, reason)
-        self.blend_runner = BlendRunner(self.model, self.layers, rotator, device) if rotator else None
+        self.cost = CostModel.of(self.model.config, len(self.layers))
+        self.content = ContentMatcher(config, PieceIndex(self.store), self.cost, rotator is not None, reason)
+        self.repairer = Repairer(self.layers, rotator, device) if rotator else None
         require_content_reuse(config.reuse, rotator, reason)
         self.scheduler = Scheduler(
             self.pool,
@@ -70,10 +75,15 @@ class Engine:
             config.batch_window_ms / 1000.0,
             config.enable_prefix_caching,
             self.content,
+            granularity=1 if all(layer.per_token for layer in self.layers) else config.block_size,
+            cost=self.cost,
+            decode_slowdown_limit=config.decode_slowdown_limit,
         )
         self.runner = ModelRunner(self.model, self.layers, parts.backend, device, parts.fused)
         self.outputs = OutputProcessor(self.info.eos_token_ids, self.info.max_model_len)
         self._seqs: dict[str, Sequence] = {}
+        self.auditor = Auditor(config.audit_rate, config.audit_max_kl, config.seed)
+        self._background: dict[str, Sequence] = {}  # audits' full recomputes (no client sees them)
         self._pending: list[RequestOutput] = []
         self._rng = random.Random(config.seed)
         self.num_steps = 0
@@ -169,7 +179,7 @@ class Engine:
             need_tokens = seq.num_prompt_tokens
         need_blocks = -(-need_tokens // self.config.block_size)
         matched = self.store.match_prefix(seq.cache.prefix_hashes)
-        available = self.scheduler.num_blocks_available_to(matched)
+        available = self.scheduler.admissions.num_blocks_available_to(matched)
         if need_blocks > available:
             raise InvalidRequestError(
                 f"the request needs {need_blocks} KV blocks but only {available} of the pool's "
@@ -193,12 +203,30 @@ class Engine:
     def abort_all(self, reason: str = "aborted") -> int:
         """Abort every unfinished request (their final outputs come with the next step); returns how many."""
         seqs = list(self._seqs.values())
-        for seq in seqs:
+        for seq in seqs + list(self._background.values()):
             self._finish(seq, FinishReason.ABORT, error=reason)
         return len(seqs)
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self._seqs) or bool(self._pending)
+        """Requests in flight, outputs not yet returned, or background work (run while idle)."""
+        return bool(self._seqs) or bool(self._pending) or bool(self._background)
+
+    def run_background(self) -> None:
+        """Step until the background work (audits) is done: for callers that drive the engine
+        themselves (LLM, benchmarks); the server's loop runs it whenever it is idle."""
+        while self._background and not self._seqs:
+            self.step()
+
+    def _add_background(self, request: Request) -> None:
+        seq = Sequence(
+            request=request,
+            generator=torch.Generator().manual_seed(0),
+            cache=SeqCache(root_hash=root_hash(self.info.namespace, request.cache_salt)),
+            out=SeqOutput(None),
+        )
+        self.scheduler.prepare(seq)
+        self._background[request.request_id] = seq
+        self.scheduler.enqueue(seq)
 
     # --- the step ----------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
@@ -207,14 +235,12 @@ class Engine:
         batch = self.scheduler.schedule(now)
         for seq, reason in batch.refused:
             self._finish(seq, FinishReason.ERROR, error=reason)
-        for seq in [item.seq for item in batch.items] + [plan.seq for plan in batch.blends]:
+        for seq in [item.seq for item in batch.items]:
             if seq.request.metrics.first_scheduled_time is None:
                 seq.request.metrics.first_scheduled_time = now
         touched: list[Sequence] = []
         if batch.items:
             touched += self._execute_items(batch.items)
-        for plan in batch.blends:
-            touched += self._execute_blend(plan)
         for seq in list(self.scheduler.running):
             if seq.request.warm_only and seq.kv.num_computed_tokens >= seq.num_tokens:
                 self._finish_warm(seq)
@@ -224,8 +250,8 @@ class Engine:
         outputs, self._pending = self._pending, []
         seen: set[str] = set()
         for seq in touched:
-            if seq.request_id in seen or seq.finished:  # finished ones were queued in _pending
-                continue
+            if seq.request_id in seen or seq.finished or seq.request.background:
+                continue  # finished ones were queued in _pending; background ones have no client
             seen.add(seq.request_id)
             out = self.outputs.delta(seq)
             if out is not None:
@@ -233,11 +259,27 @@ class Engine:
         return outputs
 
     def _execute_items(self, items: list[ScheduledSeq]) -> list[Sequence]:
+        start = time.perf_counter()
+        moved = 0
+        for item in list(items):
+            repair = item.seq.reuse.repair
+            if item.positions is not None and repair is not None and not repair.moved:
+                assert self.repairer is not None
+                try:
+                    moved += self.repairer.begin(item.seq)
+                except Exception as e:
+                    self._fail(item.seq, "moving its content matches' KV", e)
+                    items.remove(item)
+        if not items:
+            return []
         try:
-            logits = self.runner.execute(ScheduledBatch(items=items))
+            inputs = self.runner.prepare_inputs(ScheduledBatch(items=items))
+            logits = self.runner.execute(ScheduledBatch(items=items), inputs)
         except Exception:  # find the sequence that causes it: the others must not fail with it
             log.exception("a batched forward of %d sequences failed; retrying them one by one", len(items))
             return self._execute_one_by_one(items)
+        work = inputs.work
+        self.cost.observe(Work(work.linear, work.attend, moved), time.perf_counter() - start)
         return self._update(items, logits)
 
     def _execute_one_by_one(self, items: list[ScheduledSeq]) -> list[Sequence]:
@@ -257,33 +299,47 @@ class Engine:
         for item in items:
             seq = item.seq
             self.scheduler.on_computed(item)
+            if item.positions is not None and not self._advance_repair(seq):
+                continue
             if item.sample:
                 self._sample(seq, logits[row])
                 row += 1
         return [item.seq for item in items]
 
-    def _execute_blend(self, plan: BlendPlan) -> list[Sequence]:
-        seq = plan.seq
-        assert self.blend_runner is not None
+    def _advance_repair(self, seq: Sequence) -> bool:
+        """After a repair piece: CacheBlend's selection when its first pass ends, the end of the
+        repair after its last. False if that failed (the request is failed)."""
+        repair, repairer = seq.reuse.repair, self.repairer
+        assert repair is not None and repairer is not None
         try:
-            logits, report = self.blend_runner.execute(plan)
+            if repair.awaits_selection:
+                repairer.select(seq)
+            if not repair.finished:
+                return True
+            report = repairer.finish(seq)
         except Exception as e:
-            self._fail(seq, "running the content-reuse forward", e)
-            return []
-        self.scheduler.blend_done(plan, seq.num_prompt_tokens - plan.prefix_len - report.num_reused_tokens)
+            self._fail(seq, "repairing its reused KV", e)
+            return False
         reuse = seq.reuse
-        if reuse.compute_fraction is None:  # the first plan (a re-admission after preemption keeps it)
+        reuse.strategy = repair.plan.strategy
+        reuse.hit_keys = [h.key for h in repair.plan.hits]
+        self.scheduler.repair_done(seq)
+        if reuse.compute_fraction is None:  # the first repair (a re-admission after preemption keeps it)
             reuse.num_approx_cached_tokens = report.num_reused_tokens - report.num_recomputed_tokens
             reuse.num_recomputed_tokens = report.num_recomputed_tokens
             reuse.compute_fraction = report.compute_fraction
         self.content.num_hit_tokens += report.num_reused_tokens
         self.content.num_recomputed_tokens += report.num_recomputed_tokens
-        if seq.num_tokens == seq.num_prompt_tokens:
-            self._sample(seq, logits)
-        # else: re-admitted after preemption; its generated tokens are recomputed by the next steps
-        return [seq]
+        return True
 
     def _sample(self, seq: Sequence, logits: torch.Tensor) -> None:
+        if seq.request.background:
+            self._finish_audit(seq, logits)
+            return
+        if seq.reuse.strategy is not None and not seq.output_token_ids and self.auditor.wants(seq):
+            audit = self.auditor.submit(seq, logits)
+            if audit is not None:
+                self._add_background(audit)
         params = seq.request.sampling_params
         stage = "sampling"
         try:
@@ -302,13 +358,20 @@ class Engine:
         if reason is not None:
             self._finish(seq, reason)
 
+    def _finish_audit(self, seq: Sequence, logits: torch.Tensor) -> None:
+        """An audit's full recompute has its first-token logits: record, maybe guard, end it."""
+        keys = self.auditor.complete(seq.request_id, logits)
+        self.content.guarded.update(keys)
+        self.scheduler.finish(seq, FinishReason.STOP)
+        del self._background[seq.request_id]
+
     # --- leaving -----------------------------------------------------------------------------------
     def _fail(self, seq: Sequence, stage: str, exc: Exception) -> None:
         log.error("request %s failed while %s", seq.request_id, stage, exc_info=exc)
         self._finish(seq, FinishReason.ERROR, error=f"internal error while {stage}: {type(exc).__name__}")
 
     def _finish_warm(self, seq: Sequence) -> None:
-        open_block = self.scheduler.register_tail(seq)
+        open_block = self.scheduler.chunks.register_tail(seq)
         for layer in self.layers:  # the cached tail's last block will never fill: encode it now
             layer.seal(open_block)
         error = self.pins.pin(seq) if seq.pin_owner is not None else None
@@ -318,6 +381,11 @@ class Engine:
             self._finish(seq, FinishReason.STOP)
 
     def _finish(self, seq: Sequence, reason: FinishReason, error: str | None = None) -> None:
+        if seq.request.background:  # ended without its logits (failed, refused, aborted)
+            if self._background.pop(seq.request_id, None) is not None:
+                self.scheduler.finish(seq, reason, error)
+                self.auditor.drop(seq.request_id)
+            return
         if self._seqs.get(seq.request_id) is not seq:  # already finished
             return
         self.scheduler.finish(seq, reason, error)  # a no-op for one the scheduler finished (refused)
@@ -328,7 +396,7 @@ class Engine:
 
     def _expire(self, now: float) -> None:
         timeout = self.config.request_timeout_s
-        for seq in list(self._seqs.values()):
+        for seq in [*self._seqs.values(), *self._background.values()]:
             if now - seq.request.metrics.arrival_time > timeout:
                 self._finish(seq, FinishReason.ABORT, error="timeout")
 

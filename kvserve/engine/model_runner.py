@@ -1,18 +1,30 @@
-"""ModelRunner: ScheduledBatch -> packed tensors -> model forward -> logits of the sampled rows."""
+"""ModelRunner: ScheduledBatch -> packed tensors -> model forward -> logits of the sampled rows.
+
+This is the one forward of the model: prefill pieces, decode rows and content-reuse repair rows
+(scheduler/repair.py) run through it together. A repair row carries its own position; a batch with
+such rows gives every row its explicit position (`AttentionMetadata.query_positions`; a prefill or
+decode row at position p sees [0, p], as the bottom-right rule gives it) and runs attention through a
+backend that takes them (cpu_paged with the extension; else PositionalBackend). A repair row may also
+stop before the last layer (CacheBlend's first pass): such items are packed last, longest first, and
+the forward drops their rows after their last layer (`LayerCut`), so the rows still running are
+always a prefix of the batch.
+"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
 from kvserve.attention.base import AttentionBackend, AttentionMetadata, SeqRows
 from kvserve.attention.forward_context import ForwardContext, forward_context
+from kvserve.attention.positional import PositionalBackend
 from kvserve.kvcache.kv_storage import LayerKV
-from kvserve.models.fused_llama import FusedLlamaForward
+from kvserve.models.fused_llama import FusedLlamaForward, LayerCut
 from kvserve.models.hf_adapter import PoolCache
-from kvserve.scheduler.batch import ScheduledBatch
+from kvserve.scheduler.batch import ScheduledBatch, ScheduledSeq
+from kvserve.scheduler.cost import Work
 
 
 @dataclass
@@ -21,6 +33,8 @@ class StepInputs:
     position_ids: torch.Tensor  # [1, num_tokens] int64
     meta: AttentionMetadata
     logits_indices: torch.Tensor  # [num_sampled] int64, rows of the packed batch whose logits are needed
+    cuts: list[LayerCut] = field(default_factory=list)  # rows that stop early, by layer
+    work: Work = field(default_factory=Work)  # what the forward computes (scheduler/cost.py)
 
 
 class ModelRunner:
@@ -38,42 +52,79 @@ class ModelRunner:
         self.lm_head = model.get_output_embeddings()
         self.layers = layers
         self.backend = backend
+        self.positional = PositionalBackend()
         self.device = device
         self.block_size = layers[0].block_size
+        self.num_layers = len(layers)
         self.softcap = getattr(model.config, "final_logit_softcapping", None)
 
+    def _rows(self, item: ScheduledSeq) -> tuple[list[int], SeqRows]:
+        seq = item.seq
+        if item.positions is not None:
+            positions = torch.tensor(item.positions, dtype=torch.long)
+            return [seq.token_ids[p] for p in item.positions], SeqRows(
+                seq.kv.block_ids, positions, item.positions[-1] + 1
+            )
+        start = seq.kv.num_computed_tokens
+        end = start + item.num_new_tokens
+        return seq.token_ids[start:end], SeqRows(seq.kv.block_ids, torch.arange(start, end), end)
+
     def prepare_inputs(self, batch: ScheduledBatch) -> StepInputs:
-        """A step's token ids, positions, metadata (AttentionMetadata.build) and sampled rows."""
+        """A step's token ids, positions, metadata (AttentionMetadata.build), sampled rows and cuts.
+        Items that stop early go last, longest first; the others keep their order (and so the
+        order of the sampled rows)."""
+        layers = self.num_layers
+        items = sorted(batch.items, key=lambda it: -(it.num_layers or layers))
+        explicit = any(it.positions is not None for it in items)
         input_ids: list[int] = []
         rows: list[SeqRows] = []
         logits_indices: list[int] = []
-        for item in batch.items:
-            seq, start = item.seq, item.seq.kv.num_computed_tokens
-            end = start + item.num_new_tokens
-            input_ids += seq.token_ids[start:end]
-            rows.append(SeqRows(seq.kv.block_ids, torch.arange(start, end), end))
+        work = Work()
+        for item in items:
+            ids, r = self._rows(item)
+            input_ids += ids
+            rows.append(r)
+            num_layers = item.num_layers or layers
+            work.add_rows(float(r.positions.sum()), len(ids), num_layers)
             if item.sample:
+                assert num_layers == layers, "a row that stops early is never sampled"
                 logits_indices.append(len(input_ids) - 1)
         dev = self.device
-        meta = AttentionMetadata.build(rows, self.block_size, dev)
+        meta = AttentionMetadata.build(rows, self.block_size, dev, explicit_positions=explicit)
+        cuts = []
+        for k in sorted({it.num_layers for it in items if it.num_layers is not None}, reverse=True):
+            keep = [r for it, r in zip(items, rows, strict=True) if (it.num_layers or layers) > k]
+            sub = AttentionMetadata.build(keep, self.block_size, dev, explicit_positions=explicit)
+            cuts.append(LayerCut(k - 1, sum(len(r.positions) for r in keep), sub))
         positions = torch.cat([r.positions for r in rows])
         return StepInputs(
             input_ids=torch.tensor([input_ids], dtype=torch.long, device=dev),
             position_ids=positions.unsqueeze(0).to(dev),
             meta=meta,
             logits_indices=torch.tensor(logits_indices, dtype=torch.long, device=dev),
+            cuts=cuts,
+            work=work,
         )
 
+    def backend_for(self, meta: AttentionMetadata) -> AttentionBackend:
+        """Rows at explicit positions need a backend that takes them."""
+        if meta.query_positions is None or self.backend.handles_positions(self.layers[0].head_dim):
+            return self.backend
+        return self.positional
+
     @torch.inference_mode()
-    def execute(self, batch: ScheduledBatch) -> torch.Tensor:
+    def execute(self, batch: ScheduledBatch, inputs: StepInputs | None = None) -> torch.Tensor:
         """Runs the step; returns float32 logits [num_sampled, vocab] in batch order of sampled items."""
-        inputs = self.prepare_inputs(batch)
+        inputs = inputs if inputs is not None else self.prepare_inputs(batch)
+        backend = self.backend_for(inputs.meta)
         if self.fused is not None:
             hidden = self.fused(
-                inputs.input_ids[0], inputs.position_ids[0], self.layers, self.backend, inputs.meta
-            )  # [num_tokens, hidden]
+                inputs.input_ids[0], inputs.position_ids[0], self.layers, backend, inputs.meta, inputs.cuts
+            )  # [num_tokens left after the cuts, hidden]
+        elif inputs.cuts:
+            hidden = self._hf_by_layer(inputs, backend)
         else:
-            with forward_context(ForwardContext(self.layers, self.backend, inputs.meta)):
+            with forward_context(ForwardContext(self.layers, backend, inputs.meta)):
                 hidden = self.decoder(
                     input_ids=inputs.input_ids,
                     position_ids=inputs.position_ids,
@@ -85,3 +136,37 @@ class ModelRunner:
         if self.softcap:
             logits = torch.tanh(logits / self.softcap) * self.softcap
         return logits
+
+    def _hf_by_layer(self, inputs: StepInputs, backend: AttentionBackend) -> torch.Tensor:
+        """HF's decoder layers one by one, dropping rows at the cuts. It is the decoder's own forward
+        (embed, rotary, layers, norm) for the models approximate reuse supports (engine/builder.py:
+        BLENDABLE_MODEL_TYPES), the only ones whose batches have cuts."""
+        hidden = self.decoder.embed_tokens(inputs.input_ids)  # [1, T, hidden]
+        position_ids = inputs.position_ids
+        cos, sin = self.decoder.rotary_emb(hidden, position_ids=position_ids)
+        cuts = {c.after_layer: c for c in inputs.cuts}
+        ctx = ForwardContext(self.layers, backend, inputs.meta)
+        with forward_context(ctx):
+            for idx, layer in enumerate(self.decoder.layers):
+                out = layer(
+                    hidden,
+                    attention_mask=None,
+                    position_ids=position_ids,
+                    past_key_values=PoolCache(),
+                    use_cache=True,
+                    position_embeddings=(cos, sin),
+                )
+                hidden = out[0] if isinstance(out, tuple) else out
+                cut = cuts.get(idx)
+                if cut is not None:
+                    r = cut.num_rows
+                    hidden, position_ids, cos, sin = (
+                        hidden[:, :r],
+                        position_ids[:, :r],
+                        cos[:, :r],
+                        sin[:, :r],
+                    )
+                    ctx.meta = cut.meta
+                    if r == 0:  # every row stopped: no later layer has work
+                        break
+        return self.decoder.norm(hidden)[0]

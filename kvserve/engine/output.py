@@ -96,6 +96,8 @@ class OutputProcessor:
             num_approx_cached_tokens=reuse.num_approx_cached_tokens,
             num_recomputed_tokens=reuse.num_recomputed_tokens,
             compute_fraction=reuse.compute_fraction,
+            reuse_plan=reuse.plan_reason,
+            estimated_saving=reuse.estimated_saving,
             logprobs=logprobs,
             error=out.error if finished else None,
             metrics=seq.request.metrics,

@@ -11,6 +11,8 @@ from collections import Counter
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from kvserve.engine.audit import AuditSummary
+
 if TYPE_CHECKING:
     from kvserve.engine.engine import Engine
 
@@ -60,6 +62,13 @@ class ContentReuseStats:
     num_indexed_pieces: int
     num_approx_hit_tokens: int
     num_recomputed_tokens: int
+    plans: dict[str, int]  # prompts with content matches by decision: "taken" or "declined: <why>"
+    audit: dict[str, AuditSummary]  # per repair strategy: first-token KL quantiles, top-1 agreement
+    num_audits_pending: int
+    num_audits_dropped: int  # not run: too many waited, or the recompute ended without logits
+    num_guard_fired: int  # audits over --audit-max-kl (their documents are no longer matched)
+    num_guarded_documents: int
+    num_guard_skips: int  # matches skipped because their document is guarded
 
 
 @dataclass(frozen=True)
@@ -168,4 +177,11 @@ def _content_reuse(engine: Engine) -> ContentReuseStats:
         num_indexed_pieces=len(content.index),
         num_approx_hit_tokens=content.num_hit_tokens,
         num_recomputed_tokens=content.num_recomputed_tokens,
+        plans=dict(content.plans),
+        audit=engine.auditor.summary(),
+        num_audits_pending=len(engine.auditor.pending),
+        num_audits_dropped=engine.auditor.num_dropped,
+        num_guard_fired=engine.auditor.num_guard_fired,
+        num_guarded_documents=len(content.guarded),
+        num_guard_skips=content.num_guard_skips,
     )

@@ -28,6 +28,9 @@ class LayerKV(ABC):
     num_kv_heads: int
     head_dim: int
     compute_dtype: torch.dtype
+    # every row is stored on its own (no encoding of a block from all its rows): a prompt may then
+    # be computed in pieces cut at any token, not only at block boundaries (Scheduler.granularity)
+    per_token: bool = True
 
     @abstractmethod
     def write(self, slot_mapping: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> None:

@@ -136,7 +136,7 @@ def self_check(model: Any, rotator: RopeRotator, delta: int = 777, num_tokens: i
     """(ok, detail): K computed at positions shifted by delta vs the unshifted K moved by delta, at
     every layer of the real model (random tokens), judged two ways:
       float32    weights upcast: moved K equals recomputed K within FP32_TOLERANCE (the algebra)
-      the dtype  moved as BlendRunner moves it (float32 rotation, rounded to the model's dtype): its
+      the dtype  moved as the Repairer moves it (float32 rotation, rounded to the model's dtype): its
                  error against the float32 truth is at most NOISE_FACTOR x the error of recomputing K
                  at the new positions in that dtype (the dtype's own noise floor), per layer
     In float32 both are the same comparison."""

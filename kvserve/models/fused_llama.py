@@ -21,9 +21,8 @@ What it computes is the HF forward's arithmetic, checked against it (tests/kerne
   is fixed whatever the other rows, so batch invariance and cache-on == cache-off hold exactly, as
   tested for the engine.
 
-The HF model stays loaded and is the reference: `--model-forward hf` serves through it, the positional
-content-reuse forward (engine/blend_runner.py) uses it, and models this module does not cover (see
-`unsupported_reason`) always use it.
+The HF model stays loaded and is the reference: `--model-forward hf` serves through it, and models
+this module does not cover (see `unsupported_reason`) always use it.
 """
 
 from __future__ import annotations
@@ -54,6 +53,16 @@ class FusedLinear:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         return self.kernel(x, self.packed, self.bias, self.out_features)
+
+
+@dataclass
+class LayerCut:
+    """After layer `after_layer`, only the first `num_rows` rows go on, with metadata `meta` (the rows
+    past them stop there: CacheBlend's first pass, engine/model_runner.py)."""
+
+    after_layer: int
+    num_rows: int
+    meta: AttentionMetadata
 
 
 @dataclass
@@ -178,8 +187,10 @@ class FusedLlamaForward:
         kv_layers: list[LayerKV],
         backend: AttentionBackend,
         meta: AttentionMetadata,
+        cuts: list[LayerCut] | None = None,
     ) -> torch.Tensor:
         ext = self.ext
+        cut_at = {c.after_layer: c for c in cuts or []}
         hidden = self.decoder.embed_tokens(input_ids)  # [T, hidden], the residual stream
         cos, sin = self.decoder.rotary_emb(hidden, position_ids.unsqueeze(0))
         cos, sin = cos[0].contiguous(), sin[0].contiguous()  # [T, head_dim]
@@ -201,4 +212,10 @@ class FusedLlamaForward:
             inter = gate_up.shape[1] // 2
             mlp = layer.down(F.silu(gate_up[:, :inter]) * gate_up[:, inter:])
             x = ext.add_rms_norm_(hidden, mlp, layer.next_norm, self.eps)
+            cut = cut_at.get(i)
+            if cut is not None:  # row slices of contiguous tensors stay contiguous
+                rows = cut.num_rows
+                hidden, x, cos, sin, meta = hidden[:rows], x[:rows], cos[:rows], sin[:rows], cut.meta
+                if rows == 0:  # every row stopped: no later layer has work
+                    break
         return x

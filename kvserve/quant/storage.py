@@ -148,6 +148,7 @@ class QuantizedLayerKV(LayerKV):
         self.v_blocks = PackedBlocks(self.codec.v, num_blocks, block_size, device)
         self.open_k = OpenKeyShadows(num_blocks, block_size, num_kv_heads, head_dim, compute_dtype, device)
         self.closed: set[int] = set()  # blocks whose K rows were all written and are encoded
+        self.per_token = self.codec.k.per_token  # K encoded per block otherwise (KIVI)
         self.held: set[int] = set()  # blocks under hold_exact
         self.exact_k: dict[int, torch.Tensor] = {}  # held closed block -> its K rows [bs, H, D]
 
@@ -285,7 +286,8 @@ class QuantizedLayerKV(LayerKV):
             self.k_blocks.write_blocks(ids, torch.stack(list(sealed.values())))
 
     def on_block_freed(self, block_id: int) -> None:
-        """The pool freed the block: whatever its next owner writes starts from nothing."""
+        """The pool freed the block: whatever its next owner writes starts from nothing (a repair
+        that ends early, its request aborted or preempted, leaves no hold behind)."""
         self.open_k.drop(block_id)
         self.closed.discard(block_id)
         self.held.discard(block_id)

@@ -13,12 +13,17 @@ class ScheduledSeq:
     seq: Sequence
     num_new_tokens: int  # computes token_ids[kv.num_computed_tokens : + num_new_tokens]
     sample: bool  # this step reaches the end of the known tokens: sample the next one
+    # a piece of a content-reuse repair (scheduler/repair.py): the rows' positions, and how many
+    # layers they run through (None: all); else the rows are the num_new_tokens after the computed ones
+    positions: list[int] | None = None
+    num_layers: int | None = None
 
 
 @dataclass
 class ContentHit:
     dst_start: int  # position of the piece in the new prompt
     hit: PieceHit
+    key: bytes = b""  # the piece's content key (what the audit guard blocks)
 
     @property
     def num_tokens(self) -> int:
@@ -32,8 +37,8 @@ class ContentHit:
 @dataclass
 class BlendPlan:
     """A prompt prefilled with content reuse: [0, prefix_len) exact (shared blocks), the hits' KV
-    copied in and moved, everything else computed, plus the repair the strategy asks for.
-    Runs as one forward of its own (not chunked, not packed with other sequences)."""
+    copied in and moved, everything else computed, plus the repair the strategy asks for. It runs as
+    a Repair (scheduler/repair.py): pieces of ordinary steps."""
 
     seq: Sequence
     prefix_len: int
@@ -44,6 +49,7 @@ class BlendPlan:
     overlap_tokens: int
     check_layer: int
     recompute_ratio: float
+    seam_tokens: int = 0  # cacheblend: the first N tokens of every run always recomputed
 
     def runs(self) -> list[tuple[int, int]]:
         """[start, end) ranges of reused tokens; consecutive pieces of one source in their original
@@ -69,7 +75,6 @@ class BlendPlan:
 @dataclass
 class ScheduledBatch:
     items: list[ScheduledSeq] = field(default_factory=list)
-    blends: list[BlendPlan] = field(default_factory=list)
     preempted: list[Sequence] = field(default_factory=list)
     # sequences that can never get their blocks (pinned memory leaves too little): the engine fails
     # them with the reason instead of letting them wait forever
@@ -80,4 +85,4 @@ class ScheduledBatch:
         return sum(i.num_new_tokens for i in self.items)
 
     def __bool__(self) -> bool:
-        return bool(self.items) or bool(self.blends) or bool(self.refused)
+        return bool(self.items) or bool(self.refused)

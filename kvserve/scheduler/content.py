@@ -5,10 +5,18 @@ the request's cache namespace (so tenants never share), and indexed once the chu
 KV are cached. Only KV computed with the true preceding context is ever indexed, and only prompts
 that opted into content reuse (`reuse=any`, by request or server default) and warmed texts are
 indexed: exact-only traffic pays no hashing and no index memory. The index is bounded by the store.
+
+A match is taken only when it pays (`choose`): the CostModel prices the prompt's prefill both ways,
+exact-only (every token after the prefix through every layer) and as the repair plan (the rows of its
+passes, scheduler/repair.py, plus moving the hits' KV), and the plan must come out at least
+`reuse_min_saving` cheaper. Documents the online audit found too far off (engine/audit.py) are not
+matched at all (`guarded`).
 """
 
 from __future__ import annotations
 
+from collections import Counter
+from dataclasses import dataclass
 from typing import Any
 
 from kvserve.config import ServeConfig
@@ -16,11 +24,32 @@ from kvserve.kvcache.hashing import content_hash
 from kvserve.kvcache.piece_index import Piece, PieceIndex
 from kvserve.kvcache.pieces import PieceCutter
 from kvserve.scheduler.batch import BlendPlan, ContentHit
+from kvserve.scheduler.cost import CostModel, Work
+from kvserve.scheduler.repair import positions, selective_positions
 from kvserve.scheduler.sequence import Sequence
+
+TAKEN = "taken"
+DECLINED_SAVING = "declined: saves too little"
+DECLINED_GUARD = "declined: audit guard"
+
+
+@dataclass
+class Choice:
+    plan: BlendPlan | None  # None: declined, the prompt is prefilled with exact reuse only
+    outcome: str  # TAKEN or DECLINED_*
+    saving: float  # estimated: 1 - plan seconds / exact-only seconds
+    num_guarded: int  # matches left out because the audit guard blocks their document
 
 
 class ContentMatcher:
-    def __init__(self, config: ServeConfig, index: PieceIndex, enabled: bool, disabled_reason: str = ""):
+    def __init__(
+        self,
+        config: ServeConfig,
+        index: PieceIndex,
+        cost: CostModel,
+        enabled: bool,
+        disabled_reason: str = "",
+    ):
         self.config = config
         self.index = index
         self.cutter = PieceCutter(
@@ -29,8 +58,12 @@ class ContentMatcher:
         self.enabled = enabled  # the model supports moving KV and the start-up self-check passed
         self.disabled_reason = disabled_reason
         self.chunk_size = config.chunk_size
+        self.cost = cost
         self.num_hit_tokens = 0  # reused through content matches (before repair)
         self.num_recomputed_tokens = 0
+        self.plans: Counter[str] = Counter()  # TAKEN / DECLINED_* -> prompts (first admission only)
+        self.guarded: set[bytes] = set()  # content keys the audit guard stopped reusing
+        self.num_guard_skips = 0  # matches skipped because their document is guarded
 
     def _key(self, seq: Sequence, start: int, end: int) -> bytes:
         return content_hash(seq.cache.root_hash.hex(), seq.token_ids[start:end])
@@ -54,10 +87,66 @@ class ContentMatcher:
         for start, end in seq.reuse.pieces:
             if start < prefix_len or end > seq.num_prompt_tokens - 1:
                 continue
-            hit = self.index.lookup(self._key(seq, start, end))
+            key = self._key(seq, start, end)
+            hit = self.index.lookup(key)
             if hit is not None:
-                hits.append(ContentHit(start, hit))
+                hits.append(ContentHit(start, hit, key))
         return hits
+
+    # --- cost-aware choice -------------------------------------------------------------------------
+    def exact_work(self, prefix_len: int, n: int) -> Work:
+        """Exact-only reuse: every token after the exact prefix through every layer."""
+        work = Work()
+        work.add_span(prefix_len, n, self.cost.num_layers)
+        return work
+
+    def plan_work(self, plan: BlendPlan, n: int) -> Work:
+        """The plan's passes (scheduler/repair.py) and the moving of its hits' KV. CacheBlend's second
+        pass is not chosen yet: it is priced as the fresh tokens plus `ratio` of the reused ones at
+        their mean position."""
+        layers = self.cost.num_layers
+        reused, fresh = positions(plan, n)
+        work = Work(moved=len(reused) * layers)
+        if plan.strategy == "cacheblend":
+            work.add_span(plan.prefix_len, n, min(plan.check_layer + 1, layers))
+            chosen = round(plan.recompute_ratio * len(reused))
+            mean = sum(reused) / len(reused) if reused else 0.0
+            work.add_rows(sum(fresh) + chosen * mean, len(fresh) + chosen, layers)
+            return work
+        rows = fresh + (selective_positions(plan, reused) if plan.strategy == "selective" else [])
+        work.add_rows(sum(rows), len(rows), layers)
+        return work
+
+    def choose(self, plan: BlendPlan, n: int) -> tuple[str, float]:
+        """(TAKEN or why not, estimated saving: 1 - plan seconds / exact-only seconds)."""
+        exact = self.cost.seconds(self.exact_work(plan.prefix_len, n))
+        saving = 1.0 - self.cost.seconds(self.plan_work(plan, n)) / exact
+        if saving < self.config.reuse_min_saving:
+            return DECLINED_SAVING, saving
+        return TAKEN, saving
+
+    def consider(self, seq: Sequence, prefix_len: int) -> Choice | None:
+        """What to do with the prompt's matches after the exact prefix (None: there are none). No
+        side effects: admission may consider a sequence several times before it starts."""
+        found = self.find_hits(seq, prefix_len)
+        if not found:
+            return None
+        hits = [h for h in found if h.key not in self.guarded]
+        if not hits:
+            return Choice(None, DECLINED_GUARD, 0.0, len(found))
+        plan = self.plan(seq, prefix_len, hits)
+        outcome, saving = self.choose(plan, seq.num_prompt_tokens)
+        return Choice(plan if outcome == TAKEN else None, outcome, saving, len(found) - len(hits))
+
+    def record(self, seq: Sequence, choice: Choice) -> None:
+        """The decision at a sequence's first admission with matches (a re-admission keeps it)."""
+        if seq.reuse.plan is not None:
+            return
+        seq.reuse.plan = "taken" if choice.outcome == TAKEN else "declined"
+        seq.reuse.plan_reason = choice.outcome
+        seq.reuse.estimated_saving = choice.saving
+        self.plans[choice.outcome] += 1
+        self.num_guard_skips += choice.num_guarded
 
     def plan(self, seq: Sequence, prefix_len: int, hits: list[ContentHit]) -> BlendPlan:
         opts = seq.request.reuse
@@ -76,6 +165,7 @@ class ContentMatcher:
             sink_tokens=cfg.sink_tokens,
             overlap_tokens=cfg.overlap_tokens,
             check_layer=int(pick("blend_check_layer")),
+            seam_tokens=int(pick("blend_seam_tokens")),
             recompute_ratio=float(pick("recompute_ratio")),
         )
 

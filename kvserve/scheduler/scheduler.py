@@ -1,15 +1,23 @@
 """Scheduler: continuous batching over the paged pool with exact prefix reuse.
 
-Each step: running sequences first (decodes and unfinished prefills, oldest first), then admission
-from the prefix-grouped queue, all under the step's token budget and the sequence cap. A long prompt
-is prefilled in pieces, and every piece but its last ends on a block boundary (`_piece_len`): a KV
-format that encodes a block when it fills (KIVI) then gives each token the same values whichever way
-the prompt was cut, so a request's output does not depend on the batch it ran in. Admission is match (what the cache already holds, no side effects) ->
-reserve (hold the matched chunks, find blocks: free, then evicted) -> start. Blocks for running
-sequences come from the free list, then from evicting unused cached chunks, then by preempting the
-newest running sequence (its KV is recomputed later, mostly from the cache since its completed chunks
-stay registered). A sequence that could never get its blocks because pinned chunks hold the rest of
-the pool is refused (the engine fails it with the reason), never left waiting.
+Each step: running sequences first (decodes, unfinished prefills and content-reuse repairs, oldest
+first), then admission from the prefix-grouped queue, all under the step's token budget and the
+sequence cap. A long prompt is prefilled in pieces; where the KV storage encodes whole blocks (KIVI's
+K), every piece but its last ends on a block boundary (`granularity`), so each token gets the same
+values whichever way the prompt was cut and a request's output does not depend on the batch it ran
+in. A prompt whose content matches were taken runs as a Repair (repair.py): pieces of rows at
+explicit positions, scheduled like prefill pieces. With `decode_slowdown_limit`, prefill and repair
+pieces beside decoding sequences get only the rows that keep the step's estimated time (cost.py)
+within that multiple of the decodes' own. Background sequences (the audit's recomputes) are
+admitted and stepped only while nothing else runs or waits.
+
+Admission is match (what the cache already holds, no side effects) -> reserve (hold the matched
+chunks, find blocks: free, then evicted) -> start (admission.py, then `_start`). Blocks for running
+sequences come from the free list, then from evicting unused cached chunks, then by preempting a
+running sequence (background ones first, then the newest; its KV is recomputed later, mostly from
+the cache since its completed chunks stay registered, registration.py). A sequence that could never
+get its blocks because pinned chunks hold the rest of the pool is refused (the engine fails it with
+the reason), never left waiting.
 
 Ownership (invariant 3): a block's pool ref count == number of sequences holding it + 1 if a cached
 chunk holds it; `check_integrity` verifies this after every step in tests.
@@ -18,36 +26,22 @@ chunk holds it; `check_integrity` verifies this after every step in tests.
 from __future__ import annotations
 
 import itertools
-from collections import Counter
+from collections import Counter, deque
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 from kvserve.kvcache.block_pool import BlockPool
-from kvserve.kvcache.chunk_store import CachedChunk, ChunkStore
-from kvserve.kvcache.hashing import chunk_prefix_hashes, tail_hash
+from kvserve.kvcache.chunk_store import ChunkStore
+from kvserve.kvcache.hashing import chunk_prefix_hashes
 from kvserve.request import FinishReason
-from kvserve.scheduler.batch import BlendPlan, ContentHit, ScheduledBatch, ScheduledSeq
+from kvserve.scheduler.admission import Admission, Admissions, cdiv, piece_len
+from kvserve.scheduler.batch import ScheduledBatch, ScheduledSeq
 from kvserve.scheduler.content import ContentMatcher
+from kvserve.scheduler.cost import CostModel, Work
 from kvserve.scheduler.queue import AdmissionQueue
+from kvserve.scheduler.registration import ChunkRegistrar
+from kvserve.scheduler.repair import Repair, make_repair
 from kvserve.scheduler.sequence import SeqStatus, Sequence
-
-
-def _cdiv(a: int, b: int) -> int:
-    return -(-a // b)
-
-
-@dataclass
-class Admission:
-    """What admitting a sequence takes; `Scheduler._match` computes it without side effects."""
-
-    matched: list[CachedChunk]  # exact prefix chunks (their blocks are shared)
-    hits: list[ContentHit]  # content matches after the prefix (their KV is copied and moved)
-    num_new_tokens: int  # tokens computed at admission (the whole rest of the prompt with hits)
-    num_new_blocks: int  # blocks to allocate
-
-    @property
-    def sources(self) -> list[CachedChunk]:
-        """The hits' chunks, each once."""
-        return list({c.prefix_hash: c for h in self.hits for c in h.hit.chunks}.values())
 
 
 @dataclass
@@ -56,6 +50,11 @@ class PrefixCounters:
 
     num_query_tokens: int = 0
     num_hit_tokens: int = 0
+
+
+# rows a background sequence computes per step: a request that arrives meanwhile waits for at most
+# one such step (about 0.1 s for SmolLM2 on 2 cores) before it is scheduled
+BACKGROUND_ROWS = 128
 
 
 class Scheduler:
@@ -68,6 +67,9 @@ class Scheduler:
         batch_window_s: float = 0.0,
         enable_prefix_caching: bool = True,
         content: ContentMatcher | None = None,
+        granularity: int | None = None,
+        cost: CostModel | None = None,
+        decode_slowdown_limit: float = 0.0,
     ):
         self.pool, self.store = pool, store
         self.block_size = pool.block_size
@@ -76,12 +78,20 @@ class Scheduler:
         self.max_num_batched_tokens = max_num_batched_tokens
         self.enable_prefix_caching = enable_prefix_caching
         self.waiting = AdmissionQueue(batch_window_s)
+        # background sequences (audits, Request.background): admitted and run only in idle steps
+        self.background: deque[Sequence] = deque()
         self.running: list[Sequence] = []
-        self.in_flight: Counter[bytes] = Counter()  # prompt chunks being computed right now
         self.prefix = PrefixCounters()
         self.num_preemptions = 0
         self.num_prompt_tokens_computed = 0
         self.content = content if enable_prefix_caching else None
+        self.chunks = ChunkRegistrar(store, self.content, self.chunk_size, self.block_size)
+        self.admissions = Admissions(pool, store, self.content, enable_prefix_caching)
+        # a prompt piece that is not its last ends on a multiple of this (the block size where the KV
+        # storage encodes whole blocks, else 1: `LayerKV.per_token`)
+        self.granularity = granularity or self.block_size
+        self.cost = cost
+        self.decode_slowdown_limit = decode_slowdown_limit
         self._source_ids = itertools.count(1)
 
     # --- entry points ------------------------------------------------------------------------------
@@ -93,7 +103,10 @@ class Scheduler:
             self.content.prepare(seq)
 
     def enqueue(self, seq: Sequence) -> None:
-        self.waiting.add(seq)
+        if seq.request.background:
+            self.background.append(seq)
+        else:
+            self.waiting.add(seq)
 
     def add(self, seq: Sequence) -> None:
         self.prepare(seq)
@@ -103,71 +116,120 @@ class Scheduler:
         for seq in self.running:
             if seq.request_id == request_id:
                 return seq
-        for seq in self.waiting:
+        for seq in [*self.waiting, *self.background]:
             if seq.request_id == request_id:
                 return seq
         return None
 
     @property
     def num_unfinished(self) -> int:
-        return len(self.running) + len(self.waiting)
+        return len(self.running) + len(self.waiting) + len(self.background)
 
-    def num_blocks_available_to(self, matched: list[CachedChunk]) -> int:
-        """Blocks a sequence sharing `matched` could ever hold: all but other pinned chunks' blocks."""
-        shared_pinned = sum(len(c.block_ids) for c in matched if c.pinned)
-        return self.pool.num_blocks - self.store.num_pinned_blocks + shared_pinned
+    @property
+    def idle(self) -> bool:
+        """No request but background ones runs or waits: background sequences may have the step."""
+        return not self.waiting and all(s.request.background for s in self.running)
 
     # --- schedule ----------------------------------------------------------------------------------
     def schedule(self, now: float) -> ScheduledBatch:
         batch = ScheduledBatch()
         budget = self.max_num_batched_tokens
+        idle = self.idle
+        prefill = self._prefill_budget(idle)  # rows for prefill and repair pieces beside the decodes
         for seq in list(self.running):
             if budget == 0:
                 break
             if seq.status != SeqStatus.RUNNING:  # preempted or refused earlier in this loop
                 continue
-            n = self._piece_len(seq.kv.num_computed_tokens, seq.num_tokens, budget)
-            if n <= 0 or not self._ensure_blocks(seq, seq.kv.num_computed_tokens + n, batch):
+            if seq.request.background and not idle:
                 continue
-            sample = seq.kv.num_computed_tokens + n == seq.num_tokens and not seq.request.warm_only
-            batch.items.append(ScheduledSeq(seq, n, sample))
-            budget -= n
-        for seq in self.waiting.candidates(now, self._is_deferred):
+            decode = self._is_decoding(seq)
+            room = budget if decode else min(budget, prefill)
+            if seq.request.background:
+                room = min(room, BACKGROUND_ROWS)
+            item: ScheduledSeq | None
+            if seq.reuse.repair is not None:  # its blocks were all allocated at admission
+                item = self._repair_piece(seq, seq.reuse.repair, room)
+            else:
+                n = piece_len(seq.kv.num_computed_tokens, seq.num_tokens, room, self.granularity)
+                if n <= 0 or not self._ensure_blocks(seq, seq.kv.num_computed_tokens + n, batch):
+                    continue
+                sample = seq.kv.num_computed_tokens + n == seq.num_tokens and not seq.request.warm_only
+                item = ScheduledSeq(seq, n, sample)
+            if item is not None:
+                batch.items.append(item)
+                budget -= item.num_new_tokens
+                prefill -= 0 if decode else item.num_new_tokens
+        room = min(budget, prefill)
+        room = self._admit(self.waiting.candidates(now, self._is_deferred), room, batch)
+        if idle:
+            self._admit(iter(list(self.background)), min(room, BACKGROUND_ROWS), batch)
+        return batch
+
+    def _is_decoding(self, seq: Sequence) -> bool:
+        return seq.reuse.repair is None and seq.num_tokens - seq.kv.num_computed_tokens == 1
+
+    def _prefill_budget(self, idle: bool) -> int:
+        """Rows prefill and repair pieces may take this step. With a decode slowdown limit and
+        sequences decoding: as many as keep the step's estimated time (CostModel) within the limit
+        times the decode rows' own, at least one piece's granularity; else the whole token budget."""
+        budget = self.max_num_batched_tokens
+        if self.decode_slowdown_limit <= 0 or self.cost is None:
+            return budget
+        decoding = [s for s in self.running if self._is_decoding(s) and (idle or not s.request.background)]
+        if not decoding:
+            return budget
+        work = Work()
+        work.add_rows(sum(s.num_tokens - 1 for s in decoding), len(decoding), self.cost.num_layers)
+        extra = (self.decode_slowdown_limit - 1.0) * self.cost.seconds(work)
+        longest = max(s.num_tokens for s in [*self.running, *self.waiting])
+        rows = int(extra / self.cost.row_seconds(longest))
+        return max(self.granularity, min(budget, rows))
+
+    def _admit(self, candidates: Iterator[Sequence], budget: int, batch: ScheduledBatch) -> int:
+        """Admit from `candidates` in order while budget, sequence slots and memory last; returns
+        the budget left."""
+        for seq in candidates:
             if budget == 0 or len(self.running) >= self.max_num_seqs:
                 break
-            admission = self._match(seq, budget)
-            if admission.num_new_tokens == 0 and len(admission.matched) * self.chunk_size < seq.num_tokens:
+            admission = self.admissions.match(seq, budget, self.granularity)
+            num_cached = len(admission.matched) * self.chunk_size
+            if admission.num_new_tokens == 0 and num_cached < seq.num_tokens:
                 break  # the budget left ends before the next block boundary: next step
-            if not self._reserve(admission):
-                if self._can_ever_fit(seq, admission):
+            if not self.admissions.reserve(admission):
+                if self.admissions.can_ever_fit(admission):
                     break  # wait for memory: admit nothing younger either (FCFS)
                 self._refuse(seq, batch)
                 continue
-            item = self._start(seq, admission)
-            if isinstance(item, BlendPlan):
-                batch.blends.append(item)
-                budget -= min(budget, seq.num_tokens - item.prefix_len)
-            elif item.num_new_tokens:
+            item = self._start(seq, admission, budget)
+            if item is not None and item.num_new_tokens:
                 batch.items.append(item)
                 budget -= item.num_new_tokens
-        return batch
+        return budget
 
-    def _piece_len(self, start: int, end: int, budget: int) -> int:
-        """Tokens of [start, end) to compute this step: all of them if the budget allows, else as
-        many as end on a block boundary (0 when the budget left does not reach one; a whole step's
-        budget always does, since max_num_batched_tokens >= block_size)."""
-        if end - start <= budget:
-            return end - start
-        return max((start + budget) // self.block_size * self.block_size - start, 0)
+    def _repair_piece(self, seq: Sequence, repair: Repair, budget: int) -> ScheduledSeq | None:
+        """The next rows of a content-reuse repair that fit the budget (scheduler/repair.py)."""
+        rows = repair.next_piece(budget, self.granularity)
+        cur = repair.current
+        if not rows or cur is None:
+            return None
+        ends = (
+            cur is repair.passes[-1]
+            and cur.num_layers is None
+            and cur.num_done + len(rows) == len(cur.positions)
+        )
+        sample = ends and seq.num_tokens == seq.num_prompt_tokens  # else re-admitted: decode rows follow
+        return ScheduledSeq(seq, len(rows), sample, positions=rows, num_layers=cur.num_layers)
 
     def _ensure_blocks(self, seq: Sequence, num_tokens: int, batch: ScheduledBatch) -> bool:
         """Give `seq` blocks for `num_tokens` tokens, evicting and preempting as needed.
         False if `seq` itself had to be preempted (or refused: it can never fit)."""
-        need = _cdiv(num_tokens, self.block_size) - len(seq.kv.block_ids)
+        need = cdiv(num_tokens, self.block_size) - len(seq.kv.block_ids)
         while need > self.pool.num_free_blocks:
             if self.store.evict(need - self.pool.num_free_blocks):
                 continue
-            victim = self.running[-1]
+            # background sequences go first, then the newest
+            victim = next((s for s in reversed(self.running) if s.request.background), self.running[-1])
             if victim is seq and len(self.running) == 1:
                 # alone and still short: only pinned chunks hold the rest of the pool
                 self._refuse(seq, batch)
@@ -189,60 +251,18 @@ class Scheduler:
         self.finish(seq, FinishReason.ERROR, reason)
         batch.refused.append((seq, reason))
 
-    def _max_match_chunks(self, seq: Sequence) -> int:
-        if seq.request.warm_only:
-            return len(seq.cache.prefix_hashes)
-        # a full hit still recomputes the last prompt token: its logits are needed
-        return (seq.num_tokens - 1) // self.chunk_size
-
     def _is_deferred(self, seq: Sequence) -> bool:
-        if not self.enable_prefix_caching or not self.in_flight:
+        if not self.enable_prefix_caching or not self.chunks.in_flight:
             return False
-        for h in seq.cache.prefix_hashes[: self._max_match_chunks(seq)]:
+        for h in seq.cache.prefix_hashes[: self.admissions.max_match_chunks(seq)]:
             if h not in self.store:
-                return h in self.in_flight
+                return h in self.chunks.in_flight
         return False
 
     # --- admission: match -> reserve -> start ------------------------------------------------------
-    def _match(self, seq: Sequence, budget: int) -> Admission:
-        matched: list[CachedChunk] = []
-        if self.enable_prefix_caching:
-            matched = self.store.match_prefix(seq.cache.prefix_hashes[: self._max_match_chunks(seq)])
-        num_cached = len(matched) * self.chunk_size
-        hits: list[ContentHit] = []
-        if self.content is not None and self.content.wants(seq):
-            hits = self.content.find_hits(seq, num_cached)
-        # a prompt with content matches is prefilled by one forward of its own (not chunked)
-        n = seq.num_tokens - num_cached if hits else self._piece_len(num_cached, seq.num_tokens, budget)
-        need = _cdiv(num_cached + n, self.block_size) - len(matched) * self.store.blocks_per_chunk
-        return Admission(matched, hits, n, need)
-
-    def _reserve(self, adm: Admission) -> bool:
-        """Hold the matched chunks and the hits' sources (so eviction spares them) and make room for
-        the new blocks; on failure undo and return False."""
-        held = adm.matched + adm.sources
-        for chunk in held:
-            self.store.acquire(chunk)
-        if adm.num_new_blocks > self.pool.num_free_blocks:
-            self.store.evict(adm.num_new_blocks - self.pool.num_free_blocks)
-        if adm.num_new_blocks <= self.pool.num_free_blocks:
-            return True
-        for chunk in held:
-            self.store.release(chunk.prefix_hash)
-        return False
-
-    def _can_ever_fit(self, seq: Sequence, adm: Admission) -> bool:
-        """Whether the blocks it holds at admission (shared prefix, new blocks, and the content-hit
-        sources it holds while their KV is copied) fit beside the chunks other owners pinned."""
-        matched = {c.prefix_hash for c in adm.matched}
-        sources = [c for c in adm.sources if c.prefix_hash not in matched and not c.pinned]
-        blocks = len(adm.matched) * self.store.blocks_per_chunk + adm.num_new_blocks
-        blocks += sum(len(c.block_ids) for c in sources)
-        return blocks <= self.num_blocks_available_to(adm.matched)
-
-    def _start(self, seq: Sequence, adm: Admission) -> ScheduledSeq | BlendPlan:
+    def _start(self, seq: Sequence, adm: Admission, budget: int) -> ScheduledSeq | None:
         num_cached = len(adm.matched) * self.chunk_size
-        self.waiting.remove(seq)
+        self._dequeue(seq)
         for chunk in adm.matched:
             self.pool.retain(chunk.block_ids)
         seq.kv.block_ids = [b for c in adm.matched for b in c.block_ids] + self.pool.allocate(
@@ -256,124 +276,71 @@ class Scheduler:
             seq.reuse.num_exact_cached_tokens = num_cached
             self.prefix.num_query_tokens += seq.num_prompt_tokens
             self.prefix.num_hit_tokens += num_cached
+        if adm.choice is not None:
+            assert self.content is not None
+            self.content.record(seq, adm.choice)
         if adm.hits:
             # KV after the first hit is approximate: never registered, so never marked in flight
             seq.cache.register_limit = adm.hits[0].dst_start // self.chunk_size
         if self.enable_prefix_caching:
-            seq.cache.in_flight = seq.cache.prefix_hashes[len(adm.matched) : seq.cache.register_limit]
-            self.in_flight.update(seq.cache.in_flight)
+            self.chunks.mark_in_flight(
+                seq, seq.cache.prefix_hashes[len(adm.matched) : seq.cache.register_limit]
+            )
         seq.status = SeqStatus.RUNNING
         self.running.append(seq)
-        if adm.hits:
+        if adm.choice is not None and adm.choice.plan is not None:
             assert self.content is not None
-            return self.content.plan(seq, num_cached, adm.hits)
+            repair = make_repair(adm.choice.plan, seq.num_prompt_tokens, self.content.cost.num_layers)
+            seq.reuse.repair = repair
+            return self._repair_piece(seq, repair, budget)
         sample = num_cached + adm.num_new_tokens == seq.num_tokens and not seq.request.warm_only
         return ScheduledSeq(seq, adm.num_new_tokens, sample)
 
-    def blend_done(self, plan: BlendPlan, num_fresh_tokens: int) -> None:
-        """The repair forward ran (computing `num_fresh_tokens` prompt tokens that were not reused):
-        the prompt's KV is complete; release the hit sources."""
-        seq = plan.seq
-        for h in {c.prefix_hash for hit in plan.hits for c in hit.hit.chunks}:
+    def repair_done(self, seq: Sequence) -> None:
+        """The repair's last pass is computed: the prompt's KV is complete; release the hit sources."""
+        repair = seq.reuse.repair
+        assert repair is not None and repair.finished
+        for h in {c.prefix_hash for hit in repair.plan.hits for c in hit.hit.chunks}:
             seq.cache.used_chunks.remove(h)
             self.store.release(h)
-        self.num_prompt_tokens_computed += num_fresh_tokens
+        self.num_prompt_tokens_computed += len(repair.fresh)
         seq.kv.num_computed_tokens = seq.num_prompt_tokens
-        self._register_chunks(seq)
+        seq.reuse.repair = None
+        self.chunks.register(seq)
 
     # --- update ------------------------------------------------------------------------------------
     def on_computed(self, item: ScheduledSeq) -> None:
-        """The step computed item.num_new_tokens tokens of the sequence: register completed chunks."""
+        """The step computed item.num_new_tokens tokens of the sequence: register completed chunks.
+        A repair piece only advances its pass (the engine ends the repair: `repair_done`)."""
         seq = item.seq
+        if item.positions is not None:
+            assert seq.reuse.repair is not None and self.content is not None
+            seq.reuse.repair.computed(item.num_new_tokens, self.content.cost.num_layers)
+            return
         start = seq.kv.num_computed_tokens
         self.num_prompt_tokens_computed += max(
             0, min(start + item.num_new_tokens, seq.num_prompt_tokens) - start
         )
         seq.kv.num_computed_tokens += item.num_new_tokens
         if self.enable_prefix_caching:
-            self._register_chunks(seq)
-
-    def _register_chunks(self, seq: Sequence) -> None:
-        cache = seq.cache
-        num_full = seq.kv.num_computed_tokens // self.chunk_size
-        if cache.register_limit is not None:
-            num_full = min(num_full, cache.register_limit)
-        if len(cache.prefix_hashes) < num_full:  # chunks made of generated tokens
-            last = cache.prefix_hashes[-1] if cache.prefix_hashes else cache.root_hash
-            cache.prefix_hashes += chunk_prefix_hashes(
-                seq.token_ids[: num_full * self.chunk_size], self.chunk_size, last, len(cache.prefix_hashes)
-            )
-        bpc = self.store.blocks_per_chunk
-        for i in range(cache.num_chunks_in_store, num_full):
-            h = cache.prefix_hashes[i]
-            parent = cache.prefix_hashes[i - 1] if i else None
-            chunk = self.store.get(h)
-            if chunk is None:
-                self.store.insert(h, seq.kv.block_ids[i * bpc : (i + 1) * bpc], i, parent)
-            else:
-                # computed concurrently by another sequence: ours stays private, but hold the cached
-                # copy so it stays the parent of the chunks this sequence registers next
-                self.store.acquire(chunk, hit=False)
-            cache.used_chunks.append(h)
-            self._drop_in_flight(seq, h)
-        cache.num_chunks_in_store = max(cache.num_chunks_in_store, num_full)
-        if self.content is not None:
-            num_cached = cache.num_chunks_in_store * self.chunk_size
-            self.content.register(seq, num_cached, cache.prefix_hashes[: cache.num_chunks_in_store])
-
-    def register_tail(self, seq: Sequence) -> list[int]:
-        """Cache the prompt's final piece shorter than a chunk (warmed documents), for content matches;
-        returns its last block when this call cached it and it ends mid-block (to seal), else []."""
-        full = seq.num_prompt_tokens // self.chunk_size
-        tail_len = seq.num_prompt_tokens - full * self.chunk_size
-        cache = seq.cache
-        if (
-            self.content is None
-            or not self.content.enabled
-            or not tail_len
-            or cache.num_chunks_in_store < full
-            or cache.register_limit is not None
-        ):
-            return []
-        parent = cache.prefix_hashes[full - 1] if full else None
-        tokens = seq.token_ids[full * self.chunk_size : seq.num_prompt_tokens]
-        h = tail_hash(parent or cache.root_hash, tokens)
-        chunk = self.store.get(h)
-        open_block: list[int] = []
-        if chunk is None:
-            first = full * self.store.blocks_per_chunk
-            blocks = seq.kv.block_ids[first : first + _cdiv(tail_len, self.block_size)]
-            self.store.insert(h, blocks, full, parent, tail_len)
-            open_block = blocks[-1:] if tail_len % self.block_size else []
-        else:
-            self.store.acquire(chunk, hit=False)
-        cache.used_chunks.append(h)
-        self.content.register(seq, seq.num_prompt_tokens, cache.prefix_hashes[:full] + [h])
-        return open_block
-
-    def _drop_in_flight(self, seq: Sequence, h: bytes) -> None:
-        if h in seq.cache.in_flight:
-            seq.cache.in_flight.remove(h)
-            self.in_flight[h] -= 1
-            if self.in_flight[h] <= 0:
-                del self.in_flight[h]
+            self.chunks.register(seq)
 
     # --- leaving -----------------------------------------------------------------------------------
     def _release(self, seq: Sequence) -> None:
         for h in seq.cache.used_chunks:
             self.store.release(h)
         self.pool.release(seq.kv.block_ids)
-        for h in list(seq.cache.in_flight):
-            self._drop_in_flight(seq, h)
+        self.chunks.drop_in_flight(seq)
         seq.kv.block_ids, seq.cache.used_chunks = [], []
         seq.cache.num_chunks_in_store = 0
+        seq.reuse.repair = None  # a preempted repair is planned again at re-admission
         seq.kv.num_computed_tokens = 0
 
     def finish(self, seq: Sequence, reason: FinishReason, error: str | None = None) -> None:
         if seq.status == SeqStatus.RUNNING:
             self.running.remove(seq)
         elif seq.status == SeqStatus.WAITING:
-            self.waiting.remove(seq)
+            self._dequeue(seq)
         else:
             return
         self._release(seq)
@@ -388,7 +355,16 @@ class Scheduler:
         self._release(seq)
         self.num_preemptions += 1
         seq.status = SeqStatus.WAITING
-        self.waiting.add(seq, front=True)
+        if seq.request.background:
+            self.background.appendleft(seq)
+        else:
+            self.waiting.add(seq, front=True)
+
+    def _dequeue(self, seq: Sequence) -> None:
+        if seq.request.background:
+            self.background.remove(seq)
+        else:
+            self.waiting.remove(seq)
 
     # --- invariants --------------------------------------------------------------------------------
     def check_integrity(self) -> None:
@@ -396,13 +372,13 @@ class Scheduler:
         self.store.check_integrity()
         expected = [0] * self.pool.num_blocks
         for seq in self.running:
-            assert len(seq.kv.block_ids) >= _cdiv(seq.kv.num_computed_tokens, self.block_size)
+            assert len(seq.kv.block_ids) >= cdiv(seq.kv.num_computed_tokens, self.block_size)
             for b in seq.kv.block_ids:
                 expected[b] += 1
         for chunk in self.store.chunks():
             for b in chunk.block_ids:
                 expected[b] += 1
-        for seq in self.waiting:
+        for seq in [*self.waiting, *self.background]:
             assert not seq.kv.block_ids, "a waiting sequence holds blocks"
             assert not seq.cache.used_chunks and not seq.cache.in_flight, "a waiting sequence holds chunks"
         assert expected == self.pool.ref_counts, "pool ref counts do not match owners"
@@ -410,6 +386,6 @@ class Scheduler:
         for chunk in self.store.chunks():
             assert chunk.num_users == users.get(chunk.prefix_hash, 0), "chunk user count mismatch"
         flying = Counter(h for seq in self.running for h in seq.cache.in_flight)
-        assert flying == self.in_flight, "in-flight chunks do not match the running sequences"
+        assert flying == self.chunks.in_flight, "in-flight chunks do not match the running sequences"
         if self.content is not None:
             self.content.index.check_integrity()

@@ -11,11 +11,15 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
 from kvserve.request import FinishReason, Request, TokenLogprob
 from kvserve.tokenizer import IncrementalDetokenizer
+
+if TYPE_CHECKING:
+    from kvserve.scheduler.repair import Repair
 
 
 class SeqStatus(enum.Enum):
@@ -50,7 +54,14 @@ class SeqReuse:
     num_exact_cached_tokens: int = 0
     num_approx_cached_tokens: int = 0  # moved from content matches and not recomputed
     num_recomputed_tokens: int = 0  # moved, then recomputed by the repair
-    compute_fraction: float | None = None  # repair forwards: token-layers computed / a full prefill's
+    compute_fraction: float | None = None  # repair: token-layers computed / a full prefill's
+    # the content-reuse plan decision at the first admission that found matches (ContentMatcher.choose)
+    plan: str | None = None  # "taken" or "declined"
+    plan_reason: str | None = None
+    estimated_saving: float | None = None  # 1 - estimated repair time / exact-only prefill time
+    repair: Repair | None = None  # the repair in progress (while admitted)
+    strategy: str | None = None  # the repair strategy of the served prompt (set when its repair ends)
+    hit_keys: list[bytes] = field(default_factory=list)  # content keys it reused (the audit guard's)
 
 
 @dataclass

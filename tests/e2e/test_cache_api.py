@@ -5,6 +5,7 @@ from __future__ import annotations
 import itertools
 import random
 import re
+import time
 
 import httpx
 
@@ -164,6 +165,7 @@ def test_approximate_reuse_is_opt_in_per_request_and_reported(tiny_server: Serve
                 "reuse": "any",
                 "recompute_strategy": "selective",
                 "recompute_tokens": 8,
+                "audit": True,
             },
         ).json()
         # content-defined pieces (the default): all but the pieces straddling the document's edges,
@@ -172,8 +174,19 @@ def test_approximate_reuse_is_opt_in_per_request_and_reported(tiny_server: Serve
         assert split["exact_cached_tokens"] == 0 and split["recomputed_tokens"] == 8
         assert CHUNK <= split["approx_cached_tokens"] <= 2 * CHUNK - 8
         assert r["usage"]["prompt_tokens_details"]["cached_tokens"] == split["approx_cached_tokens"]
+        assert split["reuse_plans"] == {"taken": 1}
+        # the audit recomputes the prompt in full once the server is idle (it is, after this request)
         stats = tiny_server.stats()["cache"]["reuse"]
+        for _ in range(100):
+            if stats["audit"]:
+                break
+            time.sleep(0.05)
+            stats = tiny_server.stats()["cache"]["reuse"]
+        assert stats["audit"]["selective"]["num_audited"] == 1 and stats["audit"]["selective"]["kl_max"] >= 0
+        assert stats["plans"] == {"taken": 1} and stats["num_audits_pending"] == 0
         assert stats["available"] and stats["num_approx_hit_tokens"] >= CHUNK
-        assert _metric(h.get("/metrics").text, "kvserve:repair_recomputed_tokens_total") >= 8
+        metrics = h.get("/metrics").text
+        assert _metric(metrics, "kvserve:repair_recomputed_tokens_total") >= 8
+        assert 'kvserve:audits_total{model_name="' in metrics and "kvserve:audit_first_token_kl{" in metrics
         bad = h.post("/v1/completions", json={"model": TINY, "prompt": prompt, "reuse": "sometimes"})
         assert bad.status_code == 400 and bad.json()["error"]["param"] == "reuse"

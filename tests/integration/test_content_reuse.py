@@ -13,8 +13,10 @@ GREEDY = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
 
 
 def make(model: str = "tiny-random-llama", **kw) -> LLM:
-    """Fixed chunking unless asked: piece boundaries (and so the counts below) are then exact."""
+    """Fixed chunking unless asked: piece boundaries (and so the counts below) are then exact. Every
+    match is taken, even one whose repair costs more than a prefill (these tests check the repair)."""
     kw.setdefault("pieces", "fixed")
+    kw.setdefault("reuse_min_saving", -10.0)
     return LLM(model=model, chunk_size=CHUNK, max_cache_bytes=50_000_000, **kw)
 
 
@@ -65,22 +67,24 @@ def test_cacheblend_spends_the_compute_it_reports():
     n, reused = len(prompt), 8 * CHUNK
     fresh = n - reused
     captured = {}
-    runner = llm.engine.blend_runner
-    original = runner.execute
+    repairer = llm.engine.repairer
+    original = repairer.finish
 
-    def spy(plan):
-        logits, report = original(plan)
-        captured["report"] = report
-        return logits, report
+    def spy(seq):
+        captured["report"] = report = original(seq)
+        return report
 
-    runner.execute = spy  # type: ignore[method-assign]
+    repairer.finish = spy  # type: ignore[method-assign]
     opts = ReuseOptions(
         reuse="any", recompute_strategy="cacheblend", recompute_ratio=0.25, blend_check_layer=1
     )
     (out,) = llm.generate([prompt], GREEDY, reuse=opts)
     report = captured["report"]
     selected = round(0.25 * reused)
-    assert report.token_layers == [n, n, fresh + selected, fresh + selected]  # 4 layers, check layer 1
+    # 4 layers, check layer 1: every row through layers 0-1, then the fresh and selected rows through all
+    # (their layers 0-1 again: the same values, to get their hidden states)
+    second = fresh + selected
+    assert report.token_layers == [n + second, n + second, second, second]
     assert out.num_recomputed_tokens == selected and out.num_approx_cached_tokens == reused - selected
     assert out.compute_fraction == pytest.approx(sum(report.token_layers) / (4 * n))
 

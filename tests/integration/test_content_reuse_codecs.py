@@ -42,18 +42,23 @@ def _codec_params() -> list[Any]:
 
 def _moved_rows(llm: LLM, plan: BlendPlan, layer_idx: int) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
     """position -> the source's K/V as the codec decodes it, K rotated to the position."""
-    runner = llm.engine.blend_runner
+    repairer = llm.engine.repairer
+    assert repairer is not None
     kv = llm.engine.layers[layer_idx]
     src = torch.tensor([s for h in plan.hits for s in h.hit.src_slots])
     dst = [p for h in plan.hits for p in range(h.dst_start, h.dst_start + h.num_tokens)]
     delta = torch.cat([torch.full((h.num_tokens,), h.delta) for h in plan.hits])
     k, v = kv.read_slots(src)
-    k = runner.rotator.apply(k, runner.rotator.rotation(delta, kv.compute_dtype, k.device))
+    k = repairer.rotator.apply(k, repairer.rotator.rotation(delta, k.device))
     return {p: (k[i], v[i]) for i, p in enumerate(dst)}
 
 
-def _check_against_oracle(llm: LLM, codec: str, plan: BlendPlan, forward_writes: list[tuple]) -> set[str]:
-    """Compare every layer's assembled blocks with the oracle; returns which hard cases occurred."""
+def _check_against_oracle(
+    llm: LLM, codec: str, plan: BlendPlan, forward_writes: list[list[tuple]]
+) -> set[str]:
+    """Compare every layer's assembled blocks with the oracle; returns which hard cases occurred.
+    forward_writes[layer]: the repair's writes in order (its pieces and passes; a later write of a
+    position replaces an earlier one)."""
     bs = llm.engine.config.block_size
     n, prefix_len = plan.seq.num_prompt_tokens, plan.prefix_len
     assert prefix_len % bs == 0
@@ -65,10 +70,12 @@ def _check_against_oracle(llm: LLM, codec: str, plan: BlendPlan, forward_writes:
         cases.add("hit starts mid-block")
     for layer_idx, kv in enumerate(llm.engine.layers):
         rows = _moved_rows(llm, plan, layer_idx)
-        slots, k, v = forward_writes[layer_idx]
-        computed = [pos_of_block[s // bs] + s % bs for s in slots.tolist()]
-        for i, p in enumerate(computed):
-            rows[p] = (k[i], v[i])
+        computed = []
+        for slots, k, v in forward_writes[layer_idx]:
+            at = [pos_of_block[s // bs] + s % bs for s in slots.tolist()]
+            computed += at
+            for i, p in enumerate(at):
+                rows[p] = (k[i], v[i])
         assert sorted(rows) == list(range(prefix_len, n)), "every row past the prefix is written"
         cases |= _cases(set(computed), moved, bs)
         oracle = create_layer_kv(
@@ -104,37 +111,46 @@ def _cases(computed: set[int], moved: set[int], bs: int) -> set[str]:
 def _spy(
     llm: LLM, codec: str, earlier_blocks: set[int], cases: list[set[str]], failures: list[str]
 ) -> Callable[[], None]:
-    """Wrap the blend runner: record each layer's forward write, then check the oracle."""
+    """Wrap the repairer: record each layer's writes from the move to the repair's end (the pieces
+    of every pass, whatever steps they ran in), then check the oracle."""
     engine = llm.engine
-    runner = engine.blend_runner
-    original = runner.execute
+    repairer = engine.repairer
+    assert repairer is not None
+    begin, finish = repairer.begin, repairer.finish
+    writes: list[list[tuple]] = []
 
-    def execute(plan: BlendPlan):
-        writes: list[list[tuple]] = [[] for _ in engine.layers]
+    def recording_begin(seq):  # type: ignore[no-untyped-def]
+        moved = begin(seq)
+        writes[:] = [[] for _ in engine.layers]
         for idx, kv in enumerate(engine.layers):
             write = kv.write
 
-            def record(slot_mapping, key, value, _w=write, _idx=idx):
+            def record(slot_mapping, key, value, _w=write, _idx=idx):  # type: ignore[no-untyped-def]
                 writes[_idx].append((slot_mapping.clone(), key.clone(), value.clone()))
                 _w(slot_mapping, key, value)
 
             kv.write = record  # type: ignore[method-assign]
-        try:
-            out = original(plan)
-        finally:
-            for kv in engine.layers:
-                del kv.write
+        return moved
+
+    def checking_finish(seq):  # type: ignore[no-untyped-def]
+        for kv in engine.layers:
+            del kv.write
+        plan = seq.reuse.repair.plan
         try:  # the engine turns an exception in here into a failed request: keep it for the test
-            assert all(len(w) == 2 for w in writes), "one write moves the hits, one is the forward's"
-            cases.append(_check_against_oracle(llm, codec, plan, [w[1] for w in writes]))
-            if earlier_blocks & set(plan.seq.kv.block_ids):
+            cases.append(_check_against_oracle(llm, codec, plan, writes))
+            if earlier_blocks & set(seq.kv.block_ids):
                 cases[-1].add("block recycled from an earlier owner")
         except AssertionError as e:
             failures.append(str(e))
-        return out
+        return finish(seq)
 
-    runner.execute = execute  # type: ignore[method-assign]
-    return lambda: setattr(runner, "execute", original)
+    repairer.begin = recording_begin  # type: ignore[method-assign]
+    repairer.finish = checking_finish  # type: ignore[method-assign]
+
+    def restore() -> None:
+        repairer.begin, repairer.finish = begin, finish  # type: ignore[method-assign]
+
+    return restore
 
 
 @pytest.mark.parametrize("codec", _codec_params())
@@ -147,6 +163,7 @@ def test_content_reuse_equals_the_codec_on_the_same_moved_kv(codec):
         kv_cache_dtype=codec,
         pieces="content",
         piece_min_tokens=8,
+        reuse_min_saving=-10.0,  # take every match: the full repair too
     )
     docs = [corpus_token_ids(llm, 70 + 20 * i, seed=80 + i) for i in range(2)]
     for d in docs:

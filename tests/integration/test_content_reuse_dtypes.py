@@ -23,6 +23,7 @@ LOGIT_TOLERANCE = {"bfloat16": 0.05, "float16": 0.01}  # a few units in the last
 
 def make(dtype: str, **kw) -> LLM:
     kw.setdefault("pieces", "fixed")  # piece boundaries, and so the counts below, are exact
+    kw.setdefault("reuse_min_saving", -10.0)  # take every match: these tests check the repair
     return LLM(model="tiny-random-llama", dtype=dtype, chunk_size=CHUNK, max_cache_bytes=50_000_000, **kw)
 
 

@@ -49,6 +49,7 @@ def engines(codec: str) -> tuple[LLM, LLM]:
             max_num_batched_tokens=64,
             max_num_seqs=MAX_NUM_SEQS,
             max_pinned_fraction=0.5,
+            reuse_min_saving=-10.0,  # take every content match: the repairs are what is checked
             **common,
         )
         assert tiny.engine.pool.num_blocks == POOL_BLOCKS, tiny.engine.pool.num_blocks

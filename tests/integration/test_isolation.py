@@ -16,7 +16,13 @@ GREEDY = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
 
 @pytest.fixture()
 def llm() -> LLM:
-    return LLM(model="tiny-random-llama", chunk_size=CHUNK, max_cache_bytes=50_000_000, pieces="fixed")
+    return LLM(
+        model="tiny-random-llama",
+        chunk_size=CHUNK,
+        max_cache_bytes=50_000_000,
+        pieces="fixed",
+        reuse_min_saving=-10.0,
+    )
 
 
 def _prompts(llm: LLM) -> list[list[int]]:
@@ -114,13 +120,13 @@ def test_a_repair_forward_fault_fails_only_its_request(llm: LLM, monkeypatch: py
     llm.warm(doc)
     prompts = _prompts(llm)
     expected = dict(zip("abcd", _reference(llm, prompts)))
-    runner = llm.engine.blend_runner
-    assert runner is not None
+    repairer = llm.engine.repairer
+    assert repairer is not None
 
-    def explode(plan):  # type: ignore[no-untyped-def]
-        raise RuntimeError("repair forward fault")
+    def explode(seq):  # type: ignore[no-untyped-def]
+        raise RuntimeError("moving KV fault")
 
-    monkeypatch.setattr(runner, "execute", explode)
+    monkeypatch.setattr(repairer, "begin", explode)
     rag = corpus_token_ids(llm, CHUNK, seed=311) + doc + [5, 6, 7]
     opts = ReuseOptions(reuse="any", recompute_strategy="selective")
     requests = [Request(rid, p, GREEDY) for rid, p in zip("abcd", prompts)]

@@ -1,0 +1,101 @@
+"""Repairer: the engine's part of a content-reuse repair (scheduler/repair.py plans it).
+
+The rows of a repair run in ordinary steps through the one model forward (ModelRunner), each at its
+explicit position. Around them the engine:
+  begin    before the first piece: copies the hits' KV into the sequence's blocks with K re-rotated
+           from the old to the new positions, holds those blocks exact (their rows are written out
+           of order, LayerKV.hold_exact), and for CacheBlend keeps the moved K at the check layer
+  select   CacheBlend, when the first pass (every row through layers [0, check_layer]) is done: the
+           reused tokens whose fresh K at the check layer moved furthest from the moved K
+  finish   the last pass is done: releases the hold
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from kvserve.kvcache.block_pool import slot_mapping
+from kvserve.kvcache.kv_storage import LayerKV
+from kvserve.kvcache.rope import RopeRotator
+from kvserve.scheduler.repair import Repair
+from kvserve.scheduler.sequence import Sequence
+
+
+@dataclass
+class RepairReport:
+    num_reused_tokens: int  # moved from the cache
+    num_recomputed_tokens: int  # of those, recomputed in the last layer
+    token_layers: list[int]  # rows each layer computed over all passes
+    compute_fraction: float  # sum(token_layers) / (num_layers * prompt length): vs a full prefill
+
+
+class Repairer:
+    def __init__(self, layers: list[LayerKV], rotator: RopeRotator, device: torch.device):
+        self.layers = layers
+        self.rotator = rotator
+        self.device = device
+        self.block_size = layers[0].block_size
+
+    def _slots(self, seq: Sequence, positions: list[int]) -> torch.Tensor:
+        block_ids = torch.tensor(seq.kv.block_ids, dtype=torch.long)
+        return slot_mapping(block_ids, torch.tensor(positions, dtype=torch.long), self.block_size).to(
+            self.device
+        )
+
+    def _assembled(self, seq: Sequence, repair: Repair) -> list[int]:
+        """The blocks past the exact prefix: their rows arrive out of order."""
+        return seq.kv.block_ids[repair.plan.prefix_len // self.block_size :]
+
+    @torch.inference_mode()
+    def begin(self, seq: Sequence) -> int:
+        """Copy the hits' KV in (K rotated by new - old position); returns the token-layers moved."""
+        repair = seq.reuse.repair
+        assert repair is not None and not repair.moved
+        for kv in self.layers:
+            kv.hold_exact(self._assembled(seq, repair))
+        hits = repair.plan.hits
+        src = torch.tensor([s for h in hits for s in h.hit.src_slots], dtype=torch.long, device=self.device)
+        dst = self._slots(seq, [p for h in hits for p in range(h.dst_start, h.dst_start + h.num_tokens)])
+        delta = torch.cat([torch.full((h.num_tokens,), h.delta) for h in hits])
+        rotation = self.rotator.rotation(delta, self.device) if bool((delta != 0).any()) else None
+        for kv in self.layers:
+            k, v = kv.read_slots(src)  # [T, H_kv, D] compute_dtype
+            if rotation is not None:
+                k = self.rotator.apply(k, rotation)  # rotated in float32, rounded once to compute_dtype
+            kv.write(dst, k, v)
+        repair.moved = True
+        if repair.passes[0].num_layers is not None:  # CacheBlend's first pass: keep what it overwrites
+            check = self.layers[repair.plan.check_layer]
+            repair.check_k = check.read_slots(self._slots(seq, repair.reused))[0]
+        return int(dst.numel()) * len(self.layers)
+
+    @torch.inference_mode()
+    def select(self, seq: Sequence) -> None:
+        """CacheBlend: `ratio` of the reused tokens: with seam_tokens, first the first tokens of every
+        run (seam-aware); the rest those whose fresh K at the check layer deviates most from the
+        moved K (squared distance over heads and dims). Ranking by K beat ranking by V and by both
+        on SmolLM2 (docs/blend.md)."""
+        repair = seq.reuse.repair
+        assert repair is not None and repair.awaits_selection and repair.check_k is not None
+        plan = repair.plan
+        fresh_k = self.layers[plan.check_layer].read_slots(self._slots(seq, repair.reused))[0]
+        deviation = ((fresh_k.float() - repair.check_k.float()) ** 2).sum(dim=(1, 2))  # [num_reused]
+        num_keep = round(plan.recompute_ratio * len(repair.reused))
+        seam = repair.seam_positions()
+        seams = [i for i, p in enumerate(repair.reused) if p in seam][:num_keep]
+        deviation[seams] = float("inf")  # ranked first
+        chosen = torch.topk(deviation, num_keep).indices.tolist() if num_keep else []
+        repair.select([repair.reused[i] for i in chosen])
+        repair.check_k = None
+
+    def finish(self, seq: Sequence) -> RepairReport:
+        """The last pass is computed: release the hold; what the repair computed."""
+        repair = seq.reuse.repair
+        assert repair is not None and repair.finished
+        for kv in self.layers:
+            kv.release_exact(self._assembled(seq, repair))
+        layers = repair.token_layers
+        fraction = sum(layers) / (len(layers) * repair.num_prompt_tokens) if layers else 0.0
+        return RepairReport(len(repair.reused), repair.num_recomputed, list(layers), fraction)

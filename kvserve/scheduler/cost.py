@@ -1,0 +1,108 @@
+"""What a forward costs, in seconds, from what it computes: the basis of cost-aware reuse plans.
+
+A step is counted as work units (`Work`):
+  linear   token-layers: every row through every layer it runs (projections, MLP, norms)
+  attend   query-key pairs per layer: a row at position p attends to p + 1 keys
+  moved    token-layers of KV copied in and re-rotated for content reuse
+and costs w_step + w_linear * linear + w_attend * attend + w_moved * moved seconds. The weights start
+from the model's arithmetic (FLOPs per unit, attention at half the linear layers' rate) and are fitted
+to the step times the engine measures (`observe`), as a ridge regression that pulls each weight
+towards its prior: a kind of work the engine has not run much (moving KV) keeps its prior.
+
+Only ratios between two plans for one prompt decide anything (ContentMatcher.choose), so what the
+fit must get right is the relative price of linear work, attention and moving.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+
+import torch
+
+PRIOR_FLOPS_PER_S = 5e10  # the scale of the prior only; the fit replaces it
+ATTENTION_SLOWDOWN = 2.0  # attention runs at about half the FLOP rate of the GEMMs (profile_step.py)
+REFIT_EVERY = 16  # observations
+HISTORY = 256  # observations kept for the fit
+RIDGE = 0.05  # pull towards the prior, relative to the data's scale
+
+
+@dataclass
+class Work:
+    linear: float = 0.0
+    attend: float = 0.0
+    moved: float = 0.0
+
+    def add_rows(self, positions_sum: float, num_rows: int, num_layers: int) -> None:
+        """Rows whose positions sum to `positions_sum`, each through `num_layers` layers."""
+        self.linear += num_rows * num_layers
+        self.attend += (positions_sum + num_rows) * num_layers
+
+    def add_span(self, start: int, end: int, num_layers: int) -> None:
+        """Rows at every position of [start, end)."""
+        n = end - start
+        self.add_rows((start + end - 1) * n / 2, n, num_layers)
+
+    def features(self) -> list[float]:
+        return [1.0, self.linear, self.attend, self.moved]
+
+
+class CostModel:
+    def __init__(
+        self, num_layers: int, hidden: int, num_heads: int, num_kv_heads: int, head_dim: int, inter: int
+    ):
+        self.num_layers = num_layers
+        params = hidden * (num_heads + 2 * num_kv_heads) * head_dim + num_heads * head_dim * hidden
+        params += 3 * hidden * inter
+        per_linear = 2 * params / PRIOR_FLOPS_PER_S
+        per_attend = ATTENTION_SLOWDOWN * 4 * num_heads * head_dim / PRIOR_FLOPS_PER_S
+        per_moved = 8 * num_kv_heads * head_dim * 4 / 5e9  # K and V read, rotated, written (fp32 passes)
+        self.prior = [1e-3, per_linear, per_attend, per_moved]  # seconds per step, per unit
+        self.weights = list(self.prior)
+        self._seen: deque[tuple[list[float], float]] = deque(maxlen=HISTORY)
+        self._since_fit = 0
+        self.num_observed = 0
+
+    @classmethod
+    def of(cls, model_config: object, num_layers: int) -> CostModel:
+        c = model_config
+        heads = c.num_attention_heads  # type: ignore[attr-defined]
+        head_dim = getattr(c, "head_dim", None) or c.hidden_size // heads  # type: ignore[attr-defined]
+        return cls(
+            num_layers,
+            c.hidden_size,  # type: ignore[attr-defined]
+            heads,
+            getattr(c, "num_key_value_heads", None) or heads,
+            head_dim,
+            c.intermediate_size,  # type: ignore[attr-defined]
+        )
+
+    def seconds(self, work: Work) -> float:
+        return sum(w * x for w, x in zip(self.weights, work.features(), strict=True))
+
+    def row_seconds(self, position: int) -> float:
+        """One more row at `position` through every layer (no per-step part)."""
+        w = self.weights
+        return self.num_layers * (w[1] + w[2] * (position + 1))
+
+    def observe(self, work: Work, seconds: float) -> None:
+        """A step that did `work` took `seconds`; refits every REFIT_EVERY observations."""
+        self._seen.append((work.features(), seconds))
+        self.num_observed += 1
+        self._since_fit += 1
+        if self._since_fit >= REFIT_EVERY:
+            self._since_fit = 0
+            self.fit()
+
+    def fit(self) -> None:
+        """Weights = prior * c, c from ridge least squares of the times on the prior's per-kind
+        predictions, pulled towards 1 and kept within [0.02, 50]."""
+        if not self._seen:
+            return
+        prior = torch.tensor(self.prior, dtype=torch.float64)
+        z = torch.tensor([f for f, _ in self._seen], dtype=torch.float64) * prior  # [n, 4] seconds
+        y = torch.tensor([t for _, t in self._seen], dtype=torch.float64)
+        gram = z.T @ z
+        lam = RIDGE * float(gram.diagonal().mean()) + 1e-12
+        c = torch.linalg.solve(gram + lam * torch.eye(4, dtype=torch.float64), z.T @ y + lam)
+        self.weights = (prior * c.clamp(0.02, 50.0)).tolist()

@@ -1,0 +1,146 @@
+"""Repair: a prompt prefilled with content reuse, as passes of rows at explicit positions.
+
+Position map of the prompt [0, n) under a BlendPlan:
+  [0, prefix_len)   exact prefix: shared blocks, never touched
+  reused            the hits' KV, copied in and re-rotated once before the first pass (engine/repair.py)
+  fresh             everything else after the prefix (the last prompt token always is)
+
+A pass computes some positions through the first `num_layers` layers (None: all), writing their KV
+over whatever the slots held. The passes of each strategy:
+  none        fresh, all layers
+  selective   fresh + the first R tokens of every run of reused pieces, the last `overlap` tokens
+              before each run and the first `sink` prompt tokens, all layers
+  cacheblend  every position after the prefix through layers [0, check_layer]; then fresh + the
+              `ratio` of reused tokens whose fresh K at the check layer deviated most from the moved
+              K, all layers (the engine picks them when the first pass ends; seam-aware, the first
+              `seam_tokens` of every run are picked first)
+The second cacheblend pass recomputes layers [0, check_layer] of its rows with the same inputs the
+first pass had, so it writes the same values: the result is CacheBlend's single forward.
+
+Passes are computed in position order, in pieces the scheduler fits into ordinary steps beside other
+sequences' rows. A row at position p sees the final KV of every position <= p whatever the cut. Where
+the storage encodes whole blocks (KIVI's K), a piece also ends on a block boundary (except the pass's
+last), so every block is written by one piece per pass and is encoded from the same rows however the
+budget cut the pass (`next_piece`).
+"""
+
+from __future__ import annotations
+
+from bisect import bisect_left
+from dataclasses import dataclass, field
+from typing import Any
+
+from kvserve.scheduler.batch import BlendPlan
+
+
+@dataclass
+class RepairPass:
+    positions: list[int]  # sorted ascending
+    num_layers: int | None  # None = every layer
+    num_done: int = 0  # positions[:num_done] are computed
+
+    @property
+    def finished(self) -> bool:
+        return self.num_done == len(self.positions)
+
+
+@dataclass
+class Repair:
+    plan: BlendPlan
+    num_prompt_tokens: int
+    passes: list[RepairPass]
+    reused: list[int]  # positions whose KV was moved in, sorted
+    fresh: list[int]  # positions computed because nothing reused covers them, sorted
+    moved: bool = False  # the engine has copied the hits in (before the first piece)
+    check_k: Any = None  # cacheblend: the moved K of `reused` at the check layer (a tensor)
+    token_layers: list[int] = field(default_factory=list)  # rows each layer computed, over all passes
+
+    @property
+    def current(self) -> RepairPass | None:
+        return next((p for p in self.passes if not p.finished), None)
+
+    @property
+    def awaits_selection(self) -> bool:
+        """CacheBlend's first pass is done and the second is not yet chosen."""
+        first = self.passes[0]
+        return len(self.passes) == 1 and first.num_layers is not None and first.finished
+
+    @property
+    def finished(self) -> bool:
+        return self.current is None and not self.awaits_selection
+
+    def next_piece(self, budget: int, granularity: int) -> list[int]:
+        """Positions of the current pass to compute next within `budget` rows: all that are left if
+        they fit, else those before the furthest multiple of `granularity` (the block size where
+        storage encodes whole blocks, else 1) the budget reaches (empty: none)."""
+        cur = self.current
+        if cur is None:
+            return []
+        left = cur.positions[cur.num_done :]
+        if len(left) <= budget:
+            return left
+        # the rows before block boundary b are left[: bisect_left(left, b)]; take the largest that fits
+        boundary = left[budget] // granularity * granularity
+        return left[: bisect_left(left, boundary)]
+
+    def computed(self, num_rows: int, num_layers: int) -> None:
+        cur = self.current
+        assert cur is not None
+        cur.num_done += num_rows
+        layers = num_layers if cur.num_layers is None else cur.num_layers
+        if not self.token_layers:
+            self.token_layers = [0] * num_layers
+        for i in range(layers):
+            self.token_layers[i] += num_rows
+
+    def seam_positions(self) -> set[int]:
+        """CacheBlend, seam-aware: the first seam_tokens positions of every run of reused pieces."""
+        plan = self.plan
+        return {p for start, end in plan.runs() for p in range(start, min(end, start + plan.seam_tokens))}
+
+    def select(self, chosen: list[int]) -> None:
+        """CacheBlend: the reused positions to recompute through every layer."""
+        assert self.awaits_selection
+        self.passes.append(RepairPass(sorted(set(self.fresh) | set(chosen)), None))
+
+    @property
+    def num_recomputed(self) -> int:
+        """Reused tokens recomputed through every layer (their KV is fresh in the last layer)."""
+        last = [p for p in self.passes if p.num_layers is None]
+        if not last:
+            return 0
+        return len(last[-1].positions) - len(self.fresh)
+
+
+def positions(plan: BlendPlan, n: int) -> tuple[list[int], list[int]]:
+    """(reused, fresh) positions of a plan over a prompt of n tokens."""
+    is_reused = [False] * n
+    for h in plan.hits:
+        for p in range(h.dst_start, h.dst_start + h.num_tokens):
+            is_reused[p] = True
+    reused = [p for p in range(plan.prefix_len, n) if is_reused[p]]
+    fresh = [p for p in range(plan.prefix_len, n) if not is_reused[p]]
+    assert fresh and fresh[-1] == n - 1, "the last prompt token must be computed"
+    return reused, fresh
+
+
+def selective_positions(plan: BlendPlan, reused: list[int]) -> list[int]:
+    """Reused positions selective repair recomputes: run starts, the tokens before runs, the sink."""
+    marks: set[int] = set(range(plan.sink_tokens))
+    for start, end in plan.runs():
+        marks.update(range(start, min(end, start + plan.recompute_tokens)))
+        marks.update(range(max(0, start - plan.overlap_tokens), start))
+    return [p for p in reused if p in marks]
+
+
+def make_repair(plan: BlendPlan, n: int, num_layers: int) -> Repair:
+    reused, fresh = positions(plan, n)
+    if plan.strategy == "selective":
+        passes = [RepairPass(sorted(set(fresh) | set(selective_positions(plan, reused))), None)]
+    elif plan.strategy == "cacheblend":
+        first_layers = plan.check_layer + 1
+        every = list(range(plan.prefix_len, n))
+        passes = [RepairPass(every, first_layers if first_layers < num_layers else None)]
+    else:
+        passes = [RepairPass(fresh, None)]
+    return Repair(plan, n, passes, reused, fresh)

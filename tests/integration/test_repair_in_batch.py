@@ -1,0 +1,217 @@
+"""Content-reuse repair inside ordinary steps, cost-aware plans and the online audit (issue 13).
+
+A repair runs as pieces of the packed batch beside other sequences' rows, each row at its own
+position, so neither the cut of the repair into pieces nor the rows around it may change a result.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvserve import LLM, SamplingParams
+from kvserve.engine.audit import first_token_kl
+from kvserve.request import Request, ReuseOptions
+from kvserve.scheduler.batch import ScheduledBatch
+from tests.integration.helpers import corpus_token_ids, generate_with_logits
+
+CHUNK = 32
+GREEDY = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+SELECTIVE = ReuseOptions(reuse="any", recompute_strategy="selective", recompute_tokens=5)
+BLEND = ReuseOptions(reuse="any", recompute_strategy="cacheblend", recompute_ratio=0.3, blend_check_layer=1)
+NONE = ReuseOptions(reuse="any", recompute_strategy="none")
+
+
+def make(**kw) -> LLM:
+    kw.setdefault("pieces", "fixed")
+    kw.setdefault("reuse_min_saving", -10.0)  # take every match unless a test checks the choice
+    return LLM(model="tiny-random-llama", chunk_size=CHUNK, max_cache_bytes=50_000_000, **kw)
+
+
+def rag_prompt(llm: LLM, docs: list[list[int]], order: list[int], seed: int) -> list[int]:
+    prompt = corpus_token_ids(llm, 2 * CHUNK, seed=100 + seed)
+    for i in order:
+        prompt += docs[i]
+    return prompt + corpus_token_ids(llm, 7, seed=200 + seed)
+
+
+def warmed(llm: LLM, num_docs: int = 3, length: int = 4 * CHUNK) -> list[list[int]]:
+    docs = [corpus_token_ids(llm, length, seed=10 + i) for i in range(num_docs)]
+    for d in docs:
+        llm.warm(d)
+    return docs
+
+
+def record_batches(llm: LLM) -> list[list[tuple[str, bool, int]]]:
+    """Spy on the model runner: per step, (request id, is a repair piece, rows) of each item."""
+    steps: list[list[tuple[str, bool, int]]] = []
+    runner = llm.engine.runner
+    execute = runner.execute
+
+    def spy(batch: ScheduledBatch, inputs=None):  # type: ignore[no-untyped-def]
+        steps.append([(i.seq.request_id, i.positions is not None, i.num_new_tokens) for i in batch.items])
+        return execute(batch, inputs)
+
+    runner.execute = spy  # type: ignore[method-assign]
+    return steps
+
+
+@pytest.mark.parametrize("opts", [SELECTIVE, BLEND], ids=["selective", "cacheblend"])
+def test_a_repair_cut_into_small_pieces_equals_one_piece(opts: ReuseOptions):
+    whole, pieces = make(max_num_batched_tokens=4096), make(max_num_batched_tokens=48)
+    results = []
+    for llm in (whole, pieces):
+        docs = warmed(llm)
+        steps = record_batches(llm)
+        (out,), (logits,) = generate_with_logits(
+            llm, [rag_prompt(llm, docs, [2, 0, 1], seed=1)], GREEDY, opts
+        )
+        results.append((out, logits, sum(any(r for _, r, _ in s) for s in steps)))
+    (out_a, logits_a, repair_steps_a), (out_b, logits_b, repair_steps_b) = results
+    assert out_a.num_approx_cached_tokens > 0 and out_a.num_recomputed_tokens > 0
+    assert repair_steps_b > repair_steps_a  # the small budget cut it into more steps
+    assert out_a.token_ids == out_b.token_ids and torch.equal(logits_a, logits_b)
+    assert out_a.compute_fraction == out_b.compute_fraction
+
+
+def test_repair_rows_share_steps_with_decode_rows_and_change_neither():
+    llm = make(max_num_batched_tokens=64)
+    docs = warmed(llm)
+    chat = corpus_token_ids(llm, 40, seed=5)
+    rag = rag_prompt(llm, docs, [1, 2, 0], seed=2)
+    long_decode = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
+    (chat_ref,), (chat_logits,) = generate_with_logits(llm, [chat], long_decode)
+    (rag_ref,), (rag_logits,) = generate_with_logits(llm, [rag], GREEDY, BLEND)
+    engine = llm.engine
+    engine.logits_sink = {}
+    engine.check_integrity_each_step = True
+    steps = record_batches(llm)
+    engine.add_request(Request("chat", chat, long_decode))
+    for _ in range(3):
+        engine.step()  # "chat" is decoding now
+    engine.add_request(Request("rag", rag, GREEDY, reuse=BLEND))
+    done = {}
+    while len(done) < 2:
+        done.update({o.request_id: o for o in engine.step() if o.finished})
+    mixed = [s for s in steps if {("chat", False), ("rag", True)} <= {(rid, rep) for rid, rep, _ in s}]
+    assert len(mixed) >= 2, "repair pieces ran beside decode rows"
+    assert done["chat"].token_ids == chat_ref.token_ids
+    assert torch.equal(torch.stack(engine.logits_sink["chat"]), chat_logits)
+    assert done["rag"].token_ids == rag_ref.token_ids
+    assert torch.equal(torch.stack(engine.logits_sink["rag"]), rag_logits)
+
+
+def test_a_match_is_taken_only_when_it_saves_enough():
+    llm = make(reuse_min_saving=0.1)
+    docs = warmed(llm)
+    prompt = rag_prompt(llm, docs, [2, 0, 1], seed=3)
+    (cheap,) = llm.generate([prompt], GREEDY, reuse=NONE)
+    assert cheap.reuse_plan == "taken" and cheap.estimated_saving > 0.1
+    assert cheap.num_approx_cached_tokens == 12 * CHUNK
+    full = ReuseOptions(reuse="any", recompute_strategy="cacheblend", recompute_ratio=1.0)
+    (costly,) = llm.generate([prompt], GREEDY, reuse=full)
+    assert costly.reuse_plan == "declined: saves too little" and costly.estimated_saving < 0.1
+    assert costly.num_approx_cached_tokens == 0 and costly.num_recomputed_tokens == 0
+    (exact,) = llm.generate([prompt], GREEDY)
+    assert costly.token_ids == exact.token_ids
+    plans = llm.stats().content_reuse.plans
+    assert plans == {"taken": 1, "declined: saves too little": 1}
+    llm.engine.check_integrity()
+
+
+def test_the_cost_model_fits_measured_step_times():
+    from kvserve.scheduler.cost import CostModel, Work
+
+    model = CostModel(num_layers=4, hidden=64, num_heads=4, num_kv_heads=2, head_dim=16, inter=128)
+    true = [2e-3, 3e-6, 2e-9, 1e-7]
+    gen = torch.Generator().manual_seed(0)
+    for _ in range(200):
+        rows = int(torch.randint(1, 500, (1,), generator=gen))
+        work = Work()
+        work.add_span(int(torch.randint(0, 2000, (1,), generator=gen)), 0, 4)
+        work.add_rows(float(rows * 700), rows, 4)
+        work.moved = float(torch.randint(0, 3, (1,), generator=gen)) * 4000
+        seconds = sum(w * x for w, x in zip(true, work.features(), strict=True))
+        model.observe(work, seconds)
+    probe = Work(linear=4000, attend=4e6, moved=8000)
+    want = sum(w * x for w, x in zip(true, probe.features(), strict=True))
+    assert model.seconds(probe) == pytest.approx(want, rel=0.05)
+
+
+def test_audit_measures_the_served_kl_and_the_guard_stops_a_bad_document():
+    llm, cold = make(audit_rate=0.0, audit_max_kl=1e-9), make(enable_prefix_caching=False)
+    docs = warmed(llm)
+    prompt = rag_prompt(llm, docs, [2, 0, 1], seed=4)
+    audited = ReuseOptions(reuse="any", recompute_strategy="none", audit=True)
+    (served,), (served_logits,) = generate_with_logits(llm, [prompt], GREEDY, audited)
+    (_,), (full_logits,) = generate_with_logits(cold, [prompt], GREEDY)
+    engine = llm.engine
+    assert len(engine.auditor.pending) == 1 and not engine.auditor.results
+    engine.run_background()  # idle now: the audit's full recompute runs
+    ((rid, strategy, kl, agree),) = engine.auditor.results
+    assert rid == served.request_id and strategy == "none"
+    assert kl == pytest.approx(first_token_kl(full_logits[0], served_logits[0]), rel=1e-5, abs=1e-9)
+    assert agree == (int(full_logits[0].argmax()) == int(served_logits[0].argmax()))
+    stats = llm.stats().content_reuse
+    assert stats.audit["none"].num_audited == 1 and stats.audit["none"].kl_max == pytest.approx(kl)
+    assert kl > 1e-9 and stats.num_guard_fired == 1 and stats.num_guarded_documents == 12
+    # the audit's recompute cached this prompt exactly: the same documents after another header
+    (again,) = llm.generate([rag_prompt(llm, docs, [0, 1, 2], seed=8)], GREEDY, reuse=NONE)
+    assert again.reuse_plan == "declined: audit guard" and again.num_approx_cached_tokens == 0
+    assert llm.stats().content_reuse.num_guard_skips == 12
+    engine.check_integrity()
+
+
+def test_audits_wait_while_requests_run_and_never_reach_a_client():
+    llm = make(audit_rate=1.0)
+    docs = warmed(llm)
+    engine = llm.engine
+    steps = record_batches(llm)
+    prompt = rag_prompt(llm, docs, [0, 1], seed=6)
+    chat = corpus_token_ids(llm, 30, seed=7)
+    engine.add_request(Request("rag", prompt, SamplingParams(max_tokens=2, temperature=0), reuse=NONE))
+    engine.add_request(Request("chat", chat, SamplingParams(max_tokens=30, temperature=0, ignore_eos=True)))
+    seen = set()
+    while engine.has_unfinished_requests():
+        seen |= {o.request_id for o in engine.step()}
+    assert seen == {"rag", "chat"} and len(engine.auditor.results) == 1
+    for step in steps:
+        ids = {rid for rid, _, _ in step}
+        assert not ({"rag", "chat"} & ids and any(i.startswith("audit:") for i in ids))
+    engine.check_integrity()
+
+
+def test_a_decode_slowdown_limit_keeps_prefill_pieces_small_beside_decodes_and_changes_nothing():
+    free, limited = make(), make(decode_slowdown_limit=1.5)
+    outs = []
+    for llm in (free, limited):
+        docs = warmed(llm)
+        engine = llm.engine
+        # fixed prices (not fitted to this machine's step times): 1 ms a step, 0.1 ms a token-layer
+        engine.cost.weights = [1e-3, 1e-4, 1e-8, 1e-7]
+        engine.cost.observe = lambda work, seconds: None  # type: ignore[method-assign]
+        engine.logits_sink = {}
+        steps = record_batches(llm)
+        long_decode = SamplingParams(max_tokens=30, temperature=0, ignore_eos=True)
+        for i in range(2):
+            engine.add_request(Request(f"chat{i}", corpus_token_ids(llm, 20, seed=i), long_decode))
+        for _ in range(3):
+            engine.step()
+        engine.add_request(Request("rag", rag_prompt(llm, docs, [2, 1, 0], seed=9), GREEDY, reuse=BLEND))
+        engine.add_request(Request("long", corpus_token_ids(llm, 300, seed=11), GREEDY))
+        done = {}
+        while len(done) < 4:
+            done.update({o.request_id: o for o in engine.step() if o.finished})
+        beside = [
+            sum(n for rid, _, n in s if rid in ("rag", "long"))
+            for s in steps
+            if any(rid.startswith("chat") for rid, _, _ in s)
+        ]
+        outs.append(({rid: o.token_ids for rid, o in done.items()}, engine.logits_sink, max(beside)))
+        assert engine.scheduler.granularity == 1  # dense KV: pieces may end at any token
+    (free_tokens, free_logits, free_max), (lim_tokens, lim_logits, lim_max) = outs
+    # 2 decode rows cost 1 ms + 8 token-layers = 1.8 ms; half of that buys 2 rows of 4 token-layers
+    assert free_max > 100 and lim_max == 2, (free_max, lim_max)
+    assert free_tokens == lim_tokens
+    for rid in free_logits:
+        assert torch.equal(torch.stack(free_logits[rid]), torch.stack(lim_logits[rid])), rid
