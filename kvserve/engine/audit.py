@@ -24,7 +24,7 @@ import torch
 from kvserve.request import Request, ReuseOptions, SamplingParams
 from kvserve.scheduler.sequence import Sequence
 
-MAX_PENDING = 64
+MAX_PENDING = 256
 HISTORY = 4096  # audited results kept per strategy for the quantiles
 
 

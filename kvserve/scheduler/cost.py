@@ -4,10 +4,12 @@ A step is counted as work units (`Work`):
   linear   token-layers: every row through every layer it runs (projections, MLP, norms)
   attend   query-key pairs per layer: a row at position p attends to p + 1 keys
   moved    token-layers of KV copied in and re-rotated for content reuse
-and costs w_step + w_linear * linear + w_attend * attend + w_moved * moved seconds. The weights start
+and costs w_step + w_linear * linear + w_attend * attend + w_moved * moved seconds. (A few rows over a
+long context are bound by reading the KV, not by arithmetic, so the attend term, fitted mostly on
+prefill steps, underprices them: docs/blend.md, the decode slowdown limit.) The weights start
 from the model's arithmetic (FLOPs per unit, attention at half the linear layers' rate) and are fitted
-to the step times the engine measures (`observe`), as a ridge regression that pulls each weight
-towards its prior: a kind of work the engine has not run much (moving KV) keeps its prior.
+to the step times the engine measures (`observe`) by least squares with positive weights; a kind of
+work the recorded steps never had (moving KV, before the first content match) keeps its prior.
 
 Only ratios between two plans for one prompt decide anything (ContentMatcher.choose), so what the
 fit must get right is the relative price of linear work, attention and moving.
@@ -24,7 +26,6 @@ PRIOR_FLOPS_PER_S = 5e10  # the scale of the prior only; the fit replaces it
 ATTENTION_SLOWDOWN = 2.0  # attention runs at about half the FLOP rate of the GEMMs (profile_step.py)
 REFIT_EVERY = 16  # observations
 HISTORY = 256  # observations kept for the fit
-RIDGE = 0.05  # pull towards the prior, relative to the data's scale
 
 
 @dataclass
@@ -95,14 +96,26 @@ class CostModel:
             self.fit()
 
     def fit(self) -> None:
-        """Weights = prior * c, c from ridge least squares of the times on the prior's per-kind
-        predictions, pulled towards 1 and kept within [0.02, 50]."""
+        """Least squares of the measured times on the work, weights kept positive (a kind whose
+        weight comes out <= 0 is set to a hundredth of its prior and the rest refitted); a kind the
+        recorded steps never had (no KV moved yet) keeps its prior."""
         if not self._seen:
             return
         prior = torch.tensor(self.prior, dtype=torch.float64)
-        z = torch.tensor([f for f, _ in self._seen], dtype=torch.float64) * prior  # [n, 4] seconds
+        x = torch.tensor([f for f, _ in self._seen], dtype=torch.float64) * prior  # [n, kinds] prior seconds
         y = torch.tensor([t for _, t in self._seen], dtype=torch.float64)
-        gram = z.T @ z
-        lam = RIDGE * float(gram.diagonal().mean()) + 1e-12
-        c = torch.linalg.solve(gram + lam * torch.eye(4, dtype=torch.float64), z.T @ y + lam)
-        self.weights = (prior * c.clamp(0.02, 50.0)).tolist()
+        kinds = len(self.prior)
+        c = torch.ones(kinds, dtype=torch.float64)
+        active = [j for j in range(kinds) if bool(x[:, j].any())]
+        while active:
+            fixed = [j for j in range(kinds) if j not in active]
+            rest = y - x[:, fixed] @ c[fixed]
+            sol = torch.linalg.lstsq(x[:, active], rest.unsqueeze(1)).solution.squeeze(1)
+            bad = [j for j, v in zip(active, sol.tolist(), strict=True) if v <= 0]
+            if not bad:
+                c[active] = sol
+                break
+            for j in bad:
+                active.remove(j)
+                c[j] = 0.01
+        self.weights = (prior * c).tolist()

@@ -128,8 +128,9 @@ def test_the_cost_model_fits_measured_step_times():
     for _ in range(200):
         rows = int(torch.randint(1, 500, (1,), generator=gen))
         work = Work()
-        work.add_span(int(torch.randint(0, 2000, (1,), generator=gen)), 0, 4)
-        work.add_rows(float(rows * 700), rows, 4)
+        start = int(torch.randint(0, 2000, (1,), generator=gen))
+        work.add_span(start, start + rows, 4)  # a prefill piece
+        work.add_rows(float(700 * 3), 3, 4)  # and 3 decode rows around position 700
         work.moved = float(torch.randint(0, 3, (1,), generator=gen)) * 4000
         seconds = sum(w * x for w, x in zip(true, work.features(), strict=True))
         model.observe(work, seconds)
