@@ -296,12 +296,35 @@ def require_content_reuse(reuse: str, rotator: Any, reason: str) -> None:
         )
 
 
-def check_reuse_request(options: ReuseOptions | None, available: bool, reason: str) -> None:
+APPROXIMATE_ONLY = (
+    "recompute_strategy",
+    "recompute_tokens",
+    "recompute_ratio",
+    "blend_check_layer",
+    "blend_seam_tokens",
+    "audit",
+)
+
+
+def check_reuse_request(
+    options: ReuseOptions | None, available: bool, reason: str, default_reuse: str = "prefix"
+) -> None:
     """Per request: reuse='any' where approximate reuse is unavailable is a 400 naming `reuse`, never
-    a silently prefix-only answer."""
-    if options is not None and options.reuse == "any" and not available:
+    a silently prefix-only answer; so is a repair or audit option on a request served with exact
+    reuse only (it would do nothing)."""
+    if options is None:
+        return
+    if options.reuse == "any" and not available:
         raise InvalidRequestError(
             f"reuse='any' (approximate reuse) is unavailable on this server: {reason}; "
             "send reuse='prefix' or leave it out",
             param="reuse",
         )
+    if (options.reuse or default_reuse) != "any":
+        for name in APPROXIMATE_ONLY:
+            if getattr(options, name) is not None:
+                raise InvalidRequestError(
+                    f"{name} applies to approximate reuse, and this request is served with exact "
+                    "prefix reuse only: also send reuse='any', or leave it out",
+                    param=name,
+                )

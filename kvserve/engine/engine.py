@@ -141,7 +141,9 @@ class Engine:
         n = len(request.prompt_token_ids)
         limit = self.info.max_model_len
         if not request.warm_only:
-            check_reuse_request(request.reuse, self.content.enabled, self.content.disabled_reason)
+            check_reuse_request(
+                request.reuse, self.content.enabled, self.content.disabled_reason, self.config.reuse
+            )
         if n == 0 and not request.warm_only:
             raise InvalidRequestError("the prompt is empty; send at least one token", param="prompt")
         if n >= limit and not request.warm_only:

@@ -8,7 +8,7 @@ values whichever way the prompt was cut and a request's output does not depend o
 in. A prompt whose content matches were taken runs as a Repair (repair.py): pieces of rows at
 explicit positions, scheduled like prefill pieces. With `decode_slowdown_limit`, prefill and repair
 pieces beside decoding sequences get only the rows that keep the step's estimated time (cost.py)
-within that multiple of the decodes' own. Background sequences (the audit's recomputes) are
+within that multiple of the decodes' own (slowdown.py). Background sequences (the audit's recomputes) are
 admitted and stepped only while nothing else runs or waits.
 
 Admission is match (what the cache already holds, no side effects) -> reserve (hold the matched
@@ -37,11 +37,12 @@ from kvserve.request import FinishReason
 from kvserve.scheduler.admission import Admission, Admissions, cdiv, piece_len
 from kvserve.scheduler.batch import ScheduledBatch, ScheduledSeq
 from kvserve.scheduler.content import ContentMatcher
-from kvserve.scheduler.cost import CostModel, Work
+from kvserve.scheduler.cost import CostModel
 from kvserve.scheduler.queue import AdmissionQueue
 from kvserve.scheduler.registration import ChunkRegistrar
 from kvserve.scheduler.repair import Repair, make_repair
 from kvserve.scheduler.sequence import SeqStatus, Sequence
+from kvserve.scheduler.slowdown import SlowdownLimit, is_decoding
 
 
 @dataclass
@@ -90,8 +91,7 @@ class Scheduler:
         # a prompt piece that is not its last ends on a multiple of this (the block size where the KV
         # storage encodes whole blocks, else 1: `LayerKV.per_token`)
         self.granularity = granularity or self.block_size
-        self.cost = cost
-        self.decode_slowdown_limit = decode_slowdown_limit
+        self.slowdown = SlowdownLimit(decode_slowdown_limit, cost, self.granularity, max_num_batched_tokens)
         self._source_ids = itertools.count(1)
 
     # --- entry points ------------------------------------------------------------------------------
@@ -135,7 +135,9 @@ class Scheduler:
         batch = ScheduledBatch()
         budget = self.max_num_batched_tokens
         idle = self.idle
-        prefill = self._prefill_budget(idle)  # rows for prefill and repair pieces beside the decodes
+        decoding = [s for s in self.running if is_decoding(s) and (idle or not s.request.background)]
+        longest = max((s.num_tokens for s in [*self.running, *self.waiting]), default=0)
+        prefill = self.slowdown.rows(decoding, longest)  # for prefill and repair pieces beside decodes
         for seq in list(self.running):
             if budget == 0:
                 break
@@ -143,7 +145,7 @@ class Scheduler:
                 continue
             if seq.request.background and not idle:
                 continue
-            decode = self._is_decoding(seq)
+            decode = is_decoding(seq)
             room = budget if decode else min(budget, prefill)
             if seq.request.background:
                 room = min(room, BACKGROUND_ROWS)
@@ -165,26 +167,6 @@ class Scheduler:
         if idle:
             self._admit(iter(list(self.background)), min(room, BACKGROUND_ROWS), batch)
         return batch
-
-    def _is_decoding(self, seq: Sequence) -> bool:
-        return seq.reuse.repair is None and seq.num_tokens - seq.kv.num_computed_tokens == 1
-
-    def _prefill_budget(self, idle: bool) -> int:
-        """Rows prefill and repair pieces may take this step. With a decode slowdown limit and
-        sequences decoding: as many as keep the step's estimated time (CostModel) within the limit
-        times the decode rows' own, at least one piece's granularity; else the whole token budget."""
-        budget = self.max_num_batched_tokens
-        if self.decode_slowdown_limit <= 0 or self.cost is None:
-            return budget
-        decoding = [s for s in self.running if self._is_decoding(s) and (idle or not s.request.background)]
-        if not decoding:
-            return budget
-        work = Work()
-        work.add_rows(sum(s.num_tokens - 1 for s in decoding), len(decoding), self.cost.num_layers)
-        extra = (self.decode_slowdown_limit - 1.0) * self.cost.seconds(work)
-        longest = max(s.num_tokens for s in [*self.running, *self.waiting])
-        rows = int(extra / self.cost.row_seconds(longest))
-        return max(self.granularity, min(budget, rows))
 
     def _admit(self, candidates: Iterator[Sequence], budget: int, batch: ScheduledBatch) -> int:
         """Admit from `candidates` in order while budget, sequence slots and memory last; returns

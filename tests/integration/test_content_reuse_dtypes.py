@@ -90,9 +90,20 @@ def test_a_request_for_reuse_any_where_it_is_unavailable_is_a_400_naming_reuse()
     with pytest.raises(InvalidRequestError, match="gpt2") as err:
         check_reuse_request(ReuseOptions(reuse="any"), available=False, reason=reason)
     assert err.value.status == 400 and err.value.param == "reuse" and "reuse='prefix'" in err.value.message
-    for options in (None, ReuseOptions(reuse="prefix"), ReuseOptions(recompute_strategy="none")):
+    for options in (None, ReuseOptions(reuse="prefix")):
         check_reuse_request(options, available=False, reason=reason)
     check_reuse_request(ReuseOptions(reuse="any"), available=True, reason="")
+
+
+def test_repair_and_audit_options_on_an_exact_only_request_are_a_400_naming_them():
+    for name, value in (("recompute_strategy", "none"), ("recompute_ratio", 0.2), ("audit", True)):
+        options = ReuseOptions(**{name: value})
+        with pytest.raises(InvalidRequestError, match="reuse='any'") as err:
+            check_reuse_request(options, available=True, reason="")  # the server default: prefix
+        assert err.value.status == 400 and err.value.param == name
+        with pytest.raises(InvalidRequestError):
+            check_reuse_request(ReuseOptions(reuse="prefix", **{name: value}), True, "", default_reuse="any")
+        check_reuse_request(options, available=True, reason="", default_reuse="any")  # honoured there
 
 
 def test_a_server_started_with_reuse_any_where_it_is_unavailable_fails_at_start_up():
