@@ -173,6 +173,11 @@ class ReuseOptions:
                 RANGES[name].check(name, value)
 
 
+# every ReuseOptions field: what a request body may carry (api/protocol.py); all but `reuse` act on
+# approximate reuse only (engine/builder.py: check_reuse_request)
+REUSE_OPTION_NAMES = tuple(f.name for f in dataclasses.fields(ReuseOptions))
+
+
 @dataclass
 class RequestMetrics:
     arrival_time: float = field(default_factory=time.monotonic)

@@ -15,7 +15,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validat
 from pydantic_core import PydanticCustomError
 
 from kvserve.errors import InvalidRequestError
-from kvserve.request import RANGES, ReuseOptions, SamplingParams
+from kvserve.request import RANGES, REUSE_OPTION_NAMES, ReuseOptions, SamplingParams
 
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 TOKEN_ID_MARK = "x-kvserve-token-id"  # the OpenAPI document bounds these by the served vocabulary
@@ -144,16 +144,7 @@ class _Sampling(_Strict):
     )
 
     def reuse_options(self) -> ReuseOptions | None:
-        fields = (
-            "reuse",
-            "recompute_strategy",
-            "recompute_tokens",
-            "recompute_ratio",
-            "blend_check_layer",
-            "blend_seam_tokens",
-            "audit",
-        )
-        values = {f: getattr(self, f) for f in fields}
+        values = {f: getattr(self, f) for f in REUSE_OPTION_NAMES}
         return ReuseOptions(**values) if any(v is not None for v in values.values()) else None
 
     @property

@@ -21,7 +21,7 @@ from kvserve.models.fused_llama import FusedLlamaForward, unsupported_reason
 from kvserve.models.hf_adapter import ATTN_IMPLEMENTATION, check_supported
 from kvserve.models.loader import model_fingerprint, resolve_model_path
 from kvserve.quant.storage import create_layer_kv
-from kvserve.request import ReuseOptions
+from kvserve.request import REUSE_OPTION_NAMES, ReuseOptions
 from kvserve.tokenizer import Tokenizer
 
 log = logging.getLogger("kvserve.engine")
@@ -296,16 +296,6 @@ def require_content_reuse(reuse: str, rotator: Any, reason: str) -> None:
         )
 
 
-APPROXIMATE_ONLY = (
-    "recompute_strategy",
-    "recompute_tokens",
-    "recompute_ratio",
-    "blend_check_layer",
-    "blend_seam_tokens",
-    "audit",
-)
-
-
 def check_reuse_request(
     options: ReuseOptions | None, available: bool, reason: str, default_reuse: str = "prefix"
 ) -> None:
@@ -321,8 +311,8 @@ def check_reuse_request(
             param="reuse",
         )
     if (options.reuse or default_reuse) != "any":
-        for name in APPROXIMATE_ONLY:
-            if getattr(options, name) is not None:
+        for name in REUSE_OPTION_NAMES:
+            if name != "reuse" and getattr(options, name) is not None:
                 raise InvalidRequestError(
                     f"{name} applies to approximate reuse, and this request is served with exact "
                     "prefix reuse only: also send reuse='any', or leave it out",

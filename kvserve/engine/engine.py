@@ -41,7 +41,7 @@ from kvserve.kvcache.piece_index import PieceIndex
 from kvserve.request import FinishReason, Request, RequestOutput, check_token_ids
 from kvserve.scheduler.batch import ScheduledBatch, ScheduledSeq
 from kvserve.scheduler.content import ContentMatcher
-from kvserve.scheduler.cost import CostModel, Work
+from kvserve.scheduler.cost import CostModel
 from kvserve.scheduler.scheduler import Scheduler
 from kvserve.scheduler.sequence import SeqCache, SeqOutput, Sequence
 from kvserve.tokenizer import IncrementalDetokenizer
@@ -119,14 +119,8 @@ class Engine:
         detokenizer = (
             None if request.warm_only else IncrementalDetokenizer(self.tokenizer, request.prompt_token_ids)
         )
-        seq = Sequence(
-            request=request,
-            generator=torch.Generator().manual_seed(seed),
-            cache=SeqCache(root_hash=root),
-            out=SeqOutput(detokenizer),
-            pin_owner=pin_owner,
-        )
-        self.scheduler.prepare(seq)
+        seq = self._new_sequence(request, root, seed, detokenizer)
+        seq.pin_owner = pin_owner
         self._check_capacity(seq)
         if seq.pin_owner is not None:
             self.pins.reserve(seq)
@@ -219,14 +213,16 @@ class Engine:
         while self._background and not self._seqs:
             self.step()
 
-    def _add_background(self, request: Request) -> None:
-        seq = Sequence(
-            request=request,
-            generator=torch.Generator().manual_seed(0),
-            cache=SeqCache(root_hash=root_hash(self.info.namespace, request.cache_salt)),
-            out=SeqOutput(None),
-        )
+    def _new_sequence(
+        self, request: Request, root: bytes, seed: int, detokenizer: IncrementalDetokenizer | None
+    ) -> Sequence:
+        """A sequence for `request`, its prompt hashed and cut (Scheduler.prepare), not yet queued."""
+        seq = Sequence(request, torch.Generator().manual_seed(seed), SeqCache(root), SeqOutput(detokenizer))
         self.scheduler.prepare(seq)
+        return seq
+
+    def _add_background(self, request: Request) -> None:
+        seq = self._new_sequence(request, root_hash(self.info.namespace, request.cache_salt), 0, None)
         self._background[request.request_id] = seq
         self.scheduler.enqueue(seq)
 
@@ -265,7 +261,7 @@ class Engine:
         moved = 0
         for item in list(items):
             repair = item.seq.reuse.repair
-            if item.positions is not None and repair is not None and not repair.moved:
+            if repair is not None and not repair.moved:  # a repair's first piece
                 assert self.repairer is not None
                 try:
                     moved += self.repairer.begin(item.seq)
@@ -275,13 +271,14 @@ class Engine:
         if not items:
             return []
         try:
-            inputs = self.runner.prepare_inputs(ScheduledBatch(items=items))
-            logits = self.runner.execute(ScheduledBatch(items=items), inputs)
+            batch = ScheduledBatch(items=items)
+            inputs = self.runner.prepare_inputs(batch)
+            logits = self.runner.execute(batch, inputs)
         except Exception:  # find the sequence that causes it: the others must not fail with it
             log.exception("a batched forward of %d sequences failed; retrying them one by one", len(items))
             return self._execute_one_by_one(items)
-        work = inputs.work
-        self.cost.observe(Work(work.linear, work.attend, moved), time.perf_counter() - start)
+        inputs.work.moved = moved
+        self.cost.observe(inputs.work, time.perf_counter() - start)
         return self._update(items, logits)
 
     def _execute_one_by_one(self, items: list[ScheduledSeq]) -> list[Sequence]:
@@ -322,14 +319,7 @@ class Engine:
         except Exception as e:
             self._fail(seq, "repairing its reused KV", e)
             return False
-        reuse = seq.reuse
-        reuse.strategy = repair.plan.strategy
-        reuse.hit_keys = [h.key for h in repair.plan.hits]
         self.scheduler.repair_done(seq)
-        if reuse.compute_fraction is None:  # the first repair (a re-admission after preemption keeps it)
-            reuse.num_approx_cached_tokens = report.num_reused_tokens - report.num_recomputed_tokens
-            reuse.num_recomputed_tokens = report.num_recomputed_tokens
-            reuse.compute_fraction = report.compute_fraction
         self.content.num_hit_tokens += report.num_reused_tokens
         self.content.num_recomputed_tokens += report.num_recomputed_tokens
         return True

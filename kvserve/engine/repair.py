@@ -91,11 +91,20 @@ class Repairer:
         repair.check_k = None
 
     def finish(self, seq: Sequence) -> RepairReport:
-        """The last pass is computed: release the hold; what the repair computed."""
+        """The last pass is computed: release the hold and record on the sequence what it reused
+        (the first repair's counts: a re-admission after preemption keeps them); what it computed."""
         repair = seq.reuse.repair
         assert repair is not None and repair.finished
         for kv in self.layers:
             kv.release_exact(self._assembled(seq, repair))
         layers = repair.token_layers
-        fraction = sum(layers) / (len(layers) * repair.num_prompt_tokens) if layers else 0.0
-        return RepairReport(len(repair.reused), repair.num_recomputed, list(layers), fraction)
+        fraction = sum(layers) / (len(layers) * repair.num_prompt_tokens)
+        report = RepairReport(len(repair.reused), repair.num_recomputed, list(layers), fraction)
+        reuse = seq.reuse
+        reuse.strategy = repair.plan.strategy
+        reuse.hit_keys = [h.key for h in repair.plan.hits]
+        if reuse.compute_fraction is None:
+            reuse.num_approx_cached_tokens = report.num_reused_tokens - report.num_recomputed_tokens
+            reuse.num_recomputed_tokens = report.num_recomputed_tokens
+            reuse.compute_fraction = report.compute_fraction
+        return report

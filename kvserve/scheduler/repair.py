@@ -48,12 +48,16 @@ class RepairPass:
 class Repair:
     plan: BlendPlan
     num_prompt_tokens: int
+    num_layers: int  # the model's
     passes: list[RepairPass]
     reused: list[int]  # positions whose KV was moved in, sorted
     fresh: list[int]  # positions computed because nothing reused covers them, sorted
     moved: bool = False  # the engine has copied the hits in (before the first piece)
     check_k: Any = None  # cacheblend: the moved K of `reused` at the check layer (a tensor)
-    token_layers: list[int] = field(default_factory=list)  # rows each layer computed, over all passes
+    token_layers: list[int] = field(init=False)  # rows each layer computed, over all passes
+
+    def __post_init__(self) -> None:
+        self.token_layers = [0] * self.num_layers
 
     @property
     def current(self) -> RepairPass | None:
@@ -83,14 +87,11 @@ class Repair:
         boundary = left[budget] // granularity * granularity
         return left[: bisect_left(left, boundary)]
 
-    def computed(self, num_rows: int, num_layers: int) -> None:
+    def computed(self, num_rows: int) -> None:
         cur = self.current
         assert cur is not None
         cur.num_done += num_rows
-        layers = num_layers if cur.num_layers is None else cur.num_layers
-        if not self.token_layers:
-            self.token_layers = [0] * num_layers
-        for i in range(layers):
+        for i in range(cur.num_layers or self.num_layers):
             self.token_layers[i] += num_rows
 
     def seam_positions(self) -> set[int]:
@@ -143,4 +144,4 @@ def make_repair(plan: BlendPlan, n: int, num_layers: int) -> Repair:
         passes = [RepairPass(every, first_layers if first_layers < num_layers else None)]
     else:
         passes = [RepairPass(fresh, None)]
-    return Repair(plan, n, passes, reused, fresh)
+    return Repair(plan, n, num_layers, passes, reused, fresh)

@@ -296,8 +296,8 @@ class Scheduler:
         A repair piece only advances its pass (the engine ends the repair: `repair_done`)."""
         seq = item.seq
         if item.positions is not None:
-            assert seq.reuse.repair is not None and self.content is not None
-            seq.reuse.repair.computed(item.num_new_tokens, self.content.cost.num_layers)
+            assert seq.reuse.repair is not None
+            seq.reuse.repair.computed(item.num_new_tokens)
             return
         start = seq.kv.num_computed_tokens
         self.num_prompt_tokens_computed += max(
