@@ -72,6 +72,18 @@ def check_token_ids(token_ids: Sequence[int], vocab_size: int, param: str) -> No
         )
 
 
+@dataclass(frozen=True)
+class StructuredOutput:
+    """Grammar-constrained decoding (kvserve/structured/): the generated text must be a JSON value
+    (kind "json_object": any JSON object) or a JSON document matching `schema` (kind "json_schema";
+    `schema` is the schema as canonical JSON text: sorted keys, no spaces, so that equal schemas
+    share one compiled grammar). Generation ends when the grammar is complete."""
+
+    kind: str  # "json_object" | "json_schema"
+    schema: str | None = None
+    source: str = "response_format"  # the request parameter it came from (errors name it), e.g. "tools"
+
+
 class FinishReason(str, enum.Enum):
     STOP = "stop"  # eos, stop token id or stop string
     LENGTH = "length"  # max_tokens or the model's context
@@ -98,7 +110,9 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     ignore_eos: bool = False
     logprobs: int | None = None  # None = off; k >= 0: chosen token's logprob plus top-k alternatives
+    prompt_logprobs: int | None = None  # None = off; k >= 0: each prompt token's logprob plus top-k
     n: int = 1
+    structured: StructuredOutput | None = None  # grammar-constrained output (None = free text)
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):

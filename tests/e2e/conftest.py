@@ -93,6 +93,22 @@ def wait_until(predicate, timeout_s: float = 10.0, interval_s: float = 0.05):  #
         time.sleep(interval_s)
 
 
+SMOLLM2 = "smollm2-135m"
+# the real default model in fp32 (the suite pins --dtype auto to fp32 through KVSERVE_AUTO_CPU_DTYPE,
+# which the server process inherits); 200 MB of pool holds ~4,000 tokens of fp32 KV
+SMOLLM2_FLAGS = ("--model", SMOLLM2, "--max-cache-bytes", "200000000")
+
+
+@pytest.fixture(scope="session")
+def smollm2_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    """One SmolLM2 server for every test module that needs real text (structured outputs, tools,
+    prompt logprobs, real client libraries). Tests must not change its state in ways others see
+    (pins: unpin what you warm)."""
+    server = launch(tmp_path_factory.mktemp("kvserve-smollm2"), *SMOLLM2_FLAGS)
+    yield server
+    stop(server)
+
+
 @pytest.fixture(scope="module")
 def tiny_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
     server = launch(tmp_path_factory.mktemp("kvserve"), *TINY_FLAGS)
