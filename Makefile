@@ -6,7 +6,7 @@ PY     := $(VENV)/bin/python
 PIP    := $(VENV)/bin/pip
 STAMP  := $(VENV)/.kvserve-setup
 ARGS   ?=
-CONTROL_PLANE := kvserve/config.py kvserve/request.py kvserve/errors.py kvserve/scheduler kvserve/kvcache kvserve/engine kvserve/api
+CONTROL_PLANE := kvserve/config.py kvserve/request.py kvserve/errors.py kvserve/scheduler kvserve/kvcache kvserve/engine kvserve/api kvserve/structured
 
 .PHONY: setup serve test test-slow lint typecheck bench clean
 

@@ -43,7 +43,9 @@ class Range:
 # OpenAI documents one (temperature's is [0, 2]; we allow vLLM's wider use), vLLM's otherwise, and
 # otherwise a bound that keeps float32 sampling finite and integers inside int32 / int64.
 RANGES: dict[str, Range] = {
-    "max_tokens": Range(1, INT32_MAX),  # more than the context left is clipped (finish reason length)
+    # more than the context left is clipped (finish reason length); SamplingParams also takes 0: a
+    # prompt-only request (its prompt is computed and scored, nothing is generated)
+    "max_tokens": Range(1, INT32_MAX),
     "temperature": Range(0.0, 100.0),  # 0 = greedy; (0, 0.01) is raised to 0.01 as vLLM does
     "top_p": Range(0.0, 1.0, low_open=True),
     "top_k": Range(-1, INT32_MAX),  # -1 or 0 = off
@@ -76,12 +78,16 @@ def check_token_ids(token_ids: Sequence[int], vocab_size: int, param: str) -> No
 class StructuredOutput:
     """Grammar-constrained decoding (kvserve/structured/): the generated text must be a JSON value
     (kind "json_object": any JSON object) or a JSON document matching `schema` (kind "json_schema";
-    `schema` is the schema as canonical JSON text: sorted keys, no spaces, so that equal schemas
-    share one compiled grammar). Generation ends when the grammar is complete."""
+    `schema` is the schema as compact JSON text with its keys in the order the client gave: a grammar
+    generates properties in schema order, so sorting would reorder the output; equal texts share one
+    compiled grammar). Generation ends when the grammar is complete."""
 
     kind: str  # "json_object" | "json_schema"
     schema: str | None = None
     source: str = "response_format"  # the request parameter it came from (errors name it), e.g. "tools"
+    # a top-level array whose items should differ (tool_choice required): an item that repeats an
+    # earlier one ends the generation (kvserve.structured.RepeatedItems)
+    stop_on_repeated_item: bool = False
 
 
 class FinishReason(str, enum.Enum):
@@ -95,7 +101,7 @@ class FinishReason(str, enum.Enum):
 class SamplingParams:
     """Per-request decoding parameters. `validate()` raises InvalidRequestError naming the field."""
 
-    max_tokens: int = 16
+    max_tokens: int = 16  # 0: compute the prompt only (for its prompt_logprobs or an echo), finish "length"
     temperature: float = 1.0  # 0 = greedy
     top_p: float = 1.0
     top_k: int = 0  # 0 or -1 = off
@@ -124,13 +130,18 @@ class SamplingParams:
         self.validate()
 
     def validate(self) -> None:
-        """Every value in its documented range (RANGES); token ids are checked by check_vocab."""
+        """Every value in its documented range (RANGES; max_tokens may also be 0, a prompt-only
+        request); token ids are checked by check_vocab."""
         for name in _RANGED:
             RANGES[name].check(name, getattr(self, name))
+        if self.max_tokens != 0:
+            RANGES["max_tokens"].check("max_tokens", self.max_tokens)
         if self.seed is not None:
             RANGES["seed"].check("seed", self.seed)
         if self.logprobs is not None:
             RANGES["logprobs"].check("logprobs", self.logprobs)
+        if self.prompt_logprobs is not None:
+            RANGES["logprobs"].check("prompt_logprobs", self.prompt_logprobs)
         for value in (self.logit_bias or {}).values():
             RANGES["logit_bias"].check("logit_bias", value)
         if any(not s for s in self.stop):
@@ -149,7 +160,6 @@ class SamplingParams:
 
 
 _RANGED = (
-    "max_tokens",
     "temperature",
     "top_p",
     "top_k",
@@ -319,6 +329,9 @@ class RequestOutput:
     reuse_plan: str | None = None  # with content matches: "taken" or "declined: <why>" (cost-aware choice)
     estimated_saving: float | None = None  # the choice's estimate: 1 - repair time / exact-only time
     logprobs: list[TokenLogprob] | None = None  # one per token in token_ids (cumulative)
+    # with SamplingParams.prompt_logprobs, once the whole prompt is computed: one per prompt token,
+    # None for the first (nothing precedes it); each scored by the logits at the position before it
+    prompt_logprobs: list[TokenLogprob | None] | None = None
     error: str | None = None
     metrics: RequestMetrics = field(default_factory=RequestMetrics)
 

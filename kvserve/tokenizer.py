@@ -2,13 +2,35 @@
 
 from __future__ import annotations
 
+import json
+import re
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 from kvserve.errors import InvalidRequestError
 
-VALID_ROLES = ("system", "developer", "user", "assistant")
+VALID_ROLES = ("system", "developer", "user", "assistant", "tool")
+
+# Tool calling for chat templates that do not render tools (their text never uses `tools`, e.g.
+# SmolLM2's ChatML): the Hermes / Qwen2.5 format. The tools are listed in the system message, the
+# model answers a call as a <tool_call> block, and tool results come back as a user turn of
+# <tool_response> blocks. kvserve/api/tools.py parses the blocks out of the output.
+TOOL_CALL_OPEN, TOOL_CALL_CLOSE = "<tool_call>", "</tool_call>"
+TOOLS_SYSTEM_PROMPT = """# Tools
+
+You may call one or more functions to assist with the user query.
+
+You are provided with function signatures within <tools></tools> XML tags:
+<tools>
+{tools}
+</tools>
+
+For each function call, return a json object with function name and arguments within \
+<tool_call></tool_call> XML tags:
+<tool_call>
+{{"name": <function-name>, "arguments": <args-json-object>}}
+</tool_call>"""
 
 
 class Tokenizer:
@@ -18,6 +40,11 @@ class Tokenizer:
         self.hf = AutoTokenizer.from_pretrained(str(path))
         self.eos_token_id: int | None = self.hf.eos_token_id
         self.vocab_size = len(self.hf)
+
+    @property
+    def renders_tools(self) -> bool:
+        """Whether the chat template renders tools itself (else: the Hermes fallback, hermes_messages)."""
+        return _template_uses_tools(self.hf.chat_template)
 
     def encode(self, text: str) -> list[int]:
         return list(self.hf.encode(text, add_special_tokens=False))
@@ -29,30 +56,102 @@ class Tokenizer:
         return str(self.hf.decode([token_id]))
 
     def apply_chat_template(
-        self, messages: list[dict[str, Any]], add_generation_prompt: bool = True
+        self,
+        messages: list[dict[str, Any]],
+        add_generation_prompt: bool = True,
+        tools: list[dict[str, Any]] | None = None,
     ) -> list[int]:
         """Render messages with the model's chat template. Content may be a string or a list of
-        text parts; `developer` is rendered as `system`."""
+        text parts; `developer` is rendered as `system`. `tools` (OpenAI tool definitions), assistant
+        `tool_calls` and `tool` messages go through the template when it renders tools, else through
+        the Hermes fallback (hermes_messages)."""
         if not messages:
             raise InvalidRequestError("messages must not be empty", param="messages")
-        rendered = []
-        for i, m in enumerate(messages):
-            role = m.get("role")
-            if role not in VALID_ROLES:
-                raise InvalidRequestError(
-                    f"messages[{i}].role must be one of {', '.join(VALID_ROLES)} (got {role!r})",
-                    param="messages",
-                )
-            rendered.append({"role": "system" if role == "developer" else role, "content": _text_of(m, i)})
+        rendered = [_template_message(m, i) for i, m in enumerate(messages)]
+        if not self.renders_tools:
+            rendered, tools = hermes_messages(rendered, tools), None
         if self.hf.chat_template is None:
             text = "".join(f"{m['role']}: {m['content']}\n" for m in rendered)
             return self.encode(text + ("assistant: " if add_generation_prompt else ""))
+        with_tools: dict[str, Any] = {"tools": tools} if tools else {}
         ids = self.hf.apply_chat_template(
-            rendered, add_generation_prompt=add_generation_prompt, tokenize=True
+            rendered, add_generation_prompt=add_generation_prompt, tokenize=True, **with_tools
         )
         if isinstance(ids, dict) or hasattr(ids, "input_ids"):
             ids = ids["input_ids"]
         return list(ids)
+
+
+def _template_uses_tools(template: Any) -> bool:
+    """Whether a chat template (a string, or a dict of named templates) reads `tools`."""
+    texts = template.values() if isinstance(template, dict) else [template or ""]
+    return any(re.search(r"\btools\b", str(text)) for text in texts)
+
+
+def _template_message(message: dict[str, Any], index: int) -> dict[str, Any]:
+    """A message as chat templates read it: text content, the role checked, tool-call arguments
+    as objects where they are JSON objects (what templates with tool support expect)."""
+    role = message.get("role")
+    if role not in VALID_ROLES:
+        raise InvalidRequestError(
+            f"messages[{index}].role must be one of {', '.join(VALID_ROLES)} (got {role!r})",
+            param="messages",
+        )
+    out: dict[str, Any] = {"role": "system" if role == "developer" else role}
+    out["content"] = _text_of(message, index)
+    for key in ("name", "tool_call_id"):
+        if message.get(key) is not None:
+            out[key] = message[key]
+    if message.get("tool_calls"):
+        out["tool_calls"] = [
+            {**call, "function": {**call["function"], "arguments": _arguments(call["function"]["arguments"])}}
+            for call in message["tool_calls"]
+        ]
+    return out
+
+
+def _arguments(text: str) -> Any:
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError:
+        return text
+    return value if isinstance(value, dict) else text
+
+
+def hermes_messages(
+    messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None
+) -> list[dict[str, Any]]:
+    """Tool calling as plain messages (templates without tool support): the tools (one JSON line
+    each) in TOOLS_SYSTEM_PROMPT, appended to the first system message or as a new one; an
+    assistant's tool_calls as <tool_call> blocks after its content; each run of `tool` messages as
+    one user turn of <tool_response> blocks."""
+    out: list[dict[str, Any]] = []
+    previous_role = None
+    for m in messages:
+        role, content = m["role"], m["content"]
+        if role == "tool":
+            block = f"<tool_response>\n{content}\n</tool_response>"
+            if previous_role == "tool":
+                out[-1]["content"] += "\n" + block
+            else:
+                out.append({"role": "user", "content": block})
+        elif m.get("tool_calls"):
+            calls = "\n".join(
+                f"{TOOL_CALL_OPEN}\n{json.dumps(c['function'], ensure_ascii=False)}\n{TOOL_CALL_CLOSE}"
+                for c in m["tool_calls"]
+            )
+            out.append({"role": role, "content": f"{content}\n{calls}" if content else calls})
+        else:
+            out.append({"role": role, "content": content})
+        previous_role = role
+    if tools:
+        listing = "\n".join(json.dumps(t, ensure_ascii=False) for t in tools)
+        block = TOOLS_SYSTEM_PROMPT.format(tools=listing)
+        if out[0]["role"] == "system":
+            out[0] = {"role": "system", "content": f"{out[0]['content']}\n\n{block}"}
+        else:
+            out.insert(0, {"role": "system", "content": block})
+    return out
 
 
 def _text_of(message: dict[str, Any], index: int) -> str:
@@ -72,7 +171,7 @@ def _text_of(message: dict[str, Any], index: int) -> str:
                 )
             parts.append(part["text"])
         return "".join(parts)
-    if content is None and message.get("role") == "assistant":
+    if content is None and message.get("role") == "assistant":  # with tool_calls
         return ""
     raise InvalidRequestError(
         f"messages[{index}].content must be a string or a list of text parts", param="messages"

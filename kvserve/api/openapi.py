@@ -61,16 +61,28 @@ class CompletionResponse(_Open):
     usage: Usage
 
 
+class FunctionCallOut(_Open):
+    name: str
+    arguments: str  # JSON text
+
+
+class ToolCallOut(_Open):
+    id: str
+    type: Literal["function"]
+    function: FunctionCallOut
+
+
 class AssistantMessage(_Open):
     role: Literal["assistant"]
-    content: str
+    content: str | None  # null when the answer is only tool calls
+    tool_calls: list[ToolCallOut] | None = None
 
 
 class ChatChoice(_Open):
     index: int
     message: AssistantMessage
     logprobs: dict[str, Any] | None
-    finish_reason: Literal["stop", "length"] | None
+    finish_reason: Literal["stop", "length", "tool_calls"] | None
 
 
 class ChatCompletionResponse(_Open):

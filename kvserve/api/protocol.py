@@ -8,6 +8,8 @@ the vocabulary by the routes (kvserve.request.check_token_ids)."""
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import re
 from typing import Annotated, Any, ClassVar, Literal
 
@@ -15,7 +17,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validat
 from pydantic_core import PydanticCustomError
 
 from kvserve.errors import InvalidRequestError
-from kvserve.request import RANGES, REUSE_OPTION_NAMES, ReuseOptions, SamplingParams
+from kvserve.request import RANGES, REUSE_OPTION_NAMES, ReuseOptions, SamplingParams, StructuredOutput
 
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 TOKEN_ID_MARK = "x-kvserve-token-id"  # the OpenAPI document bounds these by the served vocabulary
@@ -24,7 +26,8 @@ TOKEN_ID_MARK = "x-kvserve-token-id"  # the OpenAPI document bounds these by the
 FORMS = {
     "prompt": "a non-empty string, or a non-empty list of strings, of token ids or of token-id lists",
     "stop": "a non-empty string or a list of up to 8 non-empty strings",
-    "content": "a string or a list of text parts (null is not accepted: kvserve has no tool calls)",
+    "content": "a string or a list of text parts (null only in an assistant message with tool_calls)",
+    "tool_choice": '"none", "auto", "required" or {"type": "function", "function": {"name": ...}}',
 }
 
 TokenId = Annotated[int, Field(json_schema_extra={TOKEN_ID_MARK: True})]
@@ -93,15 +96,91 @@ class TextPart(_Strict):
     text: str
 
 
+class FunctionCall(_Strict):
+    name: str
+    arguments: str = Field(description="The arguments as JSON text.")
+
+
+class ToolCall(_Strict):
+    id: str
+    type: Literal["function"]
+    function: FunctionCall
+
+
 class ChatMessage(_Strict):
-    role: Literal["system", "developer", "user", "assistant"]  # developer renders as system
-    content: str | list[TextPart] = Field(description=FORMS["content"])
+    """One turn. `content` may be null or absent only in an assistant message with `tool_calls`;
+    a `tool` message answers the call named by `tool_call_id` (kvserve.api.tools.check_messages)."""
+
+    role: Literal["system", "developer", "user", "assistant", "tool"]  # developer renders as system
+    content: str | list[TextPart] | None = Field(default=None, description=FORMS["content"])
+    name: str | None = None
+    tool_calls: list[ToolCall] | None = None
+    tool_call_id: str | None = None
 
     def as_dict(self) -> dict[str, Any]:
         content: Any = self.content
         if isinstance(content, list):
             content = [p.model_dump() for p in content]
-        return {"role": self.role, "content": content}
+        out = {"role": self.role, "content": content}
+        for key in ("name", "tool_call_id"):
+            if getattr(self, key) is not None:
+                out[key] = getattr(self, key)
+        if self.tool_calls:
+            out["tool_calls"] = [c.model_dump() for c in self.tool_calls]
+        return out
+
+
+class FunctionDefinition(_Strict):
+    name: str = Field(pattern=r"^[a-zA-Z0-9_-]{1,64}$")
+    description: str | None = None
+    parameters: dict[str, Any] | None = Field(
+        default=None, description="A JSON schema of the arguments object (absent: no arguments)."
+    )
+    strict: bool | None = None
+
+
+class Tool(_Strict):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedFunction(_Strict):
+    name: str
+
+
+class NamedToolChoice(_Strict):
+    type: Literal["function"]
+    function: NamedFunction
+
+
+class JsonSchemaFormat(_Strict):
+    name: str = Field(pattern=r"^[a-zA-Z0-9_-]{1,64}$")
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(
+        default=None, alias="schema", description="The JSON schema of the output (absent: any object)."
+    )
+    strict: bool | None = None  # accepted; the output always follows the schema
+
+
+class ResponseFormat(_Strict):
+    """OpenAI's response_format: text (free), json_object (any JSON object) or json_schema."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    def structured(self) -> StructuredOutput | None:
+        if (self.type == "json_schema") != (self.json_schema is not None):
+            raise InvalidRequestError(
+                'response_format: type "json_schema" needs a json_schema object, and only it takes one',
+                param="response_format",
+            )
+        if self.type == "text":
+            return None
+        schema = self.json_schema.schema_ if self.json_schema is not None else None
+        if schema is None:
+            return StructuredOutput("json_object")
+        # compact but not key-sorted: properties are generated in the schema's order, as OpenAI does
+        return StructuredOutput("json_schema", json.dumps(schema, separators=(",", ":")))
 
 
 class _Sampling(_Strict):
@@ -126,6 +205,7 @@ class _Sampling(_Strict):
         default=None, description=f"Token id (a decimal string) -> bias in {RANGES['logit_bias']}."
     )
     ignore_eos: bool = False
+    response_format: ResponseFormat | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
@@ -175,6 +255,7 @@ class _Sampling(_Strict):
             ignore_eos=self.ignore_eos,
             logprobs=logprobs,
             n=self.n,
+            structured=self.response_format.structured() if self.response_format is not None else None,
         )
 
 
@@ -202,18 +283,32 @@ class CompletionRequest(_Sampling):
         | Annotated[list[TokenIds], Field(min_length=1)]
     ) = Field(description=FORMS["prompt"])
     logprobs: int | None = _ranged(
-        "logprobs", "Log probabilities of the chosen and the top alternative tokens."
+        "logprobs",
+        "Log probabilities of the chosen and the top alternative tokens (with echo, of the prompt's too).",
     )
     echo: bool = False
+    max_tokens: int | None = Field(
+        default=None,
+        ge=0,
+        le=RANGES["max_tokens"].high,
+        description=f"Tokens to generate at most (default {COMPLETIONS_DEFAULT_MAX_TOKENS}); 0 only with "
+        f"echo=true: the prompt alone (with logprobs, scored). Range [0, {RANGES['max_tokens'].high}].",
+    )
 
     def to_sampling_params(self) -> SamplingParams:
+        """With echo, `logprobs` also scores the prompt (SamplingParams.prompt_logprobs) and
+        max_tokens may be 0."""
         self.check_stream_options()
-        if self.echo and self.logprobs is not None:
+        if self.max_tokens == 0 and not self.echo:
             raise InvalidRequestError(
-                "echo together with logprobs (prompt logprobs) is not supported", param="echo"
+                "max_tokens must be at least 1; 0 (generate nothing) is allowed only with echo=true",
+                param="max_tokens",
             )
-        max_tokens = self.max_tokens or COMPLETIONS_DEFAULT_MAX_TOKENS
-        return self.sampling_params(max_tokens, self.logprobs)
+        max_tokens = COMPLETIONS_DEFAULT_MAX_TOKENS if self.max_tokens is None else self.max_tokens
+        params = self.sampling_params(max_tokens, self.logprobs)
+        if self.echo and self.logprobs is not None:
+            params = dataclasses.replace(params, prompt_logprobs=self.logprobs)
+        return params
 
     def prompts(self) -> list[str | list[int]]:
         """The prompt as a list of prompts (each text or token ids)."""
@@ -234,6 +329,12 @@ class ChatCompletionRequest(_Sampling):
     max_completion_tokens: int | None = _ranged("max_tokens", "Tokens to generate at most.")
     logprobs: bool = False
     top_logprobs: int | None = _ranged("logprobs", "Alternatives per token (with logprobs=true).")
+    tools: Annotated[list[Tool], Field(min_length=1)] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = Field(
+        default=None,
+        description=f"{FORMS['tool_choice']}; default auto with tools, none without (kvserve.api.tools).",
+    )
+    parallel_tool_calls: bool = True
 
     def to_sampling_params(self, max_tokens_left: int) -> SamplingParams:
         """`max_tokens_left`: the context left after the prompt, the default length."""
@@ -296,5 +397,18 @@ REQUEST_MODELS: tuple[type[_Strict], ...] = (
     TokenizeRequest,
     DetokenizeRequest,
 )
-_ALL_MODELS: tuple[type[BaseModel], ...] = (*REQUEST_MODELS, ChatMessage, TextPart, StreamOptions)
+_ALL_MODELS: tuple[type[BaseModel], ...] = (
+    *REQUEST_MODELS,
+    ChatMessage,
+    TextPart,
+    StreamOptions,
+    ResponseFormat,
+    JsonSchemaFormat,
+    ToolCall,
+    FunctionCall,
+    Tool,
+    FunctionDefinition,
+    NamedToolChoice,
+    NamedFunction,
+)
 FIELD_NAMES = frozenset(name for model in _ALL_MODELS for name in model.model_fields)

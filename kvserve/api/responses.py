@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import time
 from collections import Counter
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from kvserve.api import tools
 from kvserve.engine.async_engine import SHUTTING_DOWN
 from kvserve.errors import KVServeError, OverloadedError, RequestTimeoutError
 from kvserve.request import FinishReason, RequestOutput, TokenLogprob
@@ -19,6 +21,8 @@ class Choice:
     request_id: str
     prompt_index: int
     echo_text: str = ""  # the prompt's text when echo=true (completions)
+    prompt_logprobs_sent: bool = False  # streamed completions: the prompt's logprobs go in the first chunk
+    tool_stream: tools.ToolCallStream | None = None  # a streamed chat choice's tool-call parser
 
 
 @dataclass
@@ -32,6 +36,7 @@ class Job:
     logprobs: bool
     id: str
     created: int = field(default_factory=lambda: int(time.time()))
+    tool_calling: tools.ToolCalling | None = None  # chat: output parsed into tool_calls
 
     def choice_of(self, request_id: str) -> Choice:
         return next(c for c in self.choices if c.request_id == request_id)
@@ -95,16 +100,40 @@ def finish_reason(out: RequestOutput) -> str | None:
 
 
 # --- logprobs ----------------------------------------------------------------------------------------
-def completion_logprobs(tok: Tokenizer, entries: list[TokenLogprob], text_offset: int) -> dict[str, Any]:
+def completion_logprobs(
+    tok: Tokenizer, token_ids: Sequence[int], entries: Sequence[TokenLogprob | None], text_offset: int
+) -> dict[str, Any]:
+    """OpenAI's completion logprobs of `token_ids`, `entries` aligned with them (None: an unscored
+    token, a prompt's first: null in token_logprobs and top_logprobs). As in vLLM, top_logprobs holds
+    the token itself and the top k (k + 1 entries, k when it is among them); text_offset counts the
+    token strings' characters on from `text_offset`."""
     tokens, token_logprobs, top, offsets = [], [], [], []
-    for e in entries:
-        s = tok.token_str(e.token_id)
+    for token_id, e in zip(token_ids, entries, strict=True):
+        s = tok.token_str(token_id)
         tokens.append(s)
-        token_logprobs.append(e.logprob)
-        top.append({tok.token_str(t): lp for t, lp in e.top})
+        token_logprobs.append(None if e is None else e.logprob)
+        alternatives = None
+        if e is not None:
+            alternatives = {s: e.logprob}
+            for t, lp in e.top:
+                alternatives.setdefault(tok.token_str(t), lp)
+        top.append(alternatives)
         offsets.append(text_offset)
         text_offset += len(s)
     return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top, "text_offset": offsets}
+
+
+def _with_prompt(
+    tok: Tokenizer, out: RequestOutput, generated: dict[str, Any] | None
+) -> dict[str, Any] | None:
+    """Completions with echo and logprobs: the prompt's tokens (offsets from 0 in the echoed text)
+    before the generated ones."""
+    if out.prompt_logprobs is None:
+        return generated
+    prompt = completion_logprobs(tok, out.prompt_token_ids, out.prompt_logprobs, 0)
+    if generated is None:
+        return prompt
+    return {key: prompt[key] + generated[key] for key in prompt}
 
 
 def chat_logprobs(tok: Tokenizer, entries: list[TokenLogprob]) -> dict[str, Any]:
@@ -123,7 +152,7 @@ def _logprobs_of(job: Job, tok: Tokenizer, entries: list[TokenLogprob] | None, t
     if not job.logprobs or entries is None:
         return None
     if job.kind == "completion":
-        return completion_logprobs(tok, entries, text_offset)
+        return completion_logprobs(tok, [e.token_id for e in entries], entries, text_offset)
     return chat_logprobs(tok, entries)
 
 
@@ -138,18 +167,17 @@ def full_response(job: Job, tok: Tokenizer, finals: dict[str, RequestOutput]) ->
                 {
                     "index": c.index,
                     "text": c.echo_text + out.text,
-                    "logprobs": logprobs,
+                    "logprobs": _with_prompt(tok, out, logprobs),
                     "finish_reason": finish_reason(out),
                 }
             )
         else:
+            message: dict[str, Any] = {"role": "assistant", "content": out.text}
+            reason = finish_reason(out)
+            if job.tool_calling is not None:
+                message, reason = tools.message(job.tool_calling, out.text, reason)
             choices.append(
-                {
-                    "index": c.index,
-                    "message": {"role": "assistant", "content": out.text},
-                    "logprobs": logprobs,
-                    "finish_reason": finish_reason(out),
-                }
+                {"index": c.index, "message": message, "logprobs": logprobs, "finish_reason": reason}
             )
     return {**job.head(), "choices": choices, "usage": usage(job, finals)}
 
@@ -160,7 +188,8 @@ def chunk_object(job: Job) -> str:
 
 
 def role_chunk(job: Job, choice: Choice) -> dict[str, Any]:
-    delta = {"role": "assistant", "content": ""}
+    # with tool calling, content stays null unless text comes (as in whole responses)
+    delta = {"role": "assistant", "content": None if job.tool_calling is not None else ""}
     return {
         **job.head(chunk_object(job)),
         "choices": [{"index": choice.index, "delta": delta, "logprobs": None, "finish_reason": None}],
@@ -175,10 +204,19 @@ def delta_chunk(job: Job, tok: Tokenizer, out: RequestOutput, prefix: str = "") 
         entries = out.logprobs[len(out.logprobs) - len(out.new_token_ids) :]
     offset = len(choice.echo_text) + len(out.text) - len(out.new_text)
     logprobs = _logprobs_of(job, tok, entries, offset) if entries else None
+    if job.kind == "completion" and not choice.prompt_logprobs_sent:  # the choice's first chunk
+        choice.prompt_logprobs_sent = True
+        logprobs = _with_prompt(tok, out, logprobs)
     text = prefix + out.new_text
     body: dict[str, Any] = {"index": choice.index, "logprobs": logprobs, "finish_reason": finish_reason(out)}
     if job.kind == "completion":
         body["text"] = text
+    elif job.tool_calling is not None:
+        if choice.tool_stream is None:
+            choice.tool_stream = job.tool_calling.stream()
+        body["delta"], body["finish_reason"] = tools.delta_body(
+            choice.tool_stream, text, body["finish_reason"]
+        )
     else:
         body["delta"] = {"content": text} if text else {}
     return {**job.head(chunk_object(job)), "choices": [body]}

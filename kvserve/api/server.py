@@ -45,10 +45,12 @@ from kvserve.api.protocol import (
     CompletionRequest,
     DetokenizeRequest,
     TokenizeRequest,
+    Tool,
     WarmRequest,
 )
 from kvserve.api.stats import stats_body
 from kvserve.api.streaming import sse_response, stream_events
+from kvserve.api.tools import ToolCalling, check_messages, tool_calling
 from kvserve.config import ServeConfig
 from kvserve.engine.async_engine import AsyncEngine, RequestStream
 from kvserve.errors import ModelNotFoundError, OverloadedError
@@ -104,9 +106,15 @@ class ServerState:
         loop = asyncio.get_running_loop()
         return await loop.run_in_executor(self.tokenizer_thread, functools.partial(fn, *args))
 
-    async def chat_ids(self, messages: Sequence[ChatMessage], add_generation_prompt: bool) -> list[int]:
+    async def chat_ids(
+        self, messages: Sequence[ChatMessage], add_generation_prompt: bool, tools: Sequence[Tool] = ()
+    ) -> list[int]:
+        check_messages(messages)
         return await self.off_loop(
-            self.tokenizer.apply_chat_template, [m.as_dict() for m in messages], add_generation_prompt
+            self.tokenizer.apply_chat_template,
+            [m.as_dict() for m in messages],
+            add_generation_prompt,
+            [t.model_dump(exclude_none=True) for t in tools],
         )
 
     async def submit(self, requests: list[Request]) -> RequestStream:
@@ -204,10 +212,13 @@ def _generation_routes(app: FastAPI, state: ServerState) -> None:
     )
     async def chat(body: ChatCompletionRequest, http: HTTPRequest) -> Response | dict[str, Any]:
         state.check_model(body.model)
-        prompt = await state.chat_ids(body.messages, add_generation_prompt=True)
+        calling = tool_calling(body)
+        prompt = await state.chat_ids(body.messages, True, body.tools or ())
         params = body.to_sampling_params(state.info.max_model_len - len(prompt))
+        if calling is not None and calling.structured is not None:
+            params = dataclasses.replace(params, structured=calling.structured)
         params.check_vocab(state.vocab_size)
-        job, requests = _make_job("chat", state, [prompt], params, body, [""], params.logprobs)
+        job, requests = _make_job("chat", state, [prompt], params, body, [""], params.logprobs, calling)
         return await _run(state, job, requests, body.stream, body.include_usage, http)
 
 
@@ -228,6 +239,7 @@ def _make_job(
     body: Any,
     echo: list[str],
     logprobs: int | None,
+    tool_calling: ToolCalling | None = None,
 ) -> tuple[R.Job, list[Request]]:
     """The job's choices and its engine Requests: n per prompt (kvserve.request.sample_requests)."""
     job_id = ("cmpl-" if kind == "completion" else "chatcmpl-") + uuid.uuid4().hex
@@ -239,7 +251,9 @@ def _make_job(
         ):
             choices.append(R.Choice(len(choices), request.request_id, i, echo[i]))
             requests.append(request)
-    job = R.Job(kind, state.model_name, prompts, choices, logprobs is not None, id=job_id)
+    job = R.Job(
+        kind, state.model_name, prompts, choices, logprobs is not None, id=job_id, tool_calling=tool_calling
+    )
     return job, requests
 
 

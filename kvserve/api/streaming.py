@@ -1,7 +1,8 @@
 """Server-sent events for streamed completions and chat completions.
 
 Order: (chat) one role chunk per choice, per-token deltas (RequestOutput.new_text, which never splits
-a UTF-8 character and holds back possible stop-string prefixes), each choice's finish chunk, a
+a UTF-8 character and holds back possible stop-string prefixes; with tool calling, content and
+`tool_calls` deltas from kvserve.api.tools.ToolCallStream), each choice's finish chunk, a
 usage chunk when stream_options.include_usage is set, then `data: [DONE]`. A failure after the
 stream began is sent as an OpenAI error event, then [DONE]. A client that goes away aborts its
 requests (the generator is cancelled; `finally` posts the abort before the next engine step).

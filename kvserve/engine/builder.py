@@ -47,6 +47,7 @@ class RuntimeInfo:
     bytes_per_token: float  # all layers, K and V, metadata included
     max_model_len: int
     vocab_size: int  # token ids a request may use: the tokenizer's and the model's logits both cover them
+    logits_size: int  # the model's logits per token (its lm_head rows; may exceed the tokenizer's vocabulary)
     eos_token_ids: tuple[int, ...]
     namespace: str
 
@@ -242,6 +243,7 @@ def build_parts(config: ServeConfig) -> EngineParts:
         bytes_per_token=bytes_per_block / config.block_size,
         max_model_len=max_model_len,
         vocab_size=min(tokenizer.vocab_size, int(mc.vocab_size)),
+        logits_size=int(mc.vocab_size),
         eos_token_ids=eos,
         namespace=namespace,
     )

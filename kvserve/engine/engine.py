@@ -27,7 +27,7 @@ from kvserve.engine.builder import (
     check_reuse_request,
     require_content_reuse,
 )
-from kvserve.engine.model_runner import ModelRunner
+from kvserve.engine.model_runner import ModelRunner, StepOutput
 from kvserve.engine.output import OutputProcessor
 from kvserve.engine.pins import WarmPins
 from kvserve.engine.repair import Repairer
@@ -44,6 +44,7 @@ from kvserve.scheduler.content import ContentMatcher
 from kvserve.scheduler.cost import CostModel
 from kvserve.scheduler.scheduler import Scheduler
 from kvserve.scheduler.sequence import SeqCache, SeqOutput, Sequence
+from kvserve.structured import GrammarCompiler
 from kvserve.tokenizer import IncrementalDetokenizer
 
 log = logging.getLogger("kvserve.engine")
@@ -81,6 +82,7 @@ class Engine:
         )
         self.runner = ModelRunner(self.model, self.layers, parts.backend, device, parts.fused)
         self.outputs = OutputProcessor(self.info.eos_token_ids, self.info.max_model_len)
+        self.grammars = GrammarCompiler(self.tokenizer.hf, self.info.logits_size, self.info.eos_token_ids)
         self._seqs: dict[str, Sequence] = {}
         self.auditor = Auditor(config.audit_rate, config.audit_max_kl, config.seed)
         self._background: dict[str, Sequence] = {}  # audits' full recomputes (no client sees them)
@@ -121,6 +123,8 @@ class Engine:
         )
         seq = self._new_sequence(request, root, seed, detokenizer)
         seq.pin_owner = pin_owner
+        if params.structured is not None and not request.warm_only:
+            seq.grammar = self.grammars.matcher(params.structured)
         self._check_capacity(seq)
         if seq.pin_owner is not None:
             self.pins.reserve(seq)
@@ -152,6 +156,15 @@ class Engine:
             )
         check_token_ids(request.prompt_token_ids, self.info.vocab_size, "prompt")
         request.sampling_params.check_vocab(self.info.vocab_size)
+        structured = request.sampling_params.structured
+        if structured is not None and not request.warm_only:
+            if request.sampling_params.ignore_eos:
+                raise InvalidRequestError(
+                    f"ignore_eos cannot be combined with {structured.source}: a structured output ends "
+                    "when its document is complete; drop ignore_eos",
+                    param="ignore_eos",
+                )
+            self.grammars.check(structured)  # compiled (and cached) here: an invalid schema is a 400
         need_tokens = n if request.warm_only else min(n + request.sampling_params.max_tokens, limit)
         if -(-need_tokens // self.config.block_size) > self.pool.num_blocks:
             raise InvalidRequestError(
@@ -242,6 +255,8 @@ class Engine:
         for seq in list(self.scheduler.running):
             if seq.request.warm_only and seq.kv.num_computed_tokens >= seq.num_tokens:
                 self._finish_warm(seq)
+            elif not seq.generates and seq.kv.num_computed_tokens >= seq.num_tokens:
+                self._finish(seq, FinishReason.LENGTH)  # max_tokens=0: only the prompt was asked for
         self.num_steps += 1
         if self.check_integrity_each_step:
             self.check_integrity()
@@ -273,37 +288,64 @@ class Engine:
         try:
             batch = ScheduledBatch(items=items)
             inputs = self.runner.prepare_inputs(batch)
-            logits = self.runner.execute(batch, inputs)
+            step = self.runner.execute(batch, inputs)
         except Exception:  # find the sequence that causes it: the others must not fail with it
             log.exception("a batched forward of %d sequences failed; retrying them one by one", len(items))
             return self._execute_one_by_one(items)
         inputs.work.moved = moved
         self.cost.observe(inputs.work, time.perf_counter() - start)
-        return self._update(items, logits)
+        self._record_prompt_logprobs(step)
+        return self._update(items, step.logits)
 
     def _execute_one_by_one(self, items: list[ScheduledSeq]) -> list[Sequence]:
         touched: list[Sequence] = []
         for item in items:
             try:
-                logits = self.runner.execute(ScheduledBatch(items=[item]))
+                step = self.runner.execute(ScheduledBatch(items=[item]))
             except Exception as e:
                 self._fail(item.seq, "running the model", e)
                 continue
-            touched += self._update([item], logits)
+            self._record_prompt_logprobs(step)
+            touched += self._update([item], step.logits)
         return touched
+
+    @staticmethod
+    def _record_prompt_logprobs(step: StepOutput) -> None:
+        for rows, entries in step.prompt_logprobs:
+            scored = rows.seq.out.prompt_logprobs
+            assert len(scored) == rows.first_position, "prompt positions are scored in order, once"
+            scored += entries
 
     def _update(self, items: list[ScheduledSeq], logits: torch.Tensor) -> list[Sequence]:
         """logits [num_sampled, vocab]: one row per item with item.sample, in order."""
+        to_sample: list[tuple[Sequence, torch.Tensor]] = []
         row = 0
         for item in items:
-            seq = item.seq
             self.scheduler.on_computed(item)
-            if item.positions is not None and not self._advance_repair(seq):
+            row += item.sample
+            if item.positions is not None and not self._advance_repair(item.seq):
                 continue
             if item.sample:
-                self._sample(seq, logits[row])
-                row += 1
+                to_sample.append((item.seq, logits[row - 1]))
+        masks = self._grammar_masks([seq for seq, _ in to_sample])
+        for seq, seq_logits in to_sample:
+            if not seq.finished:  # a failed grammar mask fails its sequence
+                self._sample(seq, seq_logits, masks.get(seq.request_id))
         return [item.seq for item in items]
+
+    def _grammar_masks(self, seqs: list[Sequence]) -> dict[str, torch.Tensor]:
+        """request id -> bool [vocab] allowed next tokens, for the structured-output sequences among
+        `seqs`, filled in one batched call; free sequences cost nothing."""
+        constrained = [(seq, seq.grammar) for seq in seqs if seq.grammar is not None]
+        if not constrained:
+            return {}
+        try:
+            allowed = self.grammars.allowed_tokens([grammar for _, grammar in constrained])
+        except Exception as e:
+            for seq, _ in constrained:
+                self._fail(seq, "computing its grammar mask", e)
+            return {}
+        return {seq.request_id: allowed[i] for i, (seq, _) in enumerate(constrained)}
 
     def _advance_repair(self, seq: Sequence) -> bool:
         """After a repair piece: CacheBlend's selection when its first pass ends, the end of the
@@ -324,7 +366,7 @@ class Engine:
         self.content.num_recomputed_tokens += report.num_recomputed_tokens
         return True
 
-    def _sample(self, seq: Sequence, logits: torch.Tensor) -> None:
+    def _sample(self, seq: Sequence, logits: torch.Tensor, allowed: torch.Tensor | None = None) -> None:
         if seq.request.background:
             self._finish_audit(seq, logits)
             return
@@ -336,8 +378,11 @@ class Engine:
         stage = "sampling"
         try:
             token, logprob = sample_one(
-                logits, params, seq.request.prompt_token_ids, seq.output_token_ids, seq.generator
+                logits, params, seq.request.prompt_token_ids, seq.output_token_ids, seq.generator, allowed
             )
+            if seq.grammar is not None:
+                stage = "following its grammar"
+                seq.grammar.accept(token)
             if self.logits_sink is not None:
                 self.logits_sink.setdefault(seq.request_id, []).append(logits.clone())
             if seq.request.metrics.first_token_time is None:
@@ -347,6 +392,8 @@ class Engine:
         except Exception as e:
             self._fail(seq, stage, e)
             return
+        if reason is None and seq.grammar is not None and seq.grammar.ends(seq.out.text):
+            reason = FinishReason.STOP  # the document is complete (only end-of-sequence could follow)
         if reason is not None:
             self._finish(seq, reason)
 

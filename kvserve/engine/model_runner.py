@@ -1,4 +1,5 @@
-"""ModelRunner: ScheduledBatch -> packed tensors -> model forward -> logits of the sampled rows.
+"""ModelRunner: ScheduledBatch -> packed tensors -> model forward -> logits of the sampled rows, and
+the prompt logprobs of the prefill rows that need them (engine/prompt_logprobs.py).
 
 This is the one forward of the model: prefill pieces, decode rows and content-reuse repair rows
 (scheduler/repair.py) run through it together. A repair row carries its own position; a batch with
@@ -20,9 +21,11 @@ import torch
 from kvserve.attention.base import AttentionBackend, AttentionMetadata, SeqRows
 from kvserve.attention.forward_context import ForwardContext, forward_context
 from kvserve.attention.positional import PositionalBackend
+from kvserve.engine.prompt_logprobs import ROWS_PER_BLOCK, PromptRows, rows_to_score, score
 from kvserve.kvcache.kv_storage import LayerKV
 from kvserve.models.fused_llama import FusedLlamaForward, LayerCut
 from kvserve.models.hf_adapter import PoolCache
+from kvserve.request import TokenLogprob
 from kvserve.scheduler.batch import ScheduledBatch, ScheduledSeq
 from kvserve.scheduler.cost import Work
 
@@ -35,6 +38,14 @@ class StepInputs:
     logits_indices: torch.Tensor  # [num_sampled] int64, rows of the packed batch whose logits are needed
     cuts: list[LayerCut] = field(default_factory=list)  # rows that stop early, by layer
     work: Work = field(default_factory=Work)  # what the forward computes (scheduler/cost.py)
+    prompt_rows: list[PromptRows] = field(default_factory=list)  # rows that score prompt tokens
+
+
+@dataclass
+class StepOutput:
+    logits: torch.Tensor  # [num_sampled, vocab] float32, in batch order of the sampled items
+    # per PromptRows of the step: the prompt tokens those rows score, in position order
+    prompt_logprobs: list[tuple[PromptRows, list[TokenLogprob]]] = field(default_factory=list)
 
 
 class ModelRunner:
@@ -79,9 +90,16 @@ class ModelRunner:
         input_ids: list[int] = []
         rows: list[SeqRows] = []
         logits_indices: list[int] = []
+        prompt_rows: list[PromptRows] = []
         work = Work()
         for item in items:
             ids, r = self._rows(item)
+            if item.positions is None:  # prefill rows [start, seq_len); they run every layer
+                start = r.seq_len - len(ids)
+                scored = rows_to_score(item.seq, start, r.seq_len)
+                if scored is not None:
+                    lo, hi = scored
+                    prompt_rows.append(PromptRows(item.seq, len(input_ids) + lo - start, lo, hi - lo))
             input_ids += ids
             rows.append(r)
             num_layers = item.num_layers or layers
@@ -104,6 +122,7 @@ class ModelRunner:
             logits_indices=torch.tensor(logits_indices, dtype=torch.long, device=dev),
             cuts=cuts,
             work=work,
+            prompt_rows=prompt_rows,
         )
 
     def backend_for(self, meta: AttentionMetadata) -> AttentionBackend:
@@ -113,8 +132,8 @@ class ModelRunner:
         return self.positional
 
     @torch.inference_mode()
-    def execute(self, batch: ScheduledBatch, inputs: StepInputs | None = None) -> torch.Tensor:
-        """Runs the step; returns float32 logits [num_sampled, vocab] in batch order of sampled items."""
+    def execute(self, batch: ScheduledBatch, inputs: StepInputs | None = None) -> StepOutput:
+        """Runs the step: float32 logits of the sampled rows and the prompt logprobs of `prompt_rows`."""
         inputs = inputs if inputs is not None else self.prepare_inputs(batch)
         backend = self.backend_for(inputs.meta)
         if self.fused is not None:
@@ -131,11 +150,27 @@ class ModelRunner:
                     past_key_values=PoolCache(),
                     use_cache=True,
                 ).last_hidden_state[0]  # [num_tokens, hidden]
-        hidden = hidden.index_select(0, inputs.logits_indices)
+        prompt_logprobs = [(rows, self._score(hidden, rows)) for rows in inputs.prompt_rows]
+        return StepOutput(self._logits(hidden.index_select(0, inputs.logits_indices)), prompt_logprobs)
+
+    def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden [rows, hidden] -> float32 logits [rows, vocab]."""
         logits = self.lm_head(hidden).float()
         if self.softcap:
             logits = torch.tanh(logits / self.softcap) * self.softcap
         return logits
+
+    def _score(self, hidden: torch.Tensor, rows: PromptRows) -> list[TokenLogprob]:
+        """The prompt logprobs of `rows`, ROWS_PER_BLOCK rows of logits at a time."""
+        k = rows.seq.request.sampling_params.prompt_logprobs
+        assert k is not None
+        targets = rows.target_ids
+        entries: list[TokenLogprob] = []
+        for start in range(0, rows.num_rows, ROWS_PER_BLOCK):
+            end = min(start + ROWS_PER_BLOCK, rows.num_rows)
+            block = hidden[rows.first_row + start : rows.first_row + end]
+            entries += score(self._logits(block), targets[start:end], k)
+        return entries
 
     def _hf_by_layer(self, inputs: StepInputs, backend: AttentionBackend) -> torch.Tensor:
         """HF's decoder layers one by one, dropping rows at the cuts. It is the decoder's own forward

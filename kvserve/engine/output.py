@@ -73,6 +73,13 @@ class OutputProcessor:
     def final(self, seq: Sequence) -> RequestOutput:
         return self._make(seq, len(seq.out.text), finished=True)
 
+    @staticmethod
+    def _prompt_logprobs(seq: Sequence) -> list[TokenLogprob | None] | None:
+        """Once every prompt token is scored: None for the first, then one per token."""
+        if seq.request.sampling_params.prompt_logprobs is None or seq.wants_prompt_logits:
+            return None
+        return [None, *seq.out.prompt_logprobs]
+
     def _make(self, seq: Sequence, emit_to: int, finished: bool) -> RequestOutput:
         out, reuse = seq.out, seq.reuse
         outputs = seq.output_token_ids
@@ -99,6 +106,7 @@ class OutputProcessor:
             reuse_plan=reuse.plan_reason,
             estimated_saving=reuse.estimated_saving,
             logprobs=logprobs,
+            prompt_logprobs=self._prompt_logprobs(seq),
             error=out.error if finished else None,
             metrics=seq.request.metrics,
         )

@@ -62,10 +62,15 @@ def sample_one(
     prompt_token_ids: Sequence[int],
     output_token_ids: Sequence[int],
     generator: torch.Generator,
+    allowed: torch.Tensor | None = None,  # [vocab] bool: a structured output's grammar mask
 ) -> tuple[int, TokenLogprob | None]:
+    """The next token and, if asked, its logprob. `allowed` (a grammar's mask) removes every other
+    token before sampling; logprobs stay the model's raw ones (before penalties and the mask)."""
     raw = logits.float()
     x = raw.clone()
     apply_penalties(x, params, prompt_token_ids, output_token_ids)
+    if allowed is not None:
+        x.masked_fill_(~allowed, float("-inf"))
     if params.greedy:
         token_id = int(torch.argmax(x))
     else:

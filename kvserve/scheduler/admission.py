@@ -55,7 +55,10 @@ class Admissions:
         if seq.request.warm_only:
             return len(seq.cache.prefix_hashes)
         # a full hit still recomputes the last prompt token: its logits are needed
-        return (seq.num_tokens - 1) // self.chunk_size
+        num_chunks = (seq.num_tokens - 1) // self.chunk_size
+        if seq.wants_prompt_logits:  # cached positions have no logits: take only KV before the unscored ones
+            num_chunks = min(num_chunks, len(seq.out.prompt_logprobs) // self.chunk_size)
+        return num_chunks
 
     def num_blocks_available_to(self, matched: list[CachedChunk]) -> int:
         """Blocks a sequence sharing `matched` could ever hold: all but other pinned chunks' blocks."""

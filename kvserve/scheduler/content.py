@@ -78,8 +78,10 @@ class ContentMatcher:
             seq.reuse.pieces = self.cutter.cut(seq.request.prompt_token_ids)
 
     def wants(self, seq: Sequence) -> bool:
-        """Whether to look for content matches for this sequence."""
-        return self.enabled and not seq.request.warm_only and self._mode(seq) == "any"
+        """Whether to look for content matches for this sequence (never for prompt logprobs: they are
+        computed on exact KV only)."""
+        exact_only = seq.request.warm_only or seq.request.sampling_params.prompt_logprobs is not None
+        return self.enabled and not exact_only and self._mode(seq) == "any"
 
     def find_hits(self, seq: Sequence, prefix_len: int) -> list[ContentHit]:
         """Cached pieces after the exact prefix; the last prompt token is always computed."""

@@ -156,7 +156,7 @@ class Scheduler:
                 n = piece_len(seq.kv.num_computed_tokens, seq.num_tokens, room, self.granularity)
                 if n <= 0 or not self._ensure_blocks(seq, seq.kv.num_computed_tokens + n, batch):
                     continue
-                sample = seq.kv.num_computed_tokens + n == seq.num_tokens and not seq.request.warm_only
+                sample = seq.kv.num_computed_tokens + n == seq.num_tokens and seq.generates
                 item = ScheduledSeq(seq, n, sample)
             if item is not None:
                 batch.items.append(item)
@@ -200,7 +200,8 @@ class Scheduler:
             and cur.num_layers is None
             and cur.num_done + len(rows) == len(cur.positions)
         )
-        sample = ends and seq.num_tokens == seq.num_prompt_tokens  # else re-admitted: decode rows follow
+        # else re-admitted: decode rows follow
+        sample = ends and seq.num_tokens == seq.num_prompt_tokens and seq.generates
         return ScheduledSeq(seq, len(rows), sample, positions=rows, num_layers=cur.num_layers)
 
     def _ensure_blocks(self, seq: Sequence, num_tokens: int, batch: ScheduledBatch) -> bool:
@@ -275,7 +276,7 @@ class Scheduler:
             repair = make_repair(adm.choice.plan, seq.num_prompt_tokens, self.content.cost.num_layers)
             seq.reuse.repair = repair
             return self._repair_piece(seq, repair, budget)
-        sample = num_cached + adm.num_new_tokens == seq.num_tokens and not seq.request.warm_only
+        sample = num_cached + adm.num_new_tokens == seq.num_tokens and seq.generates
         return ScheduledSeq(seq, adm.num_new_tokens, sample)
 
     def repair_done(self, seq: Sequence) -> None:

@@ -20,6 +20,7 @@ from kvserve.tokenizer import IncrementalDetokenizer
 
 if TYPE_CHECKING:
     from kvserve.scheduler.repair import Repair
+    from kvserve.structured import GrammarMatcher
 
 
 class SeqStatus(enum.Enum):
@@ -69,6 +70,9 @@ class SeqOutput:
     detokenizer: IncrementalDetokenizer | None  # None for warm requests (they generate nothing)
     text: str = ""
     logprobs: list[TokenLogprob] = field(default_factory=list)
+    # with SamplingParams.prompt_logprobs: prompt tokens 1, 2, ... scored so far (token j by the logits
+    # at position j - 1), so the logits of positions [0, len) are no longer needed
+    prompt_logprobs: list[TokenLogprob] = field(default_factory=list)
     num_emitted_tokens: int = 0
     num_emitted_chars: int = 0
     finish_reason: FinishReason | None = None
@@ -88,6 +92,9 @@ class Sequence:
     status: SeqStatus = SeqStatus.WAITING
     pin_owner: bytes | None = None  # a pinning warm: the owner its pins are counted under
     num_reserved_pin_blocks: int = 0  # a pinning warm's booking in the store's pin budget
+    # structured output: where its generated tokens are in the grammar; it advances only when a token
+    # is sampled, so preemption (which recomputes KV, never resamples) leaves it as it is
+    grammar: GrammarMatcher | None = None
 
     def __post_init__(self) -> None:
         if not self.token_ids:
@@ -108,6 +115,20 @@ class Sequence:
     @property
     def num_tokens(self) -> int:
         return len(self.token_ids)
+
+    @property
+    def generates(self) -> bool:
+        """False for requests that only compute their prompt: warms and max_tokens=0 (prompt logprobs,
+        echo). Their last prompt row is never sampled."""
+        return not self.request.warm_only and self.request.sampling_params.max_tokens > 0
+
+    @property
+    def wants_prompt_logits(self) -> bool:
+        """Prompt logprobs are requested and not all computed: logits of prompt positions from
+        len(out.prompt_logprobs) on are still needed, so the prefix cache may give it only KV before
+        that (Admissions.max_match_chunks)."""
+        k = self.request.sampling_params.prompt_logprobs
+        return k is not None and len(self.out.prompt_logprobs) < self.num_prompt_tokens - 1
 
     @property
     def finished(self) -> bool:

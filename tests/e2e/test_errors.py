@@ -55,9 +55,14 @@ def test_400_names_the_parameter(server: Server) -> None:
         client.chat.completions.create(
             model=TINY,
             messages=[{"role": "user", "content": "x"}],
-            tools=[{"type": "function", "function": {"name": "f"}}],
+            tools=[{"type": "function", "function": {"name": "bad name"}}],
         )
-    assert info.value.body["param"] == "tools"  # type: ignore[index]
+    assert info.value.body["param"] == "tools.0.function.name"  # type: ignore[index]
+    with pytest.raises(openai.BadRequestError) as info:
+        client.chat.completions.create(
+            model=TINY, messages=[{"role": "user", "content": "x"}], tool_choice="required"
+        )
+    assert info.value.body["param"] == "tool_choice"  # type: ignore[index]
     with pytest.raises(openai.BadRequestError) as info:
         client.completions.create(model=TINY, prompt="x", temperature=-1)
     assert info.value.body["param"] == "temperature"  # type: ignore[index]

@@ -62,6 +62,20 @@ def constrained(doc: dict[str, Any]) -> dict[str, Any]:
                     if option.get("type") == "integer":
                         option["maximum"] = MAX_NEW_TOKENS
         props["n"]["maximum"] = 2
+    # valid chats are plain turns: a drawn tool history or tool choice is almost never consistent
+    # (tool_call_id on a tool message, a named choice among the tools), so bodies drawn with them are
+    # 400s and generation is rarely reached. The invalid bodies still come from the full document.
+    chat = schemas["ChatCompletionRequest"]["properties"]
+    for field in ("tools", "tool_choice", "parallel_tool_calls"):
+        chat.pop(field, None)
+    message = schemas["ChatMessage"]
+    for field in ("tool_calls", "tool_call_id", "name"):
+        message["properties"].pop(field, None)
+    message["properties"]["role"]["enum"].remove("tool")
+    content = message["properties"]["content"]
+    content["anyOf"] = [option for option in content["anyOf"] if option.get("type") != "null"]
+    content.pop("default", None)
+    message["required"] = sorted({*message.get("required", []), "content"})
     return doc
 
 

@@ -103,7 +103,7 @@ def test_bad_input_is_rejected_and_the_engine_keeps_running(llm: LLM):
     with pytest.raises(InvalidRequestError, match="vocabulary"):
         engine.add_request(Request("oov", [10**7], GREEDY))
     with pytest.raises(InvalidRequestError, match="max_tokens"):
-        SamplingParams(max_tokens=0)
+        SamplingParams(max_tokens=-1)  # 0 is a prompt-only request (test_prompt_logprobs.py)
     with pytest.raises(InvalidRequestError, match="temperature"):
         SamplingParams(temperature=-1)
     # max_tokens past the context is clipped: finish reason `length` at the context limit

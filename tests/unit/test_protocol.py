@@ -28,7 +28,7 @@ def test_unknown_parameter_is_named() -> None:
 
 
 def test_bad_value_names_its_path() -> None:
-    param, _ = _param_of(CompletionRequest, {"prompt": "x", "max_tokens": 0})
+    param, _ = _param_of(CompletionRequest, {"prompt": "x", "max_tokens": -1})
     assert param == "max_tokens"
     param, _ = _param_of(
         ChatCompletionRequest, {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}
@@ -71,6 +71,17 @@ def test_completion_conversion() -> None:
     assert CompletionRequest.model_validate({"prompt": "x"}).to_sampling_params().max_tokens == 16
 
 
+def test_echo_with_logprobs_scores_the_prompt_and_allows_max_tokens_0() -> None:
+    def params(**body: object) -> tuple[int, int | None, int | None]:
+        p = CompletionRequest.model_validate({"prompt": "x", **body}).to_sampling_params()
+        return p.max_tokens, p.logprobs, p.prompt_logprobs
+
+    assert params(echo=True, logprobs=1, max_tokens=0) == (0, 1, 1)
+    assert params(echo=True, logprobs=0, max_tokens=1) == (1, 0, 0)
+    assert params(echo=True, max_tokens=0) == (0, None, None)  # the prompt's text alone
+    assert params(logprobs=3) == (16, 3, None)  # without echo the prompt is not scored
+
+
 def test_prompt_forms() -> None:
     assert CompletionRequest(prompt="a").prompts() == ["a"]
     assert CompletionRequest(prompt=["a", "b"]).prompts() == ["a", "b"]
@@ -98,7 +109,7 @@ def test_invalid_values_raise_with_param() -> None:
         ({"prompt": "x", "top_p": 0}, "top_p"),
         ({"prompt": "x", "n": 0}, "n"),
         ({"prompt": "x", "stream_options": {"include_usage": True}}, "stream_options"),
-        ({"prompt": "x", "echo": True, "logprobs": 1}, "echo"),
+        ({"prompt": "x", "max_tokens": 0}, "max_tokens"),  # 0 only with echo
     ]
     for body, param in cases:
         assert _rejected(CompletionRequest, body)[0] == param, body
@@ -131,7 +142,7 @@ def test_a_union_names_its_members() -> None:
     assert (param, message) == (
         "messages.0.content",
         "invalid value for messages.0.content: expected a string or a list of text parts "
-        "(null is not accepted: kvserve has no tool calls)",
+        "(null only in an assistant message with tool_calls)",
     )
 
 

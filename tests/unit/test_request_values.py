@@ -36,7 +36,7 @@ def test_range_membership_and_text() -> None:
 
 def test_every_numeric_sampling_value_is_range_checked() -> None:
     bad = {
-        "max_tokens": [0, 2**31],
+        "max_tokens": [-1, 2**31],  # 0 is a prompt-only request
         "temperature": [-0.1, 100.5, math.nan, math.inf],
         "top_p": [0.0, 1.01, math.nan],
         "top_k": [-2, 2**31],
@@ -47,6 +47,7 @@ def test_every_numeric_sampling_value_is_range_checked() -> None:
         "n": [0, 17],
         "seed": [INT64_MAX + 1, INT64_MIN - 1],
         "logprobs": [-1, 21],
+        "prompt_logprobs": [-1, 21],
     }
     for name, values in bad.items():
         for value in values:
