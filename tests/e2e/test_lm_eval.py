@@ -104,6 +104,8 @@ def test_local_completions_loglikelihoods_equal_hf_backend(
     got = _loglikelihoods(served, "kvserve_mc")
     assert len(expected) == _num_requests(TASKS_DIR / "kvserve_mc.jsonl", limit)
     assert got.keys() == expected.keys()
+    worst = max(abs(got[key][0] - loglikelihood) for key, (loglikelihood, _) in expected.items())
+    print(f"\n{len(expected)} log-likelihoods, largest difference from lm-eval's HF backend {worst:.2e}")
     for key, (loglikelihood, is_greedy) in expected.items():
         assert got[key][0] == pytest.approx(loglikelihood, abs=LOGLIKELIHOOD_TOL), key
         assert got[key][1] == is_greedy, key
