@@ -314,6 +314,7 @@ def overhead_suite(trials: int) -> dict[str, Any]:
         constrained_ms = statistics.median(times["constrained"]) * 1e3 / num_tokens
         free_ms = statistics.median(times["free"]) * 1e3 / num_tokens
         results[f"batch{batch}"] = {
+            "dtype": llm.engine.info.dtype,
             "num_requests": len(prompts),
             "num_output_tokens": num_tokens,
             "free_ms_per_token": free_ms,
@@ -336,8 +337,10 @@ def _run_groups(llm: Any, prompts: list[list[int]], params: list[Any], batch: in
 
 
 def print_overhead(results: dict[str, Any]) -> None:
+    dtype = results["batch1"]["dtype"]
     print(
-        "\noverhead through the engine (SmolLM2, greedy, same prompts and output lengths; ms per output token)"
+        f"\noverhead through the engine (SmolLM2 in {dtype}, greedy, same prompts and output lengths; "
+        "ms per output token)"
     )
     print(
         f"{'batch':>5}{'requests':>10}{'tokens':>8}{'free':>9}{'constrained':>13}{'overhead':>10}{'mask fill':>11}"
