@@ -14,6 +14,9 @@ import torch
 
 from kvserve.kvcache.kernel_view import PagedKV
 
+# the tensors that hold one block of a storage: name -> (one block's shape, dtype)
+BlockFields = dict[str, tuple[tuple[int, ...], torch.dtype]]
+
 
 class LayerKV(ABC):
     """One layer's K/V blocks.
@@ -84,6 +87,28 @@ class LayerKV(ABC):
     def release_exact(self, block_ids: list[int]) -> None:  # noqa: B027 - optional hook
         """The assembly of `hold_exact` is over: drop what it kept."""
 
+    # --- whole blocks as stored, for tiers outside the pool (kvcache/chunk_payload.py) -------------
+    def storage_format(self) -> str:
+        """How blocks are stored ("dense", or the codec's name): blocks exported from one storage
+        import only into a storage with the same format and `block_fields`."""
+        raise NotImplementedError(f"{type(self).__name__} cannot export blocks")
+
+    def block_fields(self) -> BlockFields:
+        """The stored tensors of one block, in the order `export_blocks` returns them."""
+        raise NotImplementedError(f"{type(self).__name__} cannot export blocks")
+
+    def export_blocks(self, block_ids: list[int]) -> dict[str, torch.Tensor]:
+        """Copies of the blocks' stored tensors: name -> [len(block_ids), *shape], in `block_fields`
+        order, on the storage's device. Only complete blocks (every row written, or sealed) export:
+        their stored tensors are all there is to them."""
+        raise NotImplementedError(f"{type(self).__name__} cannot export blocks")
+
+    def import_blocks(self, block_ids: list[int], fields: dict[str, torch.Tensor]) -> None:
+        """Overwrite the blocks with tensors from `export_blocks` of a storage with the same format
+        and `block_fields` (the caller checks that); afterwards they read back bitwise as the
+        exported blocks did, and are complete blocks (a block codec treats them as closed)."""
+        raise NotImplementedError(f"{type(self).__name__} cannot import blocks")
+
 
 class DenseLayerKV(LayerKV):
     """Unquantized K/V in `dtype`."""
@@ -132,3 +157,20 @@ class DenseLayerKV(LayerKV):
 
     def bytes_per_block(self) -> int:
         return 2 * self.block_size * self.num_kv_heads * self.head_dim * self.k_cache.element_size()
+
+    def storage_format(self) -> str:
+        return "dense"
+
+    def block_fields(self) -> BlockFields:
+        shape = tuple(self.k_cache.shape[1:])
+        return {"k": (shape, self.k_cache.dtype), "v": (shape, self.v_cache.dtype)}
+
+    def export_blocks(self, block_ids: list[int]) -> dict[str, torch.Tensor]:
+        ids = torch.tensor(block_ids, dtype=torch.int64, device=self.k_cache.device)
+        return {"k": self.k_cache.index_select(0, ids), "v": self.v_cache.index_select(0, ids)}
+
+    def import_blocks(self, block_ids: list[int], fields: dict[str, torch.Tensor]) -> None:
+        assert len(set(block_ids)) == len(block_ids), f"import into repeated blocks {block_ids}"
+        ids = torch.tensor(block_ids, dtype=torch.int64, device=self.k_cache.device)
+        self.k_cache.index_copy_(0, ids, fields["k"].to(self.k_cache.device))
+        self.v_cache.index_copy_(0, ids, fields["v"].to(self.v_cache.device))

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from kvserve.kvcache.kernel_view import PagedKV
-from kvserve.kvcache.kv_storage import DenseLayerKV, LayerKV
+from kvserve.kvcache.kv_storage import BlockFields, DenseLayerKV, LayerKV
 from kvserve.quant.base import Packed, TensorCodec
 from kvserve.quant.registry import make_codec
 
@@ -292,6 +292,47 @@ class QuantizedLayerKV(LayerKV):
         self.closed.discard(block_id)
         self.held.discard(block_id)
         self.exact_k.pop(block_id, None)
+
+    # --- whole blocks as stored (kvcache/chunk_payload.py) ------------------------------------------
+    def storage_format(self) -> str:
+        return self.codec.name
+
+    def block_fields(self) -> BlockFields:
+        """ "k.<field>" then "v.<field>": the codec's packed fields of one block."""
+        return {
+            f"{side}.{name}": (tuple(field.shape[1:]), field.dtype)
+            for side, blocks in (("k", self.k_blocks), ("v", self.v_blocks))
+            for name, field in blocks.fields.items()
+        }
+
+    def export_blocks(self, block_ids: list[int]) -> dict[str, torch.Tensor]:
+        """The packed fields of complete blocks. An open block (a block codec's K still in its
+        full-precision shadow) cannot export: its codes are not its content yet (a registered
+        chunk's blocks are full, and a cached tail's last block is sealed)."""
+        open_ids = [b for b in block_ids if b in self.open_k]
+        assert not open_ids, f"export of open blocks {open_ids}: seal them or wait until they fill"
+        if not self.codec.k.per_token:
+            unwritten = [b for b in block_ids if b not in self.closed]
+            assert not unwritten, f"export of blocks {unwritten} whose K was never encoded"
+        ids = torch.tensor(block_ids, dtype=torch.int64, device=self.device)
+        return {
+            f"{side}.{name}": field.index_select(0, ids)
+            for side, blocks in (("k", self.k_blocks), ("v", self.v_blocks))
+            for name, field in blocks.fields.items()
+        }
+
+    def import_blocks(self, block_ids: list[int], fields: dict[str, torch.Tensor]) -> None:
+        """Write packed fields into the blocks; their side state (open shadow, hold, exact rows) is
+        dropped first, and a block codec marks them closed: they were complete when exported."""
+        assert len(set(block_ids)) == len(block_ids), f"import into repeated blocks {block_ids}"
+        ids = torch.tensor(block_ids, dtype=torch.int64, device=self.device)
+        for block_id in block_ids:
+            self.on_block_freed(block_id)
+        for side, blocks in (("k", self.k_blocks), ("v", self.v_blocks)):
+            for name, field in blocks.fields.items():
+                field.index_copy_(0, ids, fields[f"{side}.{name}"].to(self.device))
+        if not self.codec.k.per_token:
+            self.closed.update(block_ids)
 
 
 def create_layer_kv(
