@@ -23,6 +23,7 @@ from typing import Any, Literal
 from kvserve.api.protocol import ChatCompletionRequest, ChatMessage, Tool
 from kvserve.errors import InvalidRequestError
 from kvserve.request import StructuredOutput
+from kvserve.structured.items import ArrayItems
 from kvserve.tokenizer import TOOL_CALL_CLOSE, TOOL_CALL_OPEN
 
 NO_PARAMETERS: dict[str, Any] = {"type": "object", "properties": {}}
@@ -170,10 +171,7 @@ class ToolCallStream:
         self._ws = ""  # auto: trailing whitespace held until text follows it
         self._ws_before_block = ""
         self._after_call = False
-        self._depth = 0  # required: JSON nesting, string state and the current item's start
-        self._in_string = False
-        self._escaped = False
-        self._item_start = -1
+        self._array = ArrayItems()  # required: the array's items as they complete
         self._made: set[tuple[str, str]] = set()  # (name, arguments) of the calls made
 
     def feed(self, text: str) -> ToolDelta:
@@ -244,28 +242,11 @@ class ToolCallStream:
     # --- required: items of a JSON array -------------------------------------------------------
     def _required(self, text: str) -> ToolDelta:
         out = ToolDelta()
-        start = len(self._text)
         self._text += text
-        for pos in range(start, len(self._text)):
-            ch = self._text[pos]
-            if self._escaped:
-                self._escaped = False
-            elif self._in_string:
-                self._escaped = ch == "\\"
-                self._in_string = ch != '"'
-            elif ch == '"':
-                self._in_string = True
-            elif ch in "[{":
-                if self._depth == 1 and ch == "{":
-                    self._item_start = pos
-                self._depth += 1
-            elif ch in "]}":
-                self._depth -= 1
-                if self._depth == 1 and ch == "}" and self._item_start >= 0:
-                    parsed = self._parsed_call(self._text[self._item_start : pos + 1])
-                    if parsed is not None:
-                        self._keep(parsed, out)
-                    self._item_start = -1
+        for item in self._array.feed(self._text):
+            parsed = self._parsed_call(item)
+            if parsed is not None:
+                self._keep(parsed, out)
         return out
 
     # --- auto: <tool_call> blocks in free text -------------------------------------------------

@@ -12,7 +12,7 @@ mask about 3.5x faster and compiles a schema in under a millisecond where xgramm
 """
 
 from kvserve.structured.compiler import GrammarCompiler
-from kvserve.structured.items import RepeatedItems
+from kvserve.structured.items import ArrayItems, RepeatedItems
 from kvserve.structured.matcher import GrammarMatcher, allowed_tokens
 
-__all__ = ["GrammarCompiler", "GrammarMatcher", "RepeatedItems", "allowed_tokens"]
+__all__ = ["ArrayItems", "GrammarCompiler", "GrammarMatcher", "RepeatedItems", "allowed_tokens"]
