@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import json
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -88,6 +89,11 @@ class StructuredOutput:
     # a top-level array whose items should differ (tool_choice required): an item that repeats an
     # earlier one ends the generation (kvserve.structured.RepeatedItems)
     stop_on_repeated_item: bool = False
+
+    @classmethod
+    def of_schema(cls, schema: object, source: str = "response_format", **options: bool) -> StructuredOutput:
+        """A json_schema output for `schema` (a parsed JSON schema), as the text described above."""
+        return cls("json_schema", json.dumps(schema, separators=(",", ":")), source, **options)
 
 
 class FinishReason(str, enum.Enum):

@@ -289,7 +289,7 @@ def overhead_suite(trials: int) -> dict[str, Any]:
             SamplingParams(
                 max_tokens=200,
                 temperature=0,
-                structured=StructuredOutput("json_schema", json.dumps(schema, separators=(",", ":"))),
+                structured=StructuredOutput.of_schema(schema),
             )
             for _, schema in picked
         ]

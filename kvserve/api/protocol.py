@@ -9,7 +9,6 @@ the vocabulary by the routes (kvserve.request.check_token_ids)."""
 from __future__ import annotations
 
 import dataclasses
-import json
 import re
 from typing import Annotated, Any, ClassVar, Literal
 
@@ -179,8 +178,7 @@ class ResponseFormat(_Strict):
         schema = self.json_schema.schema_ if self.json_schema is not None else None
         if schema is None:
             return StructuredOutput("json_object")
-        # compact but not key-sorted: properties are generated in the schema's order, as OpenAI does
-        return StructuredOutput("json_schema", json.dumps(schema, separators=(",", ":")))
+        return StructuredOutput.of_schema(schema)
 
 
 class _Sampling(_Strict):

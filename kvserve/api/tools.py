@@ -109,13 +109,10 @@ def required_schema(tools: Sequence[Tool], parallel: bool) -> dict[str, Any]:
 
 
 def _structured(schema: dict[str, Any]) -> StructuredOutput:
-    # The same text as response_format's (protocol.ResponseFormat): compact, keys in their order
-    # (grammars generate properties in schema order, and "name" must come before "arguments": a
-    # model picks the function, then fills it in). Equal schemas share one compiled grammar.
-    text = json.dumps(schema, separators=(",", ":"))
-    # required's array: a small model repeats its last call until max_tokens; a repeat ends it
+    # keys keep their order: "name" comes before "arguments" (a model picks the function, then fills
+    # it in); required's array: a small model repeats its last call until max_tokens, a repeat ends it
     repeats = schema.get("type") == "array"
-    return StructuredOutput("json_schema", schema=text, source="tools", stop_on_repeated_item=repeats)
+    return StructuredOutput.of_schema(schema, source="tools", stop_on_repeated_item=repeats)
 
 
 def check_messages(messages: Sequence[ChatMessage]) -> None:

@@ -27,9 +27,10 @@ from kvserve.engine.builder import (
     check_reuse_request,
     require_content_reuse,
 )
-from kvserve.engine.model_runner import ModelRunner, StepOutput
+from kvserve.engine.model_runner import ModelRunner
 from kvserve.engine.output import OutputProcessor
 from kvserve.engine.pins import WarmPins
+from kvserve.engine.prompt_logprobs import record
 from kvserve.engine.repair import Repairer
 from kvserve.engine.sampler import sample_one
 from kvserve.engine.stats import EngineStats
@@ -294,7 +295,7 @@ class Engine:
             return self._execute_one_by_one(items)
         inputs.work.moved = moved
         self.cost.observe(inputs.work, time.perf_counter() - start)
-        self._record_prompt_logprobs(step)
+        record(step.prompt_logprobs)
         return self._update(items, step.logits)
 
     def _execute_one_by_one(self, items: list[ScheduledSeq]) -> list[Sequence]:
@@ -305,16 +306,9 @@ class Engine:
             except Exception as e:
                 self._fail(item.seq, "running the model", e)
                 continue
-            self._record_prompt_logprobs(step)
+            record(step.prompt_logprobs)
             touched += self._update([item], step.logits)
         return touched
-
-    @staticmethod
-    def _record_prompt_logprobs(step: StepOutput) -> None:
-        for rows, entries in step.prompt_logprobs:
-            scored = rows.seq.out.prompt_logprobs
-            assert len(scored) == rows.first_position, "prompt positions are scored in order, once"
-            scored += entries
 
     def _update(self, items: list[ScheduledSeq], logits: torch.Tensor) -> list[Sequence]:
         """logits [num_sampled, vocab]: one row per item with item.sample, in order."""

@@ -54,6 +54,14 @@ def rows_to_score(seq: Sequence, start: int, end: int) -> tuple[int, int] | None
     return (lo, hi) if lo < hi else None
 
 
+def record(scored: list[tuple[PromptRows, list[TokenLogprob]]]) -> None:
+    """A step's prompt logprobs (ModelRunner StepOutput.prompt_logprobs) onto their sequences."""
+    for rows, entries in scored:
+        recorded = rows.seq.out.prompt_logprobs
+        assert len(recorded) == rows.first_position, "prompt positions are scored in order, once"
+        recorded += entries
+
+
 def score(logits: torch.Tensor, target_ids: list[int], k: int) -> list[TokenLogprob]:
     """logits [rows, vocab] float32 -> per row the target token's logprob and the top-k (token,
     logprob) pairs, best first (raw model logprobs, like the sampled tokens' own)."""
