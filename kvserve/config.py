@@ -61,6 +61,44 @@ class ServeConfig:
     eviction_policy: str = field(
         default="lru_freq", metadata={"help": "lru_freq (LRU with frequency awareness) or lru"}
     )
+    # --- KV tiers below the pool (kvcache/tiers/) ------------------------------------------------
+    kv_cold_bytes: int = field(
+        default=0,
+        metadata={
+            "help": "bytes of a cold area: evicted (and idle) chunks are demoted into it in kv_cold_codec "
+            "and promoted back on a hit, an approximation (0 = off)"
+        },
+    )
+    kv_cold_codec: str = field(
+        default="turbo3", metadata={"help": "codec of the cold area (a KV codec name, e.g. turbo3)"}
+    )
+    demote_after_s: float = field(
+        default=0.0,
+        metadata={
+            "help": "demote cached chunks unused this long into the cold area (0 = only under memory "
+            "pressure); needs kv_cold_bytes"
+        },
+    )
+    kv_disk_dir: str = field(
+        default="", metadata={"help": "directory of a persistent disk tier of exact KV (empty = off)"}
+    )
+    kv_disk_bytes: int = field(
+        default=20_000_000_000, metadata={"help": "most bytes the disk tier keeps (least recently used go)"}
+    )
+    kv_disk_write: str = field(
+        default="evicted",
+        metadata={
+            "help": "what the disk tier stores: evicted (chunks evicted from the pool, plus warmed text) "
+            "or all (every chunk as it is computed)"
+        },
+    )
+    kv_redis_url: str = field(
+        default="",
+        metadata={
+            "help": "redis://host:port/db of a shared Redis tier of exact KV, written as chunks are "
+            "computed, read on a miss (empty = off)"
+        },
+    )
     attention_backend: str = field(
         default="auto", metadata={"help": "auto, reference, cpu_paged, triton or cuda"}
     )
@@ -181,6 +219,7 @@ _CHOICES: dict[str, tuple[str, ...]] = {
     "reuse": ("prefix", "any"),
     "recompute_strategy": ("none", "selective", "cacheblend"),
     "pieces": ("fixed", "content"),
+    "kv_disk_write": ("evicted", "all"),
 }
 
 
@@ -233,6 +272,17 @@ def validate(cfg: ServeConfig) -> None:
         raise ConfigError(
             f"piece_min_tokens must be positive and <= piece_max_tokens (got {cfg.piece_min_tokens}, "
             f"{cfg.piece_max_tokens})"
+        )
+    if cfg.kv_cold_bytes < 0 or cfg.demote_after_s < 0:
+        raise ConfigError("kv_cold_bytes and demote_after_s must be >= 0")
+    if cfg.demote_after_s > 0 and not cfg.kv_cold_bytes:
+        raise ConfigError("demote_after_s needs a cold area: set kv_cold_bytes (e.g. 500000000)")
+    if cfg.kv_disk_bytes <= 0:
+        raise ConfigError(f"kv_disk_bytes must be positive (got {cfg.kv_disk_bytes})")
+    tiers = cfg.kv_cold_bytes or cfg.kv_disk_dir or cfg.kv_redis_url
+    if tiers and not cfg.enable_prefix_caching:
+        raise ConfigError(
+            "the KV tiers (kv_cold_bytes, kv_disk_dir, kv_redis_url) need enable_prefix_caching"
         )
     if cfg.max_model_len < 0:
         raise ConfigError(f"max_model_len must be >= 0 (got {cfg.max_model_len})")

@@ -15,6 +15,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 from kvserve.engine.stats import ContentReuseStats, EngineStats
+from kvserve.kvcache.tiers.manager import TierStats
 from kvserve.request import RequestOutput
 
 WINDOW_S = 60.0
@@ -239,6 +240,42 @@ class _EngineStatsCollector:
             c.add_metric([name], float(value))
             yield c
         yield from _reuse_quality(name, s.content_reuse)
+        yield from _tiers(name, s.tiers)
+
+
+def _tiers(name: str, tiers: list[TierStats]) -> Iterator[Metric]:
+    """Per KV tier (hot, cold, disk, redis): what it holds, what it served, what failed."""
+    families = [
+        (GaugeMetricFamily, "kvserve:tier_bytes", "Bytes of KV a tier holds.", "bytes"),
+        (GaugeMetricFamily, "kvserve:tier_chunks", "Chunks a tier holds.", "chunks"),
+        (CounterMetricFamily, "kvserve:tier_hits", "Chunk lookups a tier answered.", "hits"),
+        (CounterMetricFamily, "kvserve:tier_loads", "Chunks loaded from a tier into the hot pool.", "loads"),
+        (
+            CounterMetricFamily,
+            "kvserve:tier_load_seconds",
+            "Seconds spent loading chunks from a tier (divide by tier_loads for the mean).",
+            "load_seconds_total",
+        ),
+        (
+            CounterMetricFamily,
+            "kvserve:tier_corruptions",
+            "Damaged or foreign entries a tier detected and removed.",
+            "corruptions",
+        ),
+        (
+            CounterMetricFamily,
+            "kvserve:tier_fallbacks",
+            "Lookups or loads a tier could not serve (down, no room, unfit): computed instead.",
+            "fallbacks",
+        ),
+        (CounterMetricFamily, "kvserve:tier_writes", "Chunks written to a tier.", "writes"),
+        (CounterMetricFamily, "kvserve:tier_write_errors", "Writes to a tier that failed.", "write_errors"),
+    ]
+    for family, metric_name, doc, attr in families:
+        metric = family(metric_name, doc, labels=["model_name", "tier"])
+        for t in tiers:
+            metric.add_metric([name, t.tier], float(getattr(t, attr)))
+        yield metric
 
 
 def _reuse_quality(name: str, reuse: ContentReuseStats) -> Iterator[Metric]:

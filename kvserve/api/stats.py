@@ -73,4 +73,5 @@ def _cache(s: EngineStats) -> dict[str, Any]:
         "hit_rate": s.hit_rate,
         "evictions": s.num_evictions,
         "reuse": dataclasses.asdict(s.content_reuse),
+        "tiers": {t.tier: dataclasses.asdict(t) for t in s.tiers},
     }

@@ -112,6 +112,7 @@ class AsyncEngine:
         self._wake.set()
         if self._thread is not None:
             self._thread.join(timeout_s)
+        self.engine.close()
 
     async def drain(self, grace_s: float) -> None:
         """Refuse new requests (503), give the ones in flight `grace_s` to finish, then finish the
@@ -219,7 +220,8 @@ class AsyncEngine:
             if not self.engine.has_unfinished_requests():
                 if ran:
                     self._publish(force=True)
-                self._wake.wait()
+                if not self._wake.wait(self.engine.idle_wakeup_s):
+                    self._housekeeping()
                 continue
             try:
                 outputs = self.engine.step()
@@ -234,6 +236,13 @@ class AsyncEngine:
                 self._wake.wait(0.001)
         self._run_commands()
         self._fail_all(SHUTTING_DOWN)
+
+    def _housekeeping(self) -> None:
+        try:
+            self.engine.housekeeping()
+        except Exception:  # a tier bug must not take the worker down
+            log.exception("engine housekeeping failed")
+        self._publish(force=True)
 
     def _run_commands(self) -> bool:
         """Runs the queued commands; whether there were any."""

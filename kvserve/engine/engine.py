@@ -34,6 +34,7 @@ from kvserve.engine.prompt_logprobs import record
 from kvserve.engine.repair import Repairer
 from kvserve.engine.sampler import sample_one
 from kvserve.engine.stats import EngineStats
+from kvserve.engine.tiering import IDLE_SWEEP_S, EngineTiers, build_tiers
 from kvserve.errors import InvalidRequestError
 from kvserve.kvcache.block_pool import BlockPool
 from kvserve.kvcache.chunk_store import ChunkStore
@@ -81,6 +82,8 @@ class Engine:
             cost=self.cost,
             decode_slowdown_limit=config.decode_slowdown_limit,
         )
+        tiers = build_tiers(config, self.store, self.layers, self.info)
+        self.tiers = EngineTiers(tiers, self.scheduler, config.demote_after_s) if tiers else None
         self.runner = ModelRunner(self.model, self.layers, parts.backend, device, parts.fused)
         self.outputs = OutputProcessor(self.info.eos_token_ids, self.info.max_model_len)
         self.grammars = GrammarCompiler(self.tokenizer.hf, self.info.logits_size, self.info.eos_token_ids)
@@ -221,6 +224,21 @@ class Engine:
         """Requests in flight, outputs not yet returned, or background work (run while idle)."""
         return bool(self._seqs) or bool(self._pending) or bool(self._background)
 
+    @property
+    def idle_wakeup_s(self) -> float | None:
+        """How often `housekeeping` must run while no request does (None: never)."""
+        return IDLE_SWEEP_S if self.tiers is not None and self.config.demote_after_s > 0 else None
+
+    def housekeeping(self) -> None:
+        """Work due while idle: demoting chunks idle past --demote-after-s."""
+        if self.tiers is not None:
+            self.tiers.housekeeping(time.monotonic())
+
+    def close(self) -> None:
+        """Store the KV tiers' queued writes and stop their threads."""
+        if self.tiers is not None:
+            self.tiers.tiers.close()
+
     def run_background(self) -> None:
         """Step until the background work (audits) is done: for callers that drive the engine
         themselves (LLM, benchmarks); the server's loop runs it whenever it is idle."""
@@ -244,6 +262,8 @@ class Engine:
     def step(self) -> list[RequestOutput]:
         now = time.monotonic()
         self._expire(now)
+        if self.tiers is not None:
+            self.tiers.before_schedule(now)
         batch = self.scheduler.schedule(now)
         for seq, reason in batch.refused:
             self._finish(seq, FinishReason.ERROR, error=reason)

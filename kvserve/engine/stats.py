@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from kvserve.engine.audit import AuditSummary
+from kvserve.kvcache.tiers.manager import TierStats
 
 if TYPE_CHECKING:
     from kvserve.engine.engine import Engine
@@ -87,6 +88,8 @@ class EngineStats:
     num_prompt_tokens_computed: int
     num_generated_tokens: int
     num_steps: int
+    # the hot pool and each tier below it (kvcache/tiers/), when any tier is configured
+    tiers: list[TierStats] = dataclasses.field(default_factory=list)
 
     @property
     def hit_rate(self) -> float:
@@ -117,7 +120,17 @@ class EngineStats:
             num_prompt_tokens_computed=s.num_prompt_tokens_computed,
             num_generated_tokens=engine.outputs.num_generated_tokens,
             num_steps=engine.num_steps,
+            tiers=_tiers(engine),
         )
+
+
+def _tiers(engine: Engine) -> list[TierStats]:
+    if engine.tiers is None:
+        return []
+    store = engine.store
+    cached_bytes = int(store.num_cached_blocks * engine.info.bytes_per_token * engine.info.block_size)
+    hot = TierStats("hot", cached_bytes, len(store), store.num_chunk_hits, 0, 0.0, 0.0, 0, 0, 0, 0)
+    return [hot, *engine.tiers.tiers.stats()]
 
 
 def _pool(engine: Engine) -> PoolStats:

@@ -13,11 +13,13 @@ unpinning "system + doc A" keeps the system chunks that "system + doc B" still p
 capped at `max_pinned_blocks`; `reserve_pins` books room for a warm before it runs.
 
 Evictable == no users, no pin, no cached children; only evictable chunks are known to the eviction
-policy.
+policy. Before a chunk is evicted (for room, or idle: `evict_idle`) the `on_evict` hooks see it with
+its blocks still intact: the KV tiers demote or write it there (kvcache/tiers/manager.py).
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -36,6 +38,11 @@ class CachedChunk:
     num_pins: int = 0  # owners pinning it
     num_children: int = 0  # cached chunks whose parent it is
     num_hits: int = 0
+    last_used: float = 0.0  # time.monotonic() of its insertion or last acquire / release
+    token_hash: bytes | None = None  # kvcache/tiers/entry.token_ids_hash of its tokens (full chunks)
+    # its KV is what an exact computation gives; False when it or a chunk before it was promoted from
+    # the cold area (a lossy codec): such KV never goes to the disk or Redis tier
+    exact: bool = True
 
     @property
     def pinned(self) -> bool:
@@ -59,7 +66,9 @@ class ChunkStore:
         self._chunks: dict[bytes, CachedChunk] = {}
         self._pins: dict[bytes, list[bytes]] = {}  # owner -> the chunks it pins
         self.on_drop: list[Callable[[bytes], None]] = []  # called with each evicted chunk's hash
+        self.on_evict: list[Callable[[CachedChunk], None]] = []  # before eviction, blocks intact
         self.num_evicted_chunks = 0
+        self.num_chunk_hits = 0  # acquisitions of cached chunks by requests that reuse them
         self.num_cached_blocks = 0
         self.num_pinned_blocks = 0
         self.num_reserved_pin_blocks = 0  # booked by warms still running
@@ -90,8 +99,10 @@ class ChunkStore:
         if chunk.evictable:
             self.policy.remove(chunk.prefix_hash)
         chunk.num_users += 1
+        chunk.last_used = time.monotonic()
         if hit:
             chunk.num_hits += 1
+            self.num_chunk_hits += 1
             self.policy.touch(chunk.prefix_hash)
 
     def release(self, prefix_hash: bytes) -> None:
@@ -100,6 +111,7 @@ class ChunkStore:
             return
         assert chunk.num_users > 0
         chunk.num_users -= 1
+        chunk.last_used = time.monotonic()
         self._maybe_evictable(chunk)
 
     def insert(
@@ -122,7 +134,11 @@ class ChunkStore:
                 self.policy.remove(parent)
             parent_chunk.num_children += 1
         self.pool.retain(block_ids)
-        chunk = CachedChunk(prefix_hash, list(block_ids), depth, parent, num_tokens, num_users=1)
+        chunk = CachedChunk(
+            prefix_hash, list(block_ids), depth, parent, num_tokens, num_users=1, last_used=time.monotonic()
+        )
+        if parent is not None and not self._chunks[parent].exact:
+            chunk.exact = False  # computed attending to approximate KV
         self._chunks[prefix_hash] = chunk
         self.num_cached_blocks += len(block_ids)
         self.policy.touch(prefix_hash)
@@ -192,9 +208,27 @@ class ChunkStore:
             victim = self.policy.pop_victim()
             if victim is None:
                 break
-            freed += self._drop(victim)
-            self.num_evicted_chunks += 1
+            freed += self._evict(victim)
         return freed
+
+    def evict_idle(self, unused_since: float) -> int:
+        """Evict every evictable chunk not used since `unused_since` (time.monotonic()), leaves first:
+        a parent whose children all go goes too if it is idle. Returns chunks evicted."""
+        num = 0
+        while True:
+            idle = [h for h in self.policy.candidates() if self._chunks[h].last_used < unused_since]
+            if not idle:
+                return num
+            for h in sorted(idle, key=lambda h: -self._chunks[h].depth):
+                self.policy.remove(h)
+                self._evict(h)
+                num += 1
+
+    def _evict(self, prefix_hash: bytes) -> int:
+        for hook in self.on_evict:
+            hook(self._chunks[prefix_hash])
+        self.num_evicted_chunks += 1
+        return self._drop(prefix_hash)
 
     def _drop(self, prefix_hash: bytes) -> int:
         chunk = self._chunks.pop(prefix_hash)

@@ -9,8 +9,9 @@ prefix waits for them instead of computing them twice (Scheduler._is_deferred).
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Callable
 
-from kvserve.kvcache.chunk_store import ChunkStore
+from kvserve.kvcache.chunk_store import CachedChunk, ChunkStore
 from kvserve.kvcache.hashing import chunk_prefix_hashes, tail_hash
 from kvserve.scheduler.content import ContentMatcher
 from kvserve.scheduler.sequence import Sequence
@@ -27,6 +28,8 @@ class ChunkRegistrar:
         self.chunk_size = chunk_size
         self.block_size = block_size
         self.in_flight: Counter[bytes] = Counter()  # prompt chunks being computed right now
+        # called with each full chunk a sequence registers, its index in the sequence's chunks (KV tiers)
+        self.on_insert: list[Callable[[Sequence, CachedChunk, int], None]] = []
 
     def register(self, seq: Sequence) -> None:
         """Register the sequence's completed chunks (up to its register limit) and index their pieces."""
@@ -45,7 +48,9 @@ class ChunkRegistrar:
             parent = cache.prefix_hashes[i - 1] if i else None
             chunk = self.store.get(h)
             if chunk is None:
-                self.store.insert(h, seq.kv.block_ids[i * bpc : (i + 1) * bpc], i, parent)
+                chunk = self.store.insert(h, seq.kv.block_ids[i * bpc : (i + 1) * bpc], i, parent)
+                for hook in self.on_insert:
+                    hook(seq, chunk, i)
             else:
                 # computed concurrently by another sequence: ours stays private, but hold the cached
                 # copy so it stays the parent of the chunks this sequence registers next

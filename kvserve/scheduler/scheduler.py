@@ -235,6 +235,8 @@ class Scheduler:
         batch.refused.append((seq, reason))
 
     def _is_deferred(self, seq: Sequence) -> bool:
+        if seq.cache.tier_job is not None:  # its chunks are being loaded from a KV tier
+            return True
         if not self.enable_prefix_caching or not self.chunks.in_flight:
             return False
         for h in seq.cache.prefix_hashes[: self.admissions.max_match_chunks(seq)]:

@@ -43,6 +43,8 @@ class SeqCache:
     num_chunks_in_store: int = 0  # leading chunks cached and held (matched, registered or adopted)
     in_flight: list[bytes] = field(default_factory=list)  # prompt chunks it computes and will register
     register_limit: int | None = None  # chunks from this index on hold approximate KV: never registered
+    tier_checked: bool = False  # its chunks were looked up in the KV tiers below the pool
+    tier_job: object | None = None  # a load from the disk / Redis tier it waits for (tiers/manager.py)
 
 
 @dataclass

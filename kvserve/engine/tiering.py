@@ -1,0 +1,122 @@
+"""The engine's side of the KV tiers (kvcache/tiers/manager.py): building them from the config,
+looking up each waiting sequence's chunks once before it is scheduled, importing finished loads,
+demoting idle chunks, and the registration hook that writes new chunks through.
+
+All of it runs on the engine's thread; only the tiers' loader and writer threads run beside it.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING
+
+from kvserve.config import ServeConfig
+from kvserve.errors import ConfigError
+from kvserve.kvcache.chunk_store import CachedChunk, ChunkStore
+from kvserve.kvcache.kv_storage import LayerKV
+from kvserve.kvcache.tiers.entry import token_ids_hash
+from kvserve.kvcache.tiers.manager import KVTiers, LoadItem, LoadJob
+from kvserve.scheduler.scheduler import Scheduler
+from kvserve.scheduler.sequence import Sequence
+
+if TYPE_CHECKING:
+    from kvserve.engine.builder import RuntimeInfo
+
+IDLE_SWEEP_S = 1.0  # idle demotion runs at most this often
+LOAD_WAIT_S = 0.005  # a step with nothing to run but loads waits this long for one
+
+
+def build_tiers(
+    config: ServeConfig, store: ChunkStore, layers: list[LayerKV], info: RuntimeInfo
+) -> KVTiers | None:
+    """The tiers the config asks for (None: none). A bad codec, directory or URL is a ConfigError."""
+    if not (config.kv_cold_bytes or config.kv_disk_dir or config.kv_redis_url):
+        return None
+    from kvserve.kvcache.tiers.disk import DiskTier
+    from kvserve.quant.registry import CODEC_NAMES
+
+    cold = None
+    if config.kv_cold_bytes:
+        from kvserve.kvcache.tiers.cold import ColdArea
+
+        if config.kv_cold_codec not in CODEC_NAMES:
+            raise ConfigError(
+                f"kv_cold_codec must be a KV codec name ({', '.join(CODEC_NAMES)}); got {config.kv_cold_codec!r}"
+            )
+        cold = ColdArea(layers, config.kv_cold_codec, config.kv_cold_bytes, device=info.device)
+    disk = DiskTier(config.kv_disk_dir, config.kv_disk_bytes) if config.kv_disk_dir else None
+    redis = None
+    if config.kv_redis_url:
+        try:
+            from kvserve.kvcache.tiers.redis_tier import RedisTier
+        except ImportError as e:
+            raise ConfigError(
+                f"kv_redis_url needs the redis client: pip install 'kvserve[redis]' ({e})"
+            ) from e
+        redis = RedisTier(config.kv_redis_url)
+    fingerprint = info.namespace.split("|", 1)[0]
+    return KVTiers(
+        store,
+        layers,
+        (fingerprint, info.kv_codec, info.namespace),
+        cold=cold,
+        disk=disk,
+        redis=redis,
+        disk_write_all=config.kv_disk_write == "all",
+    )
+
+
+class EngineTiers:
+    def __init__(self, tiers: KVTiers, scheduler: Scheduler, demote_after_s: float):
+        self.tiers = tiers
+        self.scheduler = scheduler
+        self.chunk_size = scheduler.chunk_size
+        self.demote_after_s = demote_after_s
+        self._swept_at = time.monotonic()
+        scheduler.chunks.on_insert.append(self._on_insert)
+
+    def before_schedule(self, now: float) -> None:
+        """Import finished loads, demote idle chunks, and look up the chunks of sequences that
+        arrived since the last step."""
+        self.housekeeping(now, wait=self._only_loads_left())
+        for seq in list(self.scheduler.waiting):
+            if not seq.cache.tier_checked:
+                self._lookup(seq)
+
+    def housekeeping(self, now: float, wait: bool = False) -> None:
+        """What must happen even while no request runs: loads finish, idle chunks are demoted."""
+        for job in self.tiers.poll(LOAD_WAIT_S if wait else 0.0):
+            owner = job.owner
+            assert isinstance(owner, Sequence)
+            owner.cache.tier_job = None
+        if self.demote_after_s > 0 and now - self._swept_at >= IDLE_SWEEP_S:
+            self._swept_at = now
+            self.tiers.demote_idle(now - self.demote_after_s)
+
+    def _only_loads_left(self) -> bool:
+        s = self.scheduler
+        return not s.running and bool(s.waiting) and all(seq.cache.tier_job is not None for seq in s.waiting)
+
+    def _lookup(self, seq: Sequence) -> None:
+        seq.cache.tier_checked = True
+        hashes = seq.cache.prefix_hashes[: self.scheduler.admissions.max_match_chunks(seq)]
+        start = len(self.scheduler.store.match_prefix(hashes))
+        if start == len(hashes):
+            return
+        cs = self.chunk_size
+        items = [
+            LoadItem(
+                hashes[i],
+                hashes[i - 1] if i else None,
+                i,
+                token_ids_hash(seq.token_ids[i * cs : (i + 1) * cs]),
+            )
+            for i in range(start, len(hashes))
+        ]
+        job: LoadJob | None = self.tiers.lookup(seq, items)
+        seq.cache.tier_job = job
+
+    def _on_insert(self, seq: Sequence, chunk: CachedChunk, index: int) -> None:
+        cs = self.chunk_size
+        chunk.token_hash = token_ids_hash(seq.token_ids[index * cs : (index + 1) * cs])
+        self.tiers.on_register(chunk, warm=seq.request.warm_only)
