@@ -113,7 +113,10 @@ class EngineTiers:
             )
             for i in range(start, len(hashes))
         ]
-        job: LoadJob | None = self.tiers.lookup(seq, items)
+        # nothing else to run: load on this thread (no hand-off, no contention for the cores)
+        s = self.scheduler
+        now = not s.running and len(s.waiting) == 1
+        job: LoadJob | None = self.tiers.lookup(seq, items, now=now)
         seq.cache.tier_job = job
 
     def _on_insert(self, seq: Sequence, chunk: CachedChunk, index: int) -> None:

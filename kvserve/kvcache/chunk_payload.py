@@ -36,6 +36,7 @@ from kvserve.kvcache.kv_storage import BlockFields, LayerKV
 MAGIC = b"KVCP"
 VERSION = 1
 _PRELUDE = struct.Struct("<4sHI")  # magic, version, header length in bytes
+BODY_ALIGN = 16
 
 
 class ChunkPayloadError(ValueError):
@@ -62,28 +63,22 @@ def _field_bytes(fields: BlockFields, num_blocks: int) -> list[int]:
     ]
 
 
-def export_chunk(layers: list[LayerKV], block_ids: list[int]) -> bytes:
+def export_chunk(layers: list[LayerKV], block_ids: list[int], layout: ChunkLayout | None = None) -> bytes:
     """The blocks `block_ids` of every layer, as stored, in the layout above. The blocks must be
-    complete (LayerKV.export_blocks)."""
+    complete (LayerKV.export_blocks). `layout` (for these layers and this many blocks) saves
+    describing the layers again."""
     assert layers and block_ids, "export of no layers or no blocks"
-    formats: list[dict] = []
-    layer_format: list[int] = []
+    layout = layout or ChunkLayout(layers, len(block_ids))
+    assert layout.num_blocks == len(block_ids) and layout.num_layers == len(layers)
     parts: list[torch.Tensor] = []  # uint8 views of every field, in body order
-    for layer in layers:
-        fmt = _format_of(layer)
-        if fmt not in formats:
-            formats.append(fmt)
-        layer_format.append(formats.index(fmt))
+    for layer, fields in zip(layers, layout.fields, strict=True):
         exported = layer.export_blocks(block_ids)
-        assert list(exported) == list(layer.block_fields()), "export_blocks out of block_fields order"
+        assert list(exported) == list(fields), "export_blocks out of block_fields order"
         parts.extend(t.detach().cpu().contiguous().reshape(-1).view(torch.uint8) for t in exported.values())
-    header = {"num_blocks": len(block_ids), "formats": formats, "layers": layer_format}
-    header_bytes = json.dumps(header, separators=(",", ":")).encode()
-    body = torch.cat(parts).numpy().tobytes()
-    return _PRELUDE.pack(MAGIC, VERSION, len(header_bytes)) + header_bytes + body
+    return layout.prelude_and_header + torch.cat(parts).numpy().tobytes()
 
 
-def _read_header(payload: bytes) -> tuple[dict, int]:
+def _read_header(payload: bytes | memoryview) -> tuple[dict, int]:
     """(header, offset of the body); raises ChunkPayloadError for anything that is not a header of
     this version."""
     if len(payload) < _PRELUDE.size:
@@ -103,7 +98,7 @@ def _read_header(payload: bytes) -> tuple[dict, int]:
             f"payload truncated inside its header ({len(payload)} of {body_offset}+ bytes)"
         )
     try:
-        header = json.loads(payload[_PRELUDE.size : body_offset])
+        header = json.loads(bytes(payload[_PRELUDE.size : body_offset]))
         ok = isinstance(header["num_blocks"], int) and isinstance(header["formats"], list)
         ok = ok and all(isinstance(i, int) and 0 <= i < len(header["formats"]) for i in header["layers"])
     except (ValueError, KeyError, TypeError) as exc:
@@ -113,48 +108,90 @@ def _read_header(payload: bytes) -> tuple[dict, int]:
     return header, body_offset
 
 
+class ChunkLayout:
+    """What a payload for `num_blocks` blocks of `layers` must look like, computed once per engine:
+    the header `export_chunk` writes for them (a payload whose header is exactly this skips parsing
+    and comparing it) and each layer's field sizes."""
+
+    def __init__(self, layers: list[LayerKV], num_blocks: int):
+        self.num_blocks, self.num_layers = num_blocks, len(layers)
+        self.formats = [_format_of(layer) for layer in layers]
+        self.fields = [layer.block_fields() for layer in layers]
+        self.sizes = [_field_bytes(fields, num_blocks) for fields in self.fields]
+        self.body_len = sum(sum(sizes) for sizes in self.sizes)
+        self.prelude_and_header = _header(self.formats, num_blocks)
+
+
+def _header(formats: list[dict], num_blocks: int) -> bytes:
+    """Prelude and header of a payload of `num_blocks` blocks of layers stored as `formats`."""
+    distinct: list[dict] = []
+    for fmt in formats:
+        if fmt not in distinct:
+            distinct.append(fmt)
+    header = {"num_blocks": num_blocks, "formats": distinct, "layers": [distinct.index(f) for f in formats]}
+    header_bytes = json.dumps(header, separators=(",", ":")).encode()
+    # pad with spaces (still JSON) so the body starts 16-byte aligned: a payload in a fresh bytes
+    # object then yields aligned fields that need no copy before import (parse_chunk)
+    header_bytes += b" " * (-(_PRELUDE.size + len(header_bytes)) % BODY_ALIGN)
+    return _PRELUDE.pack(MAGIC, VERSION, len(header_bytes)) + header_bytes
+
+
 def check_fits(layers: list[LayerKV], block_ids: list[int], payload: bytes) -> int:
     """Raise ChunkPayloadError unless `payload` imports into `block_ids` of `layers`; returns the
     offset of its body."""
+    return _check(ChunkLayout(layers, len(block_ids)), payload)
+
+
+def _check(layout: ChunkLayout, payload: bytes | memoryview) -> int:
+    expected = layout.prelude_and_header
+    if payload[: len(expected)] == expected and len(payload) == len(expected) + layout.body_len:
+        return len(expected)  # exactly what export_chunk writes for these layers
     header, body_offset = _read_header(payload)
-    if header["num_blocks"] != len(block_ids):
-        raise ChunkPayloadError(f"payload holds {header['num_blocks']} blocks, target has {len(block_ids)}")
-    if len(header["layers"]) != len(layers):
+    if header["num_blocks"] != layout.num_blocks:
         raise ChunkPayloadError(
-            f"payload holds {len(header['layers'])} layers, target model has {len(layers)}"
+            f"payload holds {header['num_blocks']} blocks, target has {layout.num_blocks}"
         )
-    for idx, (layer, fmt_idx) in enumerate(zip(layers, header["layers"], strict=True)):
-        want, got = _format_of(layer), header["formats"][fmt_idx]
+    if len(header["layers"]) != layout.num_layers:
+        raise ChunkPayloadError(
+            f"payload holds {len(header['layers'])} layers, target model has {layout.num_layers}"
+        )
+    for idx, (want, fmt_idx) in enumerate(zip(layout.formats, header["layers"], strict=True)):
+        got = header["formats"][fmt_idx]
         if got != want:
             raise ChunkPayloadError(f"layer {idx}: payload stores {got}, target stores {want}")
-    body_len = sum(sum(_field_bytes(layer.block_fields(), len(block_ids))) for layer in layers)
-    if len(payload) - body_offset != body_len:
+    if len(payload) - body_offset != layout.body_len:
         raise ChunkPayloadError(
-            f"payload body has {len(payload) - body_offset} bytes, its layout needs {body_len}"
+            f"payload body has {len(payload) - body_offset} bytes, its layout needs {layout.body_len}"
         )
     return body_offset
 
 
+def parse_chunk(layout: ChunkLayout, payload: bytes | memoryview) -> list[dict[str, torch.Tensor]]:
+    """Check `payload` against `layout` (ChunkPayloadError otherwise) and return, per layer, its
+    fields as tensors [num_blocks, *shape] that `LayerKV.import_blocks` takes: views of `payload`
+    where a field is aligned for its dtype (it keeps `payload` alive), else copies. Touches no
+    storage: any thread may parse while the engine's thread runs."""
+    offset = _check(layout, payload)
+    layers: list[dict[str, torch.Tensor]] = []
+    with warnings.catch_warnings():  # torch cannot mark a view of bytes read only; nothing writes it
+        warnings.filterwarnings("ignore", message="The given buffer is not writable")
+        whole = torch.frombuffer(payload, dtype=torch.uint8)
+    for fields, sizes in zip(layout.fields, layout.sizes, strict=True):
+        tensors: dict[str, torch.Tensor] = {}
+        for (name, (shape, dtype)), size in zip(fields.items(), sizes, strict=True):
+            raw = whole[offset : offset + size]
+            if raw.data_ptr() % raw.new_empty((), dtype=dtype).element_size():
+                raw = raw.clone()  # owns aligned memory: viewable as dtype
+            tensors[name] = raw.view(dtype).reshape(layout.num_blocks, *shape)
+            offset += size
+        layers.append(tensors)
+    return layers
+
+
 def import_chunk(layers: list[LayerKV], block_ids: list[int], payload: bytes) -> None:
     """Write an `export_chunk` payload into the already allocated blocks `block_ids` of `layers`
-    (the same model and storage, in the same layer order). Checks the whole payload first
-    (check_fits): on ChunkPayloadError nothing was written."""
-    offset = check_fits(layers, block_ids, payload)
-    for layer in layers:
-        fields = layer.block_fields()
-        tensors: dict[str, torch.Tensor] = {}
-        for (name, (shape, dtype)), size in zip(
-            fields.items(), _field_bytes(fields, len(block_ids)), strict=True
-        ):
-            raw = _bytes_tensor(payload, offset, size).clone()  # owns aligned memory: viewable as dtype
-            tensors[name] = raw.view(dtype).reshape(len(block_ids), *shape)
-            offset += size
-        layer.import_blocks(block_ids, tensors)
-
-
-def _bytes_tensor(payload: bytes, offset: int, size: int) -> torch.Tensor:
-    """payload[offset : offset + size] as a uint8 tensor sharing its memory: read only, though torch
-    cannot mark it so (hence its warning, silenced here): callers copy it before anything else."""
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message="The given buffer is not writable")
-        return torch.frombuffer(payload, dtype=torch.uint8, count=size, offset=offset)
+    (the same model and storage, in the same layer order). Checks the whole payload first: on
+    ChunkPayloadError nothing was written."""
+    parsed = parse_chunk(ChunkLayout(layers, len(block_ids)), payload)
+    for layer, fields in zip(layers, parsed, strict=True):
+        layer.import_blocks(block_ids, fields)

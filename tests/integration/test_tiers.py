@@ -153,7 +153,9 @@ def _roundtrip_in_place(llm: LLM, block_ids: list[int], codec: str) -> None:
     for idx, layer in enumerate(llm.engine.layers):
         k, v = layer.gather(ids)
         n, bs = len(block_ids), layer.block_size
-        coder = create_layer_kv(codec, n, bs, layer.num_kv_heads, layer.head_dim, layer.compute_dtype, "cpu", idx)
+        coder = create_layer_kv(
+            codec, n, bs, layer.num_kv_heads, layer.head_dim, layer.compute_dtype, "cpu", idx
+        )
         rows = torch.arange(n * bs)
         coder.write(rows, k.reshape(n * bs, *k.shape[2:]), v.reshape(n * bs, *v.shape[2:]))
         ck, cv = coder.gather(torch.arange(n))
@@ -169,6 +171,7 @@ def test_demotion_frees_hot_blocks_and_promotion_equals_the_cold_codec(reference
     _, hot_logits = run(llm, prompt)
     free_before = engine.pool.num_free_blocks
     assert engine.tiers.tiers.demote_idle(time.monotonic() + 1) == 4
+    assert engine.tiers.tiers.flush()  # the demoter thread encodes
     assert engine.pool.num_free_blocks == free_before + 4 * CHUNK // 16  # really freed
     cold = tier(llm, "cold")
     assert cold.chunks == 4 and cold.bytes > 0
@@ -182,6 +185,7 @@ def test_demotion_frees_hot_blocks_and_promotion_equals_the_cold_codec(reference
     chunks = sorted(ref.engine.store.chunks(), key=lambda c: c.depth)
     for chunk in chunks:
         _roundtrip_in_place(ref, chunk.block_ids, "turbo3")
+    ref.engine.check_integrity()
     want_ids, want_logits = run(ref, prompt)
     assert ids == want_ids
     torch.testing.assert_close(logits, want_logits, atol=0, rtol=0)
@@ -199,6 +203,7 @@ def test_promoted_chunks_and_their_descendants_never_reach_the_disk_tier(tmp_pat
     engine.tiers.tiers.flush()
     assert len(list(tmp_path.glob("*.kv"))) == 3
     engine.tiers.tiers.demote_idle(time.monotonic() + 1)
+    engine.tiers.tiers.flush()
     for f in tmp_path.glob("*.kv"):
         f.unlink()
     longer = prompt[: 3 * CHUNK] + corpus_token_ids(reference, 2 * CHUNK + 3, seed=62)
@@ -207,3 +212,56 @@ def test_promoted_chunks_and_their_descendants_never_reach_the_disk_tier(tmp_pat
     inexact = [c for c in engine.store.chunks() if not c.exact]
     assert len(inexact) == 5
     assert tier(llm, "disk").writes == 3  # only the first run's exact chunks were ever written
+
+
+# --- the Redis tier: shared by engines, written on registration, read on a miss, survives outages -----
+
+
+@pytest.fixture(scope="module")
+def redis_server():
+    from tests.redis_server import RedisServer
+
+    with RedisServer() as server:
+        yield server
+
+
+def test_a_second_engine_reads_what_the_first_wrote_to_redis(redis_server, reference):
+    prompt = corpus_token_ids(reference, 4 * CHUNK + 7, seed=71)
+    want_ids, want_logits = run(reference, prompt)
+    writer = make(kv_redis_url=redis_server.url)
+    assert run(writer, prompt)[0] == want_ids
+    writer.engine.close()  # stores the queued writes
+    assert tier(writer, "redis").writes == 4
+
+    reader = make(kv_redis_url=redis_server.url)  # another process's view: an empty pool
+    ids, logits = run(reader, prompt)
+    assert ids == want_ids
+    torch.testing.assert_close(logits, want_logits, atol=1e-4, rtol=0)
+    r = tier(reader, "redis")
+    assert (r.hits, r.loads, r.corruptions) == (4, 4, 0)
+    reader.engine.close()
+
+
+def test_redis_killed_mid_run_falls_back_to_compute_then_reconnects(redis_server, reference):
+    prompts = [corpus_token_ids(reference, 3 * CHUNK + 2, seed=80 + i) for i in range(4)]
+    want = [run(reference, p)[0] for p in prompts]
+    llm = make(kv_redis_url=redis_server.url)
+    assert run(llm, prompts[0])[0] == want[0]
+    redis_server.kill()
+    for p, w in zip(prompts[1:3], want[1:3], strict=True):  # Redis is gone: computed, no error
+        assert run(llm, p)[0] == w
+    assert llm.engine.tiers is not None
+    llm.engine.tiers.tiers.flush()
+    assert tier(llm, "redis").fallbacks + tier(llm, "redis").write_errors > 0
+    redis_server.start()  # back, empty
+    time.sleep(1.1)  # the tier retries after retry_after_s (1 s)
+    assert run(llm, prompts[3])[0] == want[3]
+    llm.engine.tiers.tiers.flush()
+    redis = llm.engine.tiers.tiers.redis
+    assert redis is not None and redis.stats().up
+    reader = make(kv_redis_url=redis_server.url)
+    ids, _ = run(reader, prompts[3])  # written after the restart, read by another engine
+    assert ids == want[3]
+    assert tier(reader, "redis").loads == 3
+    llm.engine.close()
+    reader.engine.close()

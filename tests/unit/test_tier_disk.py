@@ -298,13 +298,13 @@ def test_a_file_evicted_while_read_is_served_but_not_indexed(tmp_path, monkeypat
     writer = DiskTier(tmp_path, max_bytes=1 << 20)
     reader = DiskTier(tmp_path, max_bytes=1 << 20)
     writer.put(make_key(0), ids_hash(0), payload_of(0))
-    real_decode = disk.decode_entry
+    real_decode = disk.decode_entry_view
 
     def decode_then_evict(key, data, token_ids_hash):
         (tmp_path / (key.name + ".kv")).unlink()  # another process's eviction, mid-get
         return real_decode(key, data, token_ids_hash)
 
-    monkeypatch.setattr(disk, "decode_entry", decode_then_evict)
+    monkeypatch.setattr(disk, "decode_entry_view", decode_then_evict)
     assert reader.get(make_key(0), ids_hash(0)) == payload_of(0)
     assert make_key(0) not in reader
     reader.check_integrity()

@@ -19,12 +19,14 @@ Rules:
   blocks would commit all of max_bytes at start-up (create_layer_kv zero-fills its tensors).
 - Encoding and decoding run on `device`, the hot layers' device; the packed tensors rest on
   `storage_device` (default: `device`).
-- Not thread-safe: one thread (the engine's) calls it.
+- Thread-safe (one lock): the engine thread takes `snapshot`s and promotes, while the tiers'
+  demoter thread encodes snapshots (`demote_kv`), the slow part, off the engine's step.
 """
 
 from __future__ import annotations
 
 import logging
+import threading
 from collections import OrderedDict
 from dataclasses import dataclass
 
@@ -104,6 +106,9 @@ class ColdArea:
                 codec, self.cold_bytes_per_block, self.hot_bytes_per_block, self._ratio(),
             )  # fmt: skip
         self._chunks: OrderedDict[bytes, _ColdChunk] = OrderedDict()  # least recently used first
+        self._lock = threading.RLock()  # the chunks and counters
+        self._encoding = threading.Lock()  # the encoder coder (demotions); promotions decode with their own
+        self.decoder: list[LayerKV] = self._make_coder(1)
         self.used_blocks = 0
         self.demotions = self.promotions = self.evictions = self.discards = self.rejected_too_large = 0
 
@@ -125,55 +130,81 @@ class ColdArea:
         ]
 
     def _coder_for(self, num_blocks: int) -> list[LayerKV]:
+        """The encoder (callers hold `_encoding`), grown to `num_blocks` blocks."""
         if self.coder[0].num_blocks < num_blocks:
             self.coder = self._make_coder(num_blocks)
         return self.coder
+
+    def _decoder_for(self, num_blocks: int) -> list[LayerKV]:
+        """The decoder (callers hold `_lock`), grown to `num_blocks` blocks."""
+        if self.decoder[0].num_blocks < num_blocks:
+            self.decoder = self._make_coder(num_blocks)
+        return self.decoder
 
     def _ratio(self) -> float:
         return self.hot_bytes_per_block / self.cold_bytes_per_block
 
     def __contains__(self, chunk_hash: bytes) -> bool:
-        return chunk_hash in self._chunks
+        with self._lock:
+            return chunk_hash in self._chunks
 
     def __len__(self) -> int:
-        return len(self._chunks)
+        with self._lock:
+            return len(self._chunks)
 
     def meta(self, chunk_hash: bytes) -> object:
         """The chunk's meta (KeyError if absent); counts as use."""
-        self._chunks.move_to_end(chunk_hash)
-        return self._chunks[chunk_hash].meta
+        with self._lock:
+            self._chunks.move_to_end(chunk_hash)
+            return self._chunks[chunk_hash].meta
 
     def demote(self, chunk_hash: bytes, hot_block_ids: list[int], meta: object) -> bool:
-        """Keep the chunk in blocks `hot_block_ids` (complete blocks, in order) in the cold codec,
-        dropping least recently used chunks until it fits. True when it is held (also when it
-        already was: nothing changes); False when it has more blocks than the whole area. The hot
-        blocks' ref counts are untouched: the caller releases them after a True."""
+        """Keep the chunk in blocks `hot_block_ids` (complete blocks, in order) in the cold codec:
+        `demote_kv` of its `snapshot`. The hot blocks' ref counts are untouched: the caller releases
+        them after a True."""
         assert hot_block_ids, "demotion of a chunk of no blocks"
-        if chunk_hash in self._chunks:
-            return True
-        num_blocks = len(hot_block_ids)
-        if num_blocks > self.num_blocks:
-            self.rejected_too_large += 1
-            return False
-        while self.used_blocks + num_blocks > self.num_blocks:
-            _, victim = self._chunks.popitem(last=False)
-            self.used_blocks -= victim.num_blocks
-            self.evictions += 1
-        self._chunks[chunk_hash] = _ColdChunk(num_blocks, self._encode(hot_block_ids), meta)
-        self.used_blocks += num_blocks
-        self.demotions += 1
-        return True
+        return self.demote_kv(chunk_hash, self.snapshot(hot_block_ids), meta)
 
-    def _encode(self, hot_block_ids: list[int]) -> list[dict[str, torch.Tensor]]:
-        """Per layer, the cold codec's packed tensors of the hot blocks' K/V, on storage_device."""
-        num_blocks, bs = len(hot_block_ids), self.block_size
-        coder = self._coder_for(num_blocks)
+    def snapshot(self, hot_block_ids: list[int]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Per hot layer, copies of the blocks' K and V ([n, block_size, H_kv, D], compute dtype):
+        what `demote_kv` encodes, taken before the blocks are freed (a gather, no encoding)."""
         hot_ids = torch.tensor(hot_block_ids, dtype=torch.int64, device=self.device)
+        return [hot.gather(hot_ids) for hot in self.hot_layers]
+
+    def demote_kv(self, chunk_hash: bytes, kv: list[tuple[torch.Tensor, torch.Tensor]], meta: object) -> bool:
+        """Encode a `snapshot` into the cold codec and keep it under `chunk_hash`, dropping least
+        recently used chunks until it fits. True when it is held (also when it already was: nothing
+        changes); False when it has more blocks than the whole area. The encoding runs outside the
+        area's lock (a promotion meanwhile does not wait for it)."""
+        num_blocks = kv[0][0].shape[0]
+        with self._lock:
+            if chunk_hash in self._chunks:
+                return True
+            if num_blocks > self.num_blocks:
+                self.rejected_too_large += 1
+                return False
+        with self._encoding:
+            fields = self._encode(kv)
+        with self._lock:
+            if chunk_hash in self._chunks:
+                return True
+            while self.used_blocks + num_blocks > self.num_blocks:
+                _, victim = self._chunks.popitem(last=False)
+                self.used_blocks -= victim.num_blocks
+                self.evictions += 1
+            self._chunks[chunk_hash] = _ColdChunk(num_blocks, fields, meta)
+            self.used_blocks += num_blocks
+            self.demotions += 1
+            return True
+
+    def _encode(self, kv: list[tuple[torch.Tensor, torch.Tensor]]) -> list[dict[str, torch.Tensor]]:
+        """Per layer, the cold codec's packed tensors of a snapshot's K/V, on storage_device."""
+        num_blocks, bs = kv[0][0].shape[0], self.block_size
+        coder = self._coder_for(num_blocks)
         coder_ids = list(range(num_blocks))
         coder_slots = torch.arange(num_blocks * bs, device=self.device)  # blocks [0, n), rows in order
         fields = []
-        for hot, cold in zip(self.hot_layers, coder, strict=True):
-            k, v = hot.gather(hot_ids)  # [n, bs, H_kv, D] compute dtype
+        for (k, v), cold in zip(kv, coder, strict=True):
             for block_id in coder_ids:
                 cold.on_block_freed(block_id)  # a block codec encodes each block anew as it fills
             cold.write(coder_slots, k.flatten(0, 1), v.flatten(0, 1))
@@ -183,43 +214,61 @@ class ColdArea:
 
     def promote(self, chunk_hash: bytes, hot_block_ids: list[int]) -> object:
         """Decode the chunk into the caller-allocated hot blocks `hot_block_ids` (as many as it was
-        demoted from), rows in order so that a block codec closes each block as it fills; forget
-        it and return its meta. KeyError if it is not held."""
-        chunk = self._chunks.pop(chunk_hash)
-        assert len(hot_block_ids) == chunk.num_blocks, (
-            f"promotion of a {chunk.num_blocks}-block chunk into {len(hot_block_ids)} blocks"
+        demoted from): `write_hot` of `take`. Returns its meta; KeyError if it is not held."""
+        kv, meta = self.take(chunk_hash)
+        self.write_hot(kv, hot_block_ids)
+        return meta
+
+    def take(self, chunk_hash: bytes) -> tuple[list[tuple[torch.Tensor, torch.Tensor]], object]:
+        """Forget the chunk and return its decoded K/V per layer ([n, block_size, H_kv, D], compute
+        dtype) and its meta. Touches no hot storage: the tiers' loader thread decodes while the
+        engine runs. KeyError if it is not held."""
+        with self._lock:
+            chunk = self._chunks.pop(chunk_hash)
+            self.used_blocks -= chunk.num_blocks
+            self.promotions += 1
+            coder = self._decoder_for(chunk.num_blocks)
+            coder_ids = list(range(chunk.num_blocks))
+            coder_index = torch.tensor(coder_ids, dtype=torch.int64, device=self.device)
+            kv = []
+            for cold, fields in zip(coder, chunk.fields, strict=True):
+                cold.import_blocks(coder_ids, {name: t.to(self.device) for name, t in fields.items()})
+                kv.append(cold.gather(coder_index))  # copies: the decoder is reused
+            return kv, chunk.meta
+
+    def write_hot(self, kv: list[tuple[torch.Tensor, torch.Tensor]], hot_block_ids: list[int]) -> None:
+        """Write decoded K/V into hot blocks, rows in order (a block codec closes each block as it
+        fills). The engine's thread: hot storage keeps side state."""
+        num_blocks = kv[0][0].shape[0]
+        assert len(hot_block_ids) == num_blocks, (
+            f"promotion of a {num_blocks}-block chunk into {len(hot_block_ids)} blocks"
         )
-        self.used_blocks -= chunk.num_blocks
-        coder = self._coder_for(chunk.num_blocks)
-        coder_ids = list(range(chunk.num_blocks))
-        coder_index = torch.tensor(coder_ids, dtype=torch.int64, device=self.device)
-        positions = torch.arange(chunk.num_blocks * self.block_size, device=self.device)
+        positions = torch.arange(num_blocks * self.block_size, device=self.device)
         hot_slots = slot_mapping(torch.tensor(hot_block_ids, device=self.device), positions, self.block_size)
-        for hot, cold, fields in zip(self.hot_layers, coder, chunk.fields, strict=True):
-            cold.import_blocks(coder_ids, {name: t.to(self.device) for name, t in fields.items()})
-            k, v = cold.gather(coder_index)  # [n, bs, H_kv, D] compute dtype
+        for hot, (k, v) in zip(self.hot_layers, kv, strict=True):
             hot.write(hot_slots, k.flatten(0, 1), v.flatten(0, 1))
-        self.promotions += 1
-        return chunk.meta
 
     def discard(self, chunk_hash: bytes) -> bool:
         """Forget the chunk; True if it was held."""
-        chunk = self._chunks.pop(chunk_hash, None)
-        if chunk is None:
-            return False
-        self.used_blocks -= chunk.num_blocks
-        self.discards += 1
-        return True
+        with self._lock:
+            chunk = self._chunks.pop(chunk_hash, None)
+            if chunk is None:
+                return False
+            self.used_blocks -= chunk.num_blocks
+            self.discards += 1
+            return True
 
     def stats(self) -> ColdAreaStats:
         block_size = self.block_size
+        with self._lock:
+            num_chunks, used_blocks = len(self._chunks), self.used_blocks
         return ColdAreaStats(
             codec=self.codec,
-            num_chunks=len(self._chunks),
-            used_bytes=self.used_blocks * self.cold_bytes_per_block,
+            num_chunks=num_chunks,
+            used_bytes=used_blocks * self.cold_bytes_per_block,
             max_bytes=self.max_bytes,
             num_blocks=self.num_blocks,
-            num_free_blocks=self.num_blocks - self.used_blocks,
+            num_free_blocks=self.num_blocks - used_blocks,
             demotions=self.demotions,
             promotions=self.promotions,
             evictions=self.evictions,
@@ -233,18 +282,19 @@ class ColdArea:
     def check_integrity(self) -> None:
         """Block accounting matches the chunks held, and each chunk holds every layer's packed
         tensors, shaped and typed as the coder's block fields, on storage_device."""
-        held = sum(chunk.num_blocks for chunk in self._chunks.values())
-        assert held == self.used_blocks, f"{held} blocks held, {self.used_blocks} accounted"
-        assert 0 <= self.used_blocks <= self.num_blocks, f"{self.used_blocks} of {self.num_blocks} blocks"
-        for chunk_hash, chunk in self._chunks.items():
-            assert len(chunk.fields) == len(self.coder), f"chunk {chunk_hash.hex()}: layers missing"
-            for idx, (layer, fields) in enumerate(zip(self.coder, chunk.fields, strict=True)):
-                want = {
-                    name: ((chunk.num_blocks, *shape), dtype)
-                    for name, (shape, dtype) in layer.block_fields().items()
-                }
-                got = {name: (tuple(t.shape), t.dtype) for name, t in fields.items()}
-                assert got == want, f"chunk {chunk_hash.hex()} layer {idx}: fields {got}, want {want}"
-                assert all(t.device == self.storage_device for t in fields.values()), (
-                    f"chunk {chunk_hash.hex()} layer {idx}: fields off {self.storage_device}"
-                )
+        with self._lock:
+            held = sum(chunk.num_blocks for chunk in self._chunks.values())
+            assert held == self.used_blocks, f"{held} blocks held, {self.used_blocks} accounted"
+            assert 0 <= self.used_blocks <= self.num_blocks, f"{self.used_blocks} of {self.num_blocks} blocks"
+            for chunk_hash, chunk in self._chunks.items():
+                assert len(chunk.fields) == len(self.coder), f"chunk {chunk_hash.hex()}: layers missing"
+                for idx, (layer, fields) in enumerate(zip(self.coder, chunk.fields, strict=True)):
+                    want = {
+                        name: ((chunk.num_blocks, *shape), dtype)
+                        for name, (shape, dtype) in layer.block_fields().items()
+                    }
+                    got = {name: (tuple(t.shape), t.dtype) for name, t in fields.items()}
+                    assert got == want, f"chunk {chunk_hash.hex()} layer {idx}: fields {got}, want {want}"
+                    assert all(t.device == self.storage_device for t in fields.values()), (
+                        f"chunk {chunk_hash.hex()} layer {idx}: fields off {self.storage_device}"
+                    )

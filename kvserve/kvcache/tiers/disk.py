@@ -26,13 +26,17 @@ import time
 import uuid
 from collections import Counter, OrderedDict
 from dataclasses import dataclass, field
+from io import BufferedReader
 from pathlib import Path
+
+import numpy as np
 
 from kvserve.errors import ConfigError
 from kvserve.kvcache.tiers.entry import (
+    HEADER_BYTES,
     CorruptEntry,
     TierKey,
-    decode_entry,
+    decode_entry_view,
     encode_entry_parts,
     entry_bytes,
 )
@@ -40,6 +44,7 @@ from kvserve.kvcache.tiers.entry import (
 log = logging.getLogger("kvserve.tiers")
 
 ENTRY_SUFFIX = ".kv"
+PAYLOAD_ALIGN = 16
 TEMP_PREFIX = ".tmp-"
 _NAME_CHARS = frozenset("0123456789abcdef")
 
@@ -73,6 +78,17 @@ class DiskTierStats:
 def _is_entry_file(file_name: str) -> bool:
     stem = file_name[: -len(ENTRY_SUFFIX)]
     return file_name.endswith(ENTRY_SUFFIX) and len(stem) == 64 and set(stem) <= _NAME_CHARS
+
+
+def _read_aligned(f: BufferedReader) -> memoryview:
+    """The whole file, read into a buffer placed so that the entry's payload (after its
+    HEADER_BYTES header) starts 16-byte aligned."""
+    size = os.fstat(f.fileno()).st_size
+    buf = np.empty(size + PAYLOAD_ALIGN, dtype=np.uint8)
+    lead = -(buf.ctypes.data + HEADER_BYTES) % PAYLOAD_ALIGN
+    view = buf.data[lead : lead + size]
+    n = f.readinto(view)
+    return view[:n]
 
 
 def _pid_alive(pid: int) -> bool:
@@ -159,15 +175,17 @@ class DiskTier:
             return False
         return True
 
-    def get(self, key: TierKey, token_ids_hash: bytes) -> bytes | None:
+    def get(self, key: TierKey, token_ids_hash: bytes) -> memoryview | None:
         """The payload stored for (`key`, `token_ids_hash`), or None. A file that fails any check of
-        `decode_entry` is counted under its reason, removed, and None is returned."""
+        `decode_entry` is counted under its reason, removed, and None is returned. The payload is a
+        view into the buffer the file was read into, 16-byte aligned (chunk_payload.parse_chunk
+        then imports its fields without a copy)."""
         name = key.name
         path = self._path(name)
         start_s = time.perf_counter()
         try:
             with open(path, "rb") as f:
-                data = f.read()
+                data = _read_aligned(f)
                 inode = os.fstat(f.fileno()).st_ino
         except FileNotFoundError:
             with self._lock:
@@ -182,7 +200,7 @@ class DiskTier:
                 self._counts["misses"] += 1
             return None
         try:
-            payload = decode_entry(key, data, token_ids_hash)
+            payload = decode_entry_view(key, data, token_ids_hash)
         except CorruptEntry as e:
             self._drop_corrupt(path, inode, name, e)
             return None
@@ -228,6 +246,11 @@ class DiskTier:
         """Whether this instance's index holds `key` (no disk access; `get` may still miss)."""
         with self._lock:
             return key.name in self._lru
+
+    def may_hold(self, key: TierKey) -> bool:
+        """Whether `get` could find `key`: it is indexed, or a file of its name exists (another
+        process sharing the directory wrote it). One stat at most; `get` may still miss."""
+        return key in self or self._path(key.name).exists()
 
     def check_integrity(self) -> None:
         """Index == directory for a directory this instance alone writes: every indexed file

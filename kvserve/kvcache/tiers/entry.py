@@ -161,7 +161,15 @@ def encode_entry(key: TierKey, token_ids_hash: bytes, payload: bytes) -> bytes:
 
 
 def decode_entry(key: TierKey, data: bytes, token_ids_hash: bytes) -> bytes:
-    """The payload of `data` if it is an intact entry for exactly (`key`, `token_ids_hash`).
+    """`decode_entry_view`, copied into bytes of its own."""
+    return bytes(decode_entry_view(key, data, token_ids_hash))
+
+
+def decode_entry_view(
+    key: TierKey, data: bytes | bytearray | memoryview, token_ids_hash: bytes
+) -> memoryview:
+    """The payload of `data` if it is an intact entry for exactly (`key`, `token_ids_hash`): a view
+    into `data`, no copy.
 
     Checks, in order: length of the header, magic, format version, total length against the
     header's payload length, checksum, then the identity fields. Damage is therefore reported as
@@ -195,4 +203,4 @@ def decode_entry(key: TierKey, data: bytes, token_ids_hash: bytes) -> bytes:
         raise CorruptEntry(CorruptReason.CHUNK)
     if ids_hash != token_ids_hash:
         raise CorruptEntry(CorruptReason.TOKEN_IDS)
-    return bytes(view[HEADER_BYTES:end])
+    return view[HEADER_BYTES:end]

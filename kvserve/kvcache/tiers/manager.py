@@ -6,9 +6,12 @@ Where chunks go (engine thread, `ChunkStore.on_evict` and `on_register`):
   under `--kv-disk-write evicted`.
 - Registered (computed by a request): written to Redis, and to disk under `--kv-disk-write all`
   or when a warm computed it (warmed text is what a restart must find).
-Writes are exported on the engine thread (the blocks may be reused right after) and stored by the
-writer thread: Redis in one pipeline per batch, disk one atomic file each. A write queue over
-`MAX_PENDING_WRITE_BYTES` drops the write (counted): the engine never waits for a tier.
+The engine thread only copies (the blocks may be reused right after): a payload (`export_chunk`)
+for the writer thread, which stores Redis entries in one pipeline per batch and disk entries one
+atomic file each; a K/V snapshot for the demoter thread, which encodes it into the cold area (about
+30 ms a SmolLM2 chunk, turbo3, 2 cores: too slow for the step). A queue over its byte bound drops
+the item (counted): the engine never waits for a tier. A chunk whose demotion is still queued is
+not in the cold area yet: a lookup misses it and computes it.
 
 Where chunks come from (`lookup` for a waiting sequence, before it is admitted): the chunks after the
 longest run the hot store holds are looked for in order, stopping at the first miss. Cold chunks are
@@ -27,14 +30,16 @@ import logging
 import queue
 import threading
 import time
-from collections import deque
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from kvserve.kvcache.chunk_payload import ChunkPayloadError, export_chunk, import_chunk
+import torch
+
+from kvserve.kvcache.chunk_payload import ChunkLayout, ChunkPayloadError, export_chunk, parse_chunk
 from kvserve.kvcache.chunk_store import CachedChunk, ChunkStore
 from kvserve.kvcache.kv_storage import LayerKV
 from kvserve.kvcache.tiers.entry import TierKey
+from kvserve.kvcache.tiers.worker import BackgroundQueue
 
 if TYPE_CHECKING:  # redis is an optional dependency: imported where a Redis tier is configured
     from kvserve.kvcache.tiers.cold import ColdArea
@@ -44,7 +49,11 @@ if TYPE_CHECKING:  # redis is an optional dependency: imported where a Redis tie
 log = logging.getLogger("kvserve.tiers")
 
 MAX_PENDING_WRITE_BYTES = 512 * 1024 * 1024
+MAX_PENDING_DEMOTE_BYTES = 512 * 1024 * 1024
 WRITE_BATCH = 16  # entries per Redis pipeline
+
+_Write = tuple[TierKey, bytes, bytes, bool, bool]  # key, token-ids hash, payload, to disk, to Redis
+_Demotion = tuple[bytes, list[tuple[torch.Tensor, torch.Tensor]], object]  # hash, snapshot, meta
 
 
 @dataclass(frozen=True)
@@ -63,15 +72,27 @@ class LoadJob:
 
     owner: object
     items: list[LoadItem]
-    payloads: list[tuple[bytes, str]] = field(default_factory=list)  # (payload, tier) in order
+    broken: bool = False  # an item could not be imported: the ones after it are dropped
+
+
+@dataclass
+class _Loaded:
+    """One fetched chunk, ready to import on the engine's thread (`item` None: the job is over)."""
+
+    job: LoadJob
+    item: LoadItem | None = None
+    tier: str = ""
+    data: list = field(default_factory=list)  # per layer: cold (K, V) or a payload's fields
     seconds: float = 0.0
 
 
 @dataclass(frozen=True)
 class TierStats:
     """One tier's numbers: `hits` are lookups it answered, `loads` chunks it put back into the hot
-    pool, `fallbacks` lookups or writes it could not serve (down, no room, a payload that does not
-    fit): the chunk is computed instead."""
+    pool, `fallbacks` lookups it could not serve (down, unreadable, no room, a payload that does
+    not fit): the chunk is computed instead. `writes` are entries stored (the cold area: demotions);
+    `write_errors` writes that failed or were dropped (a full queue, an export error). The hot
+    row's `hits` are chunk reuses by requests."""
 
     tier: str
     bytes: int
@@ -103,29 +124,28 @@ class KVTiers:
         self.disk_write_all = disk_write_all
         self.bpc = store.blocks_per_chunk
         store.on_evict.append(self._on_evict)
-        self._loaded: dict[str, list[float]] = {"cold": [], "disk": [], "redis": []}  # seconds per load
-        self._load_max: dict[str, float] = dict.fromkeys(self._loaded, 0.0)
-        self._load_counts: dict[str, int] = dict.fromkeys(self._loaded, 0)
-        self.num_import_fallbacks = 0  # fetched but not imported: no room, parent gone, unfit payload
-        self.num_write_drops = 0
-        self._pending_write_bytes = 0
-        self._lock = threading.Lock()
+        tiers = ("cold", "disk", "redis")
+        self._load_seconds: dict[str, float] = dict.fromkeys(tiers, 0.0)
+        self._load_max: dict[str, float] = dict.fromkeys(tiers, 0.0)
+        self._load_counts: dict[str, int] = dict.fromkeys(tiers, 0)
+        self._unfit: dict[str, int] = dict.fromkeys(tiers, 0)  # fetched, not imported: no room, unfit
+        self._count_lock = threading.Lock()
+        self.layout = ChunkLayout(layers, self.bpc)
+        self.num_export_errors = 0
         self._jobs: queue.Queue[LoadJob | None] = queue.Queue()
-        self._done: queue.Queue[LoadJob] = queue.Queue()
-        self._writes: deque[tuple[TierKey, bytes, bytes, bool, bool]] = deque()
-        self._write_ready = threading.Condition(self._lock)
-        self._closed = False
-        self._threads: list[threading.Thread] = []
+        self._done: queue.Queue[_Loaded] = queue.Queue()
+        self._loader: threading.Thread | None = threading.Thread(
+            target=self._load_loop, name="kv-tier-loader", daemon=True
+        )
+        self._loader.start()
+        self._writer: BackgroundQueue[_Write] | None = None
+        self._demoter: BackgroundQueue[_Demotion] | None = None
         if disk is not None or redis is not None:
-            for target, name in ((self._load_loop, "kv-tier-loader"), (self._write_loop, "kv-tier-writer")):
-                thread = threading.Thread(target=target, name=name, daemon=True)
-                thread.start()
-                self._threads.append(thread)
-
-    @property
-    def remote(self) -> bool:
-        """Whether any tier is fetched by the loader thread."""
-        return self.disk is not None or self.redis is not None
+            self._writer = BackgroundQueue(
+                "kv-tier-writer", self._write_batch, MAX_PENDING_WRITE_BYTES, WRITE_BATCH
+            )
+        if cold is not None:
+            self._demoter = BackgroundQueue("kv-tier-demoter", self._demote_batch, MAX_PENDING_DEMOTE_BYTES)
 
     def key(self, prefix_hash: bytes) -> TierKey:
         fingerprint, codec, namespace = self.key_fields
@@ -142,45 +162,32 @@ class KVTiers:
     def _on_evict(self, chunk: CachedChunk) -> None:
         if chunk.token_hash is None or chunk.num_tokens != self.store.chunk_size:
             return  # tail pieces (content matches only) stay in the hot pool
-        if self.cold is not None:
+        if self._demoter is not None and self.cold is not None:
+            # the copy is taken now (the blocks are freed next); the encoding runs on the demoter
             meta = LoadItem(chunk.prefix_hash, chunk.parent, chunk.depth, chunk.token_hash)
-            self.cold.demote(chunk.prefix_hash, chunk.block_ids, meta)
+            kv = self.cold.snapshot(chunk.block_ids)
+            nbytes = sum(k.nbytes + v.nbytes for k, v in kv)
+            self._demoter.put((chunk.prefix_hash, kv, meta), nbytes)
         if self.disk is not None and not self.disk_write_all and chunk.exact:
             self._queue_write(chunk, True, False)
 
+    def _demote_batch(self, batch: list[_Demotion]) -> None:
+        assert self.cold is not None
+        for chunk_hash, kv, meta in batch:
+            self.cold.demote_kv(chunk_hash, kv, meta)
+
     def _queue_write(self, chunk: CachedChunk, to_disk: bool, to_redis: bool) -> None:
-        assert chunk.token_hash is not None
+        assert chunk.token_hash is not None and self._writer is not None
         try:
-            payload = export_chunk(self.layers, chunk.block_ids)
+            payload = export_chunk(self.layers, chunk.block_ids, self.layout)
         except Exception:  # a storage that cannot export: the tier only loses this chunk
             log.exception("exporting chunk %s for the KV tiers failed", chunk.prefix_hash.hex()[:12])
-            self.num_write_drops += 1
+            self.num_export_errors += 1
             return
-        with self._lock:
-            if self._pending_write_bytes + len(payload) > MAX_PENDING_WRITE_BYTES:
-                self.num_write_drops += 1
-                return
-            self._pending_write_bytes += len(payload)
-            self._writes.append((self.key(chunk.prefix_hash), chunk.token_hash, payload, to_disk, to_redis))
-            self._write_ready.notify()
+        write = (self.key(chunk.prefix_hash), chunk.token_hash, payload, to_disk, to_redis)
+        self._writer.put(write, len(payload))
 
-    def _write_loop(self) -> None:
-        while True:
-            with self._lock:
-                while not self._writes and not self._closed:
-                    self._write_ready.wait()
-                if self._closed and not self._writes:
-                    return
-                batch = [self._writes.popleft() for _ in range(min(WRITE_BATCH, len(self._writes)))]
-            try:
-                self._write_batch(batch)
-            except Exception:  # a tier bug must not end the writer: these writes are lost
-                log.exception("writing %d chunks to the KV tiers failed", len(batch))
-            with self._lock:
-                self._pending_write_bytes -= sum(len(item[2]) for item in batch)
-                self._write_ready.notify_all()
-
-    def _write_batch(self, batch: list[tuple[TierKey, bytes, bytes, bool, bool]]) -> None:
+    def _write_batch(self, batch: list[_Write]) -> None:
         if self.disk is not None:
             for key, token_hash, payload, to_disk, _ in batch:
                 if to_disk:
@@ -193,54 +200,117 @@ class KVTiers:
                 self.redis.put_many(items)
 
     def flush(self, timeout_s: float = 30.0) -> bool:
-        """Wait until every queued write is stored (tests, benchmarks, shutdown); False on timeout."""
-        deadline = time.monotonic() + timeout_s
-        with self._lock:
-            while self._writes or self._pending_write_bytes:
-                left = deadline - time.monotonic()
-                if left <= 0 or not self._threads:
-                    return False
-                self._write_ready.wait(left)
-        return True
+        """Wait until every queued write and demotion is done (tests, benchmarks, shutdown); False
+        on timeout."""
+        return all(q.flush(timeout_s) for q in (self._writer, self._demoter) if q is not None)
 
     # --- loads -----------------------------------------------------------------------------------------
-    def lookup(self, owner: object, items: list[LoadItem]) -> LoadJob | None:
-        """The chunks after the hot store's run, in order (`items[0]`'s parent is cached or None):
-        promote those in the cold area now, hand the rest to the loader. Returns the job the owner
-        waits for (None: nothing to wait for)."""
-        num = self._promote(items)
-        rest = items[num:]
-        if not rest or not self.remote:
+    def lookup(self, owner: object, items: list[LoadItem], now: bool = False) -> LoadJob | None:
+        """Load the chunks after the hot store's run (in order; `items[0]`'s parent is cached or
+        None), each from the first tier holding it, up to the first that none holds. By the loader
+        thread: returns the job the owner waits for. With `now` (the engine has nothing else to
+        run), on this thread, before returning None: threads would only contend for the cores.
+        None also when the first chunk is certainly in no tier (the cold area and the disk index
+        are known here; Redis is always asked)."""
+        first = items[0].prefix_hash if items else None
+        if first is None or not (
+            self.redis is not None
+            or (self.cold is not None and first in self.cold)
+            or (self.disk is not None and self.disk.may_hold(self.key(first)))
+        ):
             return None
-        if self.redis is None and self.disk is not None and self.key(rest[0].prefix_hash) not in self.disk:
-            return None  # the disk index is in memory: no thread round trip for a certain miss
-        job = LoadJob(owner, rest)
+        job = LoadJob(owner, items)
+        if now:
+            for item in items:
+                start = time.perf_counter()
+                found = self._fetch_one(item)
+                if found is None or job.broken:
+                    break
+                self._import(_Loaded(job, item, found[0], found[1], time.perf_counter() - start))
+            return None
         self._jobs.put(job)
         return job
 
-    def _promote(self, items: list[LoadItem]) -> int:
-        if self.cold is None:
-            return 0
-        held: list[bytes] = []
+    def _load_loop(self) -> None:
+        while True:
+            job = self._jobs.get()
+            if job is None:
+                return
+            try:
+                self._fetch(job)
+            except Exception:  # a tier bug: the sequence computes what was not fetched
+                log.exception("loading %d chunks from the KV tiers failed", len(job.items))
+            self._done.put(_Loaded(job))
+
+    def _fetch(self, job: LoadJob) -> None:
+        """Each item from the first tier that holds it, decoded or parsed here (off the engine's
+        thread), handed over one by one so the engine imports while the next is fetched."""
+        for item in job.items:
+            start = time.perf_counter()
+            found = self._fetch_one(item)
+            if found is None:
+                return
+            tier, data = found
+            self._done.put(_Loaded(job, item, tier, data, time.perf_counter() - start))
+
+    def _fetch_one(self, item: LoadItem) -> tuple[str, list] | None:
+        if self.cold is not None:
+            try:
+                kv, _ = self.cold.take(item.prefix_hash)
+                return "cold", kv
+            except KeyError:
+                pass
+        key = self.key(item.prefix_hash)
+        for tier, store in (("disk", self.disk), ("redis", self.redis)):
+            payload = store.get(key, item.token_hash) if store is not None else None
+            if payload is None:
+                continue
+            try:
+                return tier, parse_chunk(self.layout, payload)
+            except ChunkPayloadError as e:  # intact entry, other layout: the checksum passed
+                log.warning("a %s entry does not fit this pool (%s): recomputing the chunk", tier, e)
+                self._count_unfit(tier)
+        return None
+
+    def poll(self, wait_s: float = 0.0) -> list[LoadJob]:
+        """Import the chunks fetched so far into the hot pool (engine thread); waits up to `wait_s`
+        for the first. Returns the jobs that ended: their owners may be admitted now."""
+        ended: list[LoadJob] = []
         try:
-            for item in items:
-                # making room may demote other chunks into the cold area and push this one out
-                if (
-                    item.prefix_hash not in self.cold
-                    or not self._room(item.parent)
-                    or item.prefix_hash not in self.cold
-                ):
-                    break
-                start = time.perf_counter()
-                blocks = self.pool.allocate(self.bpc)
-                self.cold.promote(item.prefix_hash, blocks)
-                self._insert(item, blocks, exact=False)
-                held.append(item.prefix_hash)
-                self._record_load("cold", time.perf_counter() - start)
-        finally:
-            for h in held:
-                self.store.release(h)
-        return len(held)
+            loaded = self._done.get(timeout=wait_s) if wait_s > 0 else self._done.get_nowait()
+            while True:
+                if loaded.item is None:
+                    ended.append(loaded.job)
+                elif not loaded.job.broken:
+                    self._import(loaded)
+                loaded = self._done.get_nowait()
+        except queue.Empty:
+            pass
+        return ended
+
+    def _import(self, loaded: _Loaded) -> None:
+        item = loaded.item
+        assert item is not None
+        if item.prefix_hash in self.store:  # computed meanwhile
+            return
+        if not self._room(item.parent):
+            loaded.job.broken = True
+            self._count_unfit(loaded.tier)
+            return
+        start = time.perf_counter()
+        blocks = self.pool.allocate(self.bpc)
+        if loaded.tier == "cold":
+            assert self.cold is not None
+            self.cold.write_hot(loaded.data, blocks)
+        else:
+            for layer, fields in zip(self.layers, loaded.data, strict=True):
+                layer.import_blocks(blocks, fields)
+        chunk = self.store.insert(item.prefix_hash, blocks, item.depth, item.parent)
+        self.pool.release(blocks)  # the store's ref remains
+        self.store.release(item.prefix_hash)  # no user: evictable like any cached chunk
+        chunk.token_hash = item.token_hash
+        chunk.exact = chunk.exact and loaded.tier != "cold"
+        self._record_load(loaded.tier, loaded.seconds + time.perf_counter() - start)
 
     def _room(self, parent: bytes | None) -> bool:
         """Whether a chunk under `parent` can be inserted now: the parent is cached and a chunk's
@@ -253,88 +323,14 @@ class KVTiers:
             return False
         return self.pool.num_free_blocks >= self.bpc
 
-    def _insert(self, item: LoadItem, blocks: list[int], exact: bool) -> None:
-        """Register loaded blocks as a cached chunk, held (a user) until the caller releases it."""
-        chunk = self.store.insert(item.prefix_hash, blocks, item.depth, item.parent)
-        self.pool.release(blocks)  # the store's ref remains
-        chunk.token_hash = item.token_hash
-        chunk.exact = chunk.exact and exact
-
-    def pending(self) -> bool:
-        return not self._jobs.empty() or not self._done.empty()
-
-    def poll(self, wait_s: float = 0.0) -> list[LoadJob]:
-        """Import the finished loads into the hot pool (engine thread); waits up to `wait_s` for the
-        first. Returns the finished jobs: their owners may be admitted now."""
-        jobs: list[LoadJob] = []
-        try:
-            jobs.append(self._done.get(timeout=wait_s) if wait_s > 0 else self._done.get_nowait())
-            while True:
-                jobs.append(self._done.get_nowait())
-        except queue.Empty:
-            pass
-        for job in jobs:
-            self._import(job)
-        return jobs
-
-    def _import(self, job: LoadJob) -> None:
-        held: list[bytes] = []
-        try:
-            for item, (payload, tier) in zip(job.items, job.payloads, strict=False):
-                if item.prefix_hash in self.store:  # computed meanwhile
-                    continue
-                if not self._room(item.parent):
-                    self.num_import_fallbacks += 1
-                    break
-                blocks = self.pool.allocate(self.bpc)
-                try:
-                    import_chunk(self.layers, blocks, payload)
-                except ChunkPayloadError as e:  # checked before anything was written
-                    log.warning("a %s entry does not fit this pool (%s): recomputing it", tier, e)
-                    self.pool.release(blocks)
-                    self.num_import_fallbacks += 1
-                    break
-                self._insert(item, blocks, exact=True)
-                held.append(item.prefix_hash)
-                self._record_load(tier, job.seconds / max(len(job.payloads), 1))
-        finally:
-            for h in held:
-                self.store.release(h)
+    def _count_unfit(self, tier: str) -> None:
+        with self._count_lock:
+            self._unfit[tier] += 1
 
     def _record_load(self, tier: str, seconds: float) -> None:
         self._load_counts[tier] += 1
         self._load_max[tier] = max(self._load_max[tier], seconds)
-        self._loaded[tier].append(seconds)
-        if len(self._loaded[tier]) > 1024:  # keep the sum exact, the list short
-            total = sum(self._loaded[tier])
-            self._loaded[tier] = [total]
-
-    def _load_loop(self) -> None:
-        while True:
-            job = self._jobs.get()
-            if job is None:
-                return
-            start = time.perf_counter()
-            try:
-                self._fetch(job)
-            except Exception:  # a tier bug: the sequence computes what was not fetched
-                log.exception("loading %d chunks from the KV tiers failed", len(job.items))
-            job.seconds = time.perf_counter() - start
-            self._done.put(job)
-
-    def _fetch(self, job: LoadJob) -> None:
-        for item in job.items:
-            key = self.key(item.prefix_hash)
-            found: tuple[bytes, str] | None = None
-            if self.disk is not None:
-                payload = self.disk.get(key, item.token_hash)
-                found = (payload, "disk") if payload is not None else None
-            if found is None and self.redis is not None:
-                payload = self.redis.get(key, item.token_hash)
-                found = (payload, "redis") if payload is not None else None
-            if found is None:
-                return
-            job.payloads.append(found)
+        self._load_seconds[tier] += seconds
 
     # --- idle demotion ------------------------------------------------------------------------------
     def demote_idle(self, unused_since: float) -> int:
@@ -344,59 +340,45 @@ class KVTiers:
     # --- facts ---------------------------------------------------------------------------------------
     def stats(self) -> list[TierStats]:
         rows: list[TierStats] = []
+        with self._count_lock:
+            unfit = dict(self._unfit)
         if self.cold is not None:
             c = self.cold.stats()
-            rows.append(self._row("cold", c.used_bytes, c.num_chunks, c.promotions, 0, 0, c.demotions, 0))
-        if self.disk is not None:
-            d = self.disk.stats()
-            corrupt = sum(d.corruptions.values())
-            fallbacks = d.read_errors + self.num_import_fallbacks
+            dropped = self._demoter.num_dropped if self._demoter is not None else 0
             rows.append(
                 self._row(
-                    "disk",
-                    d.stored_bytes,
-                    d.num_entries,
-                    d.hits,
-                    corrupt,
-                    fallbacks,
-                    d.writes,
-                    d.write_errors,
+                    "cold", c.used_bytes, c.num_chunks, c.promotions, 0, unfit["cold"], c.demotions, dropped
                 )
+            )
+        write_drops = self.num_export_errors + (self._writer.num_dropped if self._writer is not None else 0)
+        if self.disk is not None:
+            d = self.disk.stats()
+            fallbacks = d.read_errors + unfit["disk"]
+            corrupt = sum(d.corruptions.values())
+            errors = d.write_errors + write_drops
+            rows.append(
+                self._row("disk", d.stored_bytes, d.num_entries, d.hits, corrupt, fallbacks, d.writes, errors)
             )
         if self.redis is not None:
             r = self.redis.stats()
-            rows.append(
-                self._row(
-                    "redis",
-                    r.stored_bytes or 0,
-                    r.num_entries or 0,
-                    r.hits,
-                    sum(r.corruptions.values()),
-                    r.fallbacks,
-                    r.writes,
-                    r.write_errors,
-                )
-            )
+            fallbacks = r.fallbacks + unfit["redis"]
+            corrupt = sum(r.corruptions.values())
+            errors = r.write_errors + write_drops
+            nbytes, entries = r.stored_bytes or 0, r.num_entries or 0
+            rows.append(self._row("redis", nbytes, entries, r.hits, corrupt, fallbacks, r.writes, errors))
         return rows
 
-    def _row(
-        self,
-        tier: str,
-        nbytes: int,
-        chunks: int,
-        hits: int,
-        corruptions: int,
-        fallbacks: int,
-        writes: int,
-        write_errors: int,
-    ) -> TierStats:
+    def _row(self, tier: str, *numbers: int) -> TierStats:
+        """A TierStats of (bytes, chunks, hits, corruptions, fallbacks, writes, write errors) and this
+        tier's load counters."""
+        nbytes, chunks, hits, corruptions, fallbacks, writes, write_errors = numbers
         return TierStats(
             tier,
             nbytes,
             chunks,
             hits,
             self._load_counts[tier],
-            sum(self._loaded[tier]),
+            self._load_seconds[tier],
             self._load_max[tier],
             corruptions,
             fallbacks,
@@ -405,14 +387,13 @@ class KVTiers:
         )
 
     def close(self) -> None:
-        """Store the queued writes, stop the threads."""
-        self.flush(timeout_s=10.0)
-        with self._lock:
-            self._closed = True
-            self._write_ready.notify_all()
-        self._jobs.put(None)
-        for thread in self._threads:
-            thread.join(timeout=10.0)
-        self._threads = []
+        """Finish the queued writes and demotions, stop the threads."""
+        for q in (self._writer, self._demoter):
+            if q is not None:
+                q.close()
+        if self._loader is not None:
+            self._jobs.put(None)
+            self._loader.join(timeout=10.0)
+            self._loader = None
         if self.redis is not None:
             self.redis.close()
