@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import shutil
 import statistics
 import sys
@@ -136,6 +137,11 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     return {"ttft_s": rows, "cold": cold}
 
 
+def rss_bytes() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
 def cold_tier(
     args: argparse.Namespace, prefix: list[int], questions: list[list[int]]
 ) -> tuple[list[float], dict[str, Any]]:
@@ -143,33 +149,59 @@ def cold_tier(
     tiers = llm.engine.tiers
     assert tiers is not None and tiers.tiers.cold is not None
     times = []
-    for q in questions[1:]:
+    memory: dict[str, int] = {}
+    for i, q in enumerate(questions[1:]):
         llm.warm(prefix, pin=False)
-        tiers.tiers.demote_idle(time.monotonic() + 1)
+        if i == 0:  # what demotion frees: the pool's blocks; what it costs: the cold area's bytes
+            memory = {"free_blocks_before": llm.engine.pool.num_free_blocks, "rss_before": rss_bytes()}
+        demoted = tiers.tiers.demote_idle(time.monotonic() + 1)
         tiers.tiers.flush()
+        if i == 0:
+            memory.update(
+                demoted_chunks=demoted,
+                free_blocks_after=llm.engine.pool.num_free_blocks,
+                rss_after=rss_bytes(),
+                cold_used_bytes=tiers.tiers.cold.stats().used_bytes,
+                block_bytes=int(llm.engine.info.bytes_per_token * llm.engine.info.block_size),
+            )
         times.append(ttft(llm, prefix + q))
     stats = tiers.tiers.cold.stats()
-    agree_same, agree_prefix, agree_first = [], [], []
-    params = SamplingParams(max_tokens=32, temperature=0, ignore_eos=True)
-    for i in range(args.agree_prompts):
-        prompt = prefix + text_ids(llm, QUESTION_TOKENS, seed=500 + i)
-        llm.warm(prefix, pin=False)
-        hot = llm.generate([prompt], params)[0].token_ids
-        tiers.tiers.demote_idle(time.monotonic() + 1)
-        tiers.tiers.flush()
-        promoted = llm.generate([prompt], params)[0].token_ids
-        agree_same.append(hot == promoted)
-        agree_first.append(hot[0] == promoted[0])
-        equal = next((j for j, (a, b) in enumerate(zip(hot, promoted, strict=True)) if a != b), len(hot))
-        agree_prefix.append(equal / len(hot))
+    del llm
     return times, {
         "codec": stats.codec,
         "tokens_per_byte_ratio": stats.tokens_per_byte_ratio,
         "cold_bytes_per_token": stats.cold_bytes_per_token,
-        "identical_continuations": sum(agree_same) / len(agree_same),
-        "first_token_agreement": sum(agree_first) / len(agree_first),
-        "mean_equal_share_before_first_difference": statistics.mean(agree_prefix),
-        "num_prompts": len(agree_same),
+        "memory": memory,
+        **agreement(args, prefix),
+    }
+
+
+def agreement(args: argparse.Namespace, prefix: list[int]) -> dict[str, Any]:
+    """Greedy continuations from exact KV (an engine without a cold area) and after the prefix was
+    demoted once and promoted (a fresh engine per prompt: a promoted chunk demoted again would be
+    encoded twice)."""
+    params = SamplingParams(max_tokens=32, temperature=0, ignore_eos=True)
+    hot_engine = LLM(model=MODEL)
+    same, first, equal_share = [], [], []
+    for i in range(args.agree_prompts):
+        prompt = prefix + text_ids(hot_engine, QUESTION_TOKENS, seed=500 + i)
+        hot = hot_engine.generate([prompt], params)[0].token_ids
+        llm = LLM(model=MODEL, kv_cold_bytes=args.cold_bytes)
+        assert llm.engine.tiers is not None
+        llm.warm(prefix, pin=False)
+        llm.engine.tiers.tiers.demote_idle(time.monotonic() + 1)
+        llm.engine.tiers.tiers.flush()
+        promoted = llm.generate([prompt], params)[0].token_ids
+        assert next(t.loads for t in llm.engine.stats().tiers if t.tier == "cold") == len(prefix) // 128
+        same.append(hot == promoted)
+        first.append(hot[0] == promoted[0])
+        equal = next((j for j, (a, b) in enumerate(zip(hot, promoted, strict=True)) if a != b), len(hot))
+        equal_share.append(equal / len(hot))
+    return {
+        "identical_continuations": sum(same) / len(same),
+        "first_token_agreement": sum(first) / len(first),
+        "mean_equal_share_before_first_difference": statistics.mean(equal_share),
+        "num_prompts": len(same),
     }
 
 
@@ -191,6 +223,7 @@ def report(result: dict[str, Any], args: argparse.Namespace) -> list[str]:
         med = statistics.median(values)
         lines.append(f"| {name} | {med * 1e3:.1f} | {med / ram:.2f} |")
     cold = result["cold"]
+    mem = cold["memory"]
     lines += [
         "",
         f"Cold tier ({cold['codec']}): {cold['cold_bytes_per_token']:.0f} bytes per token against the hot "
@@ -200,6 +233,13 @@ def report(result: dict[str, Any], args: argparse.Namespace) -> list[str]:
         f"32-token continuations are identical for {cold['identical_continuations'] * 100:.0f} %, and on "
         f"average {cold['mean_equal_share_before_first_difference'] * 100:.0f} % of their tokens come before "
         "the first difference.",
+        "",
+        f"Demoting {mem['demoted_chunks']} idle chunks (the prefix and the warm-up request's) freed "
+        f"{mem['free_blocks_after'] - mem['free_blocks_before']} blocks, "
+        f"{(mem['free_blocks_after'] - mem['free_blocks_before']) * mem['block_bytes'] / 1e6:.1f} MB of the hot "
+        f"pool, for other work; the cold area grew by {mem['cold_used_bytes'] / 1e6:.1f} MB and the "
+        f"process's resident memory by {(mem['rss_after'] - mem['rss_before']) / 1e6:.1f} MB (the hot pool is "
+        "allocated once, so its freed blocks are reused, not returned to the OS).",
         "",
         "![TTFT by tier](img/tiers_ttft.png)",
         "",
