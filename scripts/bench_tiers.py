@@ -93,7 +93,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     rows: dict[str, list[float]] = {}
 
     rows["compute"] = [ttft(probe, prefix + q) for q in questions[1:]]
-    del probe
+    del probe  # no tier: nothing holds it
 
     ram = build(n)
     ram.warm(prefix)
@@ -166,7 +166,7 @@ def cold_tier(
             )
         times.append(ttft(llm, prefix + q))
     stats = tiers.tiers.cold.stats()
-    del llm
+    llm.engine.close()  # its tier threads hold the engine (and its pool) until closed
     return times, {
         "codec": stats.codec,
         "tokens_per_byte_ratio": stats.tokens_per_byte_ratio,
@@ -192,7 +192,8 @@ def agreement(args: argparse.Namespace, prefix: list[int]) -> dict[str, Any]:
         llm.engine.tiers.tiers.demote_idle(time.monotonic() + 1)
         llm.engine.tiers.tiers.flush()
         promoted = llm.generate([prompt], params)[0].token_ids
-        assert next(t.loads for t in llm.engine.stats().tiers if t.tier == "cold") == len(prefix) // 128
+        assert loads(llm, "cold") == len(prefix) // 128
+        llm.engine.close()
         same.append(hot == promoted)
         first.append(hot[0] == promoted[0])
         equal = next((j for j, (a, b) in enumerate(zip(hot, promoted, strict=True)) if a != b), len(hot))

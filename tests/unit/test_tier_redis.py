@@ -78,6 +78,24 @@ def test_round_trip_miss_and_stats(tier: RedisTier):
     assert 0 < s.mean_load_s <= s.load_seconds_max and s.corruptions == {}
 
 
+def test_large_values_and_another_db_through_the_raw_reader(redis_server: RedisServer):
+    """GETs read replies straight from a connection of their own (RedisTier._get_raw): it selects
+    the URL's db like the client's, and multi-megabyte values arrive whole, their payload aligned."""
+    tier = RedisTier(redis_server.url.rsplit("/", 1)[0] + "/3")
+    other_db = redis.Redis.from_url(redis_server.url.rsplit("/", 1)[0] + "/3")
+    try:
+        big = payload_of(7, size=3_000_017)
+        assert tier.put(make_key(7), ids_hash(7), big)
+        assert other_db.exists(redis_key(make_key(7))) == 1  # written to db 3
+        got = tier.get(make_key(7), ids_hash(7))
+        assert got is not None and bytes(got) == big
+        assert tier.get(make_key(8), ids_hash(8)) is None  # nil
+        assert tier.get(make_key(7), ids_hash(7)) == big  # the connection is reused
+        other_db.flushdb()
+    finally:
+        tier.close()
+
+
 def test_stored_value_is_exactly_the_entry_format(tier: RedisTier, raw: redis.Redis):
     tier.put(make_key(3), ids_hash(3), payload_of(3, 70_000))
     stored = raw.get(redis_key(make_key(3)))

@@ -29,22 +29,19 @@ from dataclasses import dataclass, field
 from io import BufferedReader
 from pathlib import Path
 
-import numpy as np
-
 from kvserve.errors import ConfigError
 from kvserve.kvcache.tiers.entry import (
-    HEADER_BYTES,
     CorruptEntry,
     TierKey,
     decode_entry_view,
     encode_entry_parts,
+    entry_buffer,
     entry_bytes,
 )
 
 log = logging.getLogger("kvserve.tiers")
 
 ENTRY_SUFFIX = ".kv"
-PAYLOAD_ALIGN = 16
 TEMP_PREFIX = ".tmp-"
 _NAME_CHARS = frozenset("0123456789abcdef")
 
@@ -81,14 +78,9 @@ def _is_entry_file(file_name: str) -> bool:
 
 
 def _read_aligned(f: BufferedReader) -> memoryview:
-    """The whole file, read into a buffer placed so that the entry's payload (after its
-    HEADER_BYTES header) starts 16-byte aligned."""
-    size = os.fstat(f.fileno()).st_size
-    buf = np.empty(size + PAYLOAD_ALIGN, dtype=np.uint8)
-    lead = -(buf.ctypes.data + HEADER_BYTES) % PAYLOAD_ALIGN
-    view = buf.data[lead : lead + size]
-    n = f.readinto(view)
-    return view[:n]
+    """The whole file, in an `entry_buffer` (its payload aligned)."""
+    view = entry_buffer(os.fstat(f.fileno()).st_size)
+    return view[: f.readinto(view)]
 
 
 def _pid_alive(pid: int) -> bool:

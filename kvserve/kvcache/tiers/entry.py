@@ -35,6 +35,7 @@ from dataclasses import dataclass
 from enum import Enum
 from functools import cached_property
 
+import numpy as np
 import xxhash
 
 MAGIC = b"KVSTIER\0"
@@ -128,6 +129,18 @@ def token_ids_hash(token_ids: Sequence[int]) -> bytes:
     if struct.pack("=i", 1) != struct.pack("<i", 1):  # pragma: no cover - big-endian hosts
         ids.byteswap()
     return hashlib.sha256(ids.tobytes()).digest()
+
+
+PAYLOAD_ALIGN = 16
+
+
+def entry_buffer(size: int) -> memoryview:
+    """A writable buffer of `size` bytes to read an entry into, placed so that the entry's payload
+    (after its HEADER_BYTES header) starts PAYLOAD_ALIGN-byte aligned: chunk_payload.parse_chunk
+    then imports the payload's fields without a copy."""
+    buf = np.empty(size + PAYLOAD_ALIGN, dtype=np.uint8)
+    lead = -(buf.ctypes.data + HEADER_BYTES) % PAYLOAD_ALIGN
+    return buf.data[lead : lead + size]
 
 
 def entry_bytes(payload_bytes: int) -> int:

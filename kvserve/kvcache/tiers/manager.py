@@ -132,6 +132,7 @@ class KVTiers:
         self._count_lock = threading.Lock()
         self.layout = ChunkLayout(layers, self.bpc)
         self.num_export_errors = 0
+        self.closed = False  # after close(): no lookups, writes or demotions (the threads are gone)
         self._jobs: queue.Queue[LoadJob | None] = queue.Queue()
         self._done: queue.Queue[_Loaded] = queue.Queue()
         self._loader: threading.Thread | None = threading.Thread(
@@ -156,11 +157,11 @@ class KVTiers:
         """A full chunk a request computed was registered: write it through where configured."""
         to_disk = self.disk is not None and (self.disk_write_all or warm)
         to_redis = self.redis is not None
-        if chunk.exact and (to_disk or to_redis):
+        if chunk.exact and (to_disk or to_redis) and not self.closed:
             self._queue_write(chunk, to_disk, to_redis)
 
     def _on_evict(self, chunk: CachedChunk) -> None:
-        if chunk.token_hash is None or chunk.num_tokens != self.store.chunk_size:
+        if chunk.token_hash is None or chunk.num_tokens != self.store.chunk_size or self.closed:
             return  # tail pieces (content matches only) stay in the hot pool
         if self._demoter is not None and self.cold is not None:
             # the copy is taken now (the blocks are freed next); the encoding runs on the demoter
@@ -212,7 +213,7 @@ class KVTiers:
         run), on this thread, before returning None: threads would only contend for the cores.
         None also when the first chunk is certainly in no tier (the cold area and the disk index
         are known here; Redis is always asked)."""
-        first = items[0].prefix_hash if items else None
+        first = items[0].prefix_hash if items and not self.closed else None
         if first is None or not (
             self.redis is not None
             or (self.cold is not None and first in self.cold)
@@ -387,7 +388,9 @@ class KVTiers:
         )
 
     def close(self) -> None:
-        """Finish the queued writes and demotions, stop the threads."""
+        """Finish the queued writes and demotions, stop the threads. The engine keeps serving from
+        its pool alone."""
+        self.closed = True
         for q in (self._writer, self._demoter):
             if q is not None:
                 q.close()
