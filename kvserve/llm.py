@@ -37,6 +37,17 @@ class LLM:
         self.tokenizer = self.engine.tokenizer
         self._ids = itertools.count()
 
+    def close(self) -> None:
+        """Store the KV tiers' queued writes and stop their threads (which otherwise keep the engine
+        and its pool alive). The LLM still answers, from its pool alone."""
+        self.engine.close()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
     # --- prompts -----------------------------------------------------------------------------------
     def to_token_ids(self, prompt: PromptLike, add_generation_prompt: bool = True) -> list[int]:
         if isinstance(prompt, str):

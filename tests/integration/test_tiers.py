@@ -42,9 +42,8 @@ def reference() -> LLM:
 def test_restart_finds_chunks_written_through_and_answers_exactly(tmp_path, reference, codec):
     prompt = corpus_token_ids(reference, 5 * CHUNK + 9, seed=11)
     want_ids, want_logits = run(make(kv_cache_dtype=codec, enable_prefix_caching=False), prompt)
-    first = make(tmp_path, kv_disk_write="all", kv_cache_dtype=codec)
-    assert run(first, prompt)[0] == want_ids
-    first.engine.close()
+    with make(tmp_path, kv_disk_write="all", kv_cache_dtype=codec) as first:  # closes: writes stored
+        assert run(first, prompt)[0] == want_ids
     assert len(list(tmp_path.glob("*.kv"))) == 5
 
     second = make(tmp_path, kv_disk_write="all", kv_cache_dtype=codec)  # the restart
