@@ -105,12 +105,13 @@ class EngineStats:
     @classmethod
     def of(cls, engine: Engine) -> EngineStats:
         s, info, config = engine.scheduler, engine.info, engine.config
+        store = _store(engine)
         return cls(
             model=config.model,
             kv_codec=info.kv_codec,
             bytes_per_token=info.bytes_per_token,
             pool=_pool(engine),
-            store=_store(engine),
+            store=store,
             content_reuse=_content_reuse(engine),
             num_query_tokens=s.prefix.num_query_tokens,
             num_hit_tokens=s.prefix.num_hit_tokens,
@@ -120,16 +121,15 @@ class EngineStats:
             num_prompt_tokens_computed=s.num_prompt_tokens_computed,
             num_generated_tokens=engine.outputs.num_generated_tokens,
             num_steps=engine.num_steps,
-            tiers=_tiers(engine),
+            tiers=_tiers(engine, store),
         )
 
 
-def _tiers(engine: Engine) -> list[TierStats]:
+def _tiers(engine: Engine, store: StoreStats) -> list[TierStats]:
     if engine.tiers is None:
         return []
-    store = engine.store
-    cached_bytes = int(store.num_cached_blocks * engine.info.bytes_per_token * engine.info.block_size)
-    hot = TierStats("hot", cached_bytes, len(store), store.num_chunk_hits, 0, 0.0, 0.0, 0, 0, 0, 0)
+    hits = engine.store.num_chunk_hits
+    hot = TierStats("hot", store.cached_bytes, store.num_chunks, hits, 0, 0.0, 0.0, 0, 0, 0, 0)
     return [hot, *engine.tiers.tiers.stats()]
 
 

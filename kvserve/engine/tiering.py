@@ -2,7 +2,7 @@
 looking up each waiting sequence's chunks once before it is scheduled, importing finished loads,
 demoting idle chunks, and the registration hook that writes new chunks through.
 
-All of it runs on the engine's thread; only the tiers' loader and writer threads run beside it.
+All of it runs on the engine's thread; the tiers' loader, writer and demoter threads run beside it.
 """
 
 from __future__ import annotations
@@ -103,14 +103,8 @@ class EngineTiers:
         start = len(self.scheduler.store.match_prefix(hashes))
         if start == len(hashes):
             return
-        cs = self.chunk_size
         items = [
-            LoadItem(
-                hashes[i],
-                hashes[i - 1] if i else None,
-                i,
-                token_ids_hash(seq.token_ids[i * cs : (i + 1) * cs]),
-            )
+            LoadItem(hashes[i], hashes[i - 1] if i else None, i, self._token_hash(seq, i))
             for i in range(start, len(hashes))
         ]
         # nothing else to run: load on this thread (no hand-off, no contention for the cores)
@@ -120,6 +114,10 @@ class EngineTiers:
         seq.cache.tier_job = job
 
     def _on_insert(self, seq: Sequence, chunk: CachedChunk, index: int) -> None:
-        cs = self.chunk_size
-        chunk.token_hash = token_ids_hash(seq.token_ids[index * cs : (index + 1) * cs])
+        chunk.token_hash = self._token_hash(seq, index)
         self.tiers.on_register(chunk, warm=seq.request.warm_only)
+
+    def _token_hash(self, seq: Sequence, index: int) -> bytes:
+        """The token-ids hash of the sequence's chunk `index` (checked again when an entry is read)."""
+        cs = self.chunk_size
+        return token_ids_hash(seq.token_ids[index * cs : (index + 1) * cs])

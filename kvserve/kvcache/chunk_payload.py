@@ -136,12 +136,6 @@ def _header(formats: list[dict], num_blocks: int) -> bytes:
     return _PRELUDE.pack(MAGIC, VERSION, len(header_bytes)) + header_bytes
 
 
-def check_fits(layers: list[LayerKV], block_ids: list[int], payload: bytes) -> int:
-    """Raise ChunkPayloadError unless `payload` imports into `block_ids` of `layers`; returns the
-    offset of its body."""
-    return _check(ChunkLayout(layers, len(block_ids)), payload)
-
-
 def _check(layout: ChunkLayout, payload: bytes | memoryview) -> int:
     expected = layout.prelude_and_header
     if payload[: len(expected)] == expected and len(payload) == len(expected) + layout.body_len:

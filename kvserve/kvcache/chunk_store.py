@@ -219,7 +219,7 @@ class ChunkStore:
             idle = [h for h in self.policy.candidates() if self._chunks[h].last_used < unused_since]
             if not idle:
                 return num
-            for h in sorted(idle, key=lambda h: -self._chunks[h].depth):
+            for h in idle:  # leaves (evictable chunks have no children): any order
                 self.policy.remove(h)
                 self._evict(h)
                 num += 1

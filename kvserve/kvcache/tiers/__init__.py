@@ -1,6 +1,6 @@
-"""KV tiers below the in-process pool: one entry format (entry.py) and the stores that keep it.
-
-Built: the entry format and the disk tier (disk.py). Not wired into the engine yet; see docs/tiers.md.
+"""KV tiers below the in-process pool: one entry format (entry.py), the stores that keep it (disk.py,
+redis_tier.py), the lossy cold area (cold.py) and KVTiers (manager.py), which the engine drives
+(engine/tiering.py). See docs/tiers.md.
 """
 
 from kvserve.kvcache.tiers.disk import DiskTier, DiskTierStats

@@ -30,6 +30,7 @@ import logging
 import queue
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -51,9 +52,10 @@ log = logging.getLogger("kvserve.tiers")
 MAX_PENDING_WRITE_BYTES = 512 * 1024 * 1024
 MAX_PENDING_DEMOTE_BYTES = 512 * 1024 * 1024
 WRITE_BATCH = 16  # entries per Redis pipeline
+REDIS_SIZES_S = 1.0
 
 _Write = tuple[TierKey, bytes, bytes, bool, bool]  # key, token-ids hash, payload, to disk, to Redis
-_Demotion = tuple[bytes, list[tuple[torch.Tensor, torch.Tensor]], object]  # hash, snapshot, meta
+_Demotion = tuple[bytes, list[tuple[torch.Tensor, torch.Tensor]]]  # chunk hash, K/V snapshot
 
 
 @dataclass(frozen=True)
@@ -132,6 +134,7 @@ class KVTiers:
         self._count_lock = threading.Lock()
         self.layout = ChunkLayout(layers, self.bpc)
         self.num_export_errors = 0
+        self._redis_sizes_at, self._redis_sizes_cached = -REDIS_SIZES_S, (0, 0)
         self.closed = False  # after close(): no lookups, writes or demotions (the threads are gone)
         self._jobs: queue.Queue[LoadJob | None] = queue.Queue()
         self._done: queue.Queue[_Loaded] = queue.Queue()
@@ -165,17 +168,17 @@ class KVTiers:
             return  # tail pieces (content matches only) stay in the hot pool
         if self._demoter is not None and self.cold is not None:
             # the copy is taken now (the blocks are freed next); the encoding runs on the demoter
-            meta = LoadItem(chunk.prefix_hash, chunk.parent, chunk.depth, chunk.token_hash)
             kv = self.cold.snapshot(chunk.block_ids)
-            nbytes = sum(k.nbytes + v.nbytes for k, v in kv)
-            self._demoter.put((chunk.prefix_hash, kv, meta), nbytes)
-        if self.disk is not None and not self.disk_write_all and chunk.exact:
-            self._queue_write(chunk, True, False)
+            self._demoter.put((chunk.prefix_hash, kv), sum(k.nbytes + v.nbytes for k, v in kv))
+        disk = self.disk
+        if disk is not None and not self.disk_write_all and chunk.exact:
+            if self.key(chunk.prefix_hash) not in disk:  # already there (e.g. loaded from it): no export
+                self._queue_write(chunk, True, False)
 
     def _demote_batch(self, batch: list[_Demotion]) -> None:
         assert self.cold is not None
-        for chunk_hash, kv, meta in batch:
-            self.cold.demote_kv(chunk_hash, kv, meta)
+        for chunk_hash, kv in batch:
+            self.cold.demote_kv(chunk_hash, kv, None)
 
     def _queue_write(self, chunk: CachedChunk, to_disk: bool, to_redis: bool) -> None:
         assert chunk.token_hash is not None and self._writer is not None
@@ -222,12 +225,7 @@ class KVTiers:
             return None
         job = LoadJob(owner, items)
         if now:
-            for item in items:
-                start = time.perf_counter()
-                found = self._fetch_one(item)
-                if found is None or job.broken:
-                    break
-                self._import(_Loaded(job, item, found[0], found[1], time.perf_counter() - start))
+            self._fetch(job, self._import)
             return None
         self._jobs.put(job)
         return job
@@ -238,21 +236,22 @@ class KVTiers:
             if job is None:
                 return
             try:
-                self._fetch(job)
+                self._fetch(job, self._done.put)
             except Exception:  # a tier bug: the sequence computes what was not fetched
                 log.exception("loading %d chunks from the KV tiers failed", len(job.items))
             self._done.put(_Loaded(job))
 
-    def _fetch(self, job: LoadJob) -> None:
-        """Each item from the first tier that holds it, decoded or parsed here (off the engine's
-        thread), handed over one by one so the engine imports while the next is fetched."""
+    def _fetch(self, job: LoadJob, deliver: Callable[[_Loaded], None]) -> None:
+        """Each item from the first tier that holds it, decoded or parsed, handed to `deliver` one
+        by one (the loader thread hands them to the engine's, which imports while the next is
+        fetched), up to the first no tier holds or one that could not be imported."""
         for item in job.items:
             start = time.perf_counter()
             found = self._fetch_one(item)
-            if found is None:
+            if found is None or job.broken:
                 return
             tier, data = found
-            self._done.put(_Loaded(job, item, tier, data, time.perf_counter() - start))
+            deliver(_Loaded(job, item, tier, data, time.perf_counter() - start))
 
     def _fetch_one(self, item: LoadItem) -> tuple[str, list] | None:
         if self.cold is not None:
@@ -361,13 +360,23 @@ class KVTiers:
                 self._row("disk", d.stored_bytes, d.num_entries, d.hits, corrupt, fallbacks, d.writes, errors)
             )
         if self.redis is not None:
-            r = self.redis.stats()
+            r = self.redis.stats(with_sizes=False)
             fallbacks = r.fallbacks + unfit["redis"]
             corrupt = sum(r.corruptions.values())
             errors = r.write_errors + write_drops
-            nbytes, entries = r.stored_bytes or 0, r.num_entries or 0
+            nbytes, entries = self._redis_sizes()
             rows.append(self._row("redis", nbytes, entries, r.hits, corrupt, fallbacks, r.writes, errors))
         return rows
+
+    def _redis_sizes(self) -> tuple[int, int]:
+        """Redis's memory and key count, asked at most every REDIS_SIZES_S: the engine's thread
+        builds these stats after its steps, and each ask is a network round trip."""
+        assert self.redis is not None
+        now = time.monotonic()
+        if now - self._redis_sizes_at >= REDIS_SIZES_S:
+            r = self.redis.stats()
+            self._redis_sizes_at, self._redis_sizes_cached = now, (r.stored_bytes or 0, r.num_entries or 0)
+        return self._redis_sizes_cached
 
     def _row(self, tier: str, *numbers: int) -> TierStats:
         """A TierStats of (bytes, chunks, hits, corruptions, fallbacks, writes, write errors) and this

@@ -230,10 +230,10 @@ class RedisTier:
         """`put_many` of one item: whether the server confirmed the SET."""
         return self.put_many([(key, token_ids_hash, payload)]) == 1
 
-    def stats(self) -> RedisTierStats:
-        """The counters, plus the server's memory and key count in one round trip while up
-        (at most about `socket_timeout_s`); never raises."""
-        stored_bytes, num_entries = self._server_sizes()
+    def stats(self, with_sizes: bool = True) -> RedisTierStats:
+        """The counters, plus (`with_sizes`) the server's memory and key count in one round trip
+        while up (at most about `socket_timeout_s`); never raises."""
+        stored_bytes, num_entries = self._server_sizes() if with_sizes else (None, None)
         with self._lock:
             c = self._counts
             return RedisTierStats(
@@ -351,10 +351,10 @@ class RedisTier:
             down_s = time.monotonic() - self._down_since_s
             if was_down:
                 self._counts["reconnects"] += 1
+                self._generation += 1  # the threads' GET connections are replaced on their next GET
         if was_down:
             # connections made before the outage are dead: drop the idle ones now (they reconnect on
-            # their next use) and the threads' own GET connections on their next GET
-            self._generation += 1
+            # their next use)
             self._client.connection_pool.disconnect(inuse_connections=False)
             log.info("redis tier: %s reachable again after %.1f s", self.url, down_s)
 
