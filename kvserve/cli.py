@@ -1,6 +1,8 @@
-"""`kvserve [serve] [--config FILE.yaml] [--FIELD VALUE ...]`: flags generated from ServeConfig.
+"""`kvserve [serve|cluster] [--config FILE.yaml] [--FIELD VALUE ...]`: flags generated from ServeConfig
+(and, for `cluster`, from kvserve/cluster/config.py ClusterConfig).
 
-Field name == flag with dashes == YAML key; precedence defaults < --config preset < flags.
+Field name == flag with dashes == YAML key (ClusterConfig's under `cluster:`); precedence defaults <
+--config preset < flags.
 """
 
 from __future__ import annotations
@@ -12,8 +14,9 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
+from kvserve.cluster.config import ClusterConfig, make_cluster_config
 from kvserve.config import ServeConfig, make_config
-from kvserve.errors import KVServeError
+from kvserve.errors import ConfigError, KVServeError
 
 log = logging.getLogger("kvserve")
 
@@ -24,7 +27,11 @@ def build_parser() -> argparse.ArgumentParser:
         description="OpenAI-compatible LLM inference server that makes repeated context cheap.",
     )
     parser.add_argument(
-        "action", nargs="?", choices=["serve"], default="serve", help="what to do (default: serve)"
+        "action",
+        nargs="?",
+        choices=["serve", "cluster"],
+        default="serve",
+        help="serve: one server; cluster: replicas on Ray Serve behind one ingress (default: serve)",
     )
     parser.add_argument(
         "--config", metavar="FILE.yaml", help="YAML preset of config fields (flags override it)"
@@ -37,10 +44,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     for f in dataclasses.fields(ServeConfig):
         _add_field(parser, f)
+    group = parser.add_argument_group("kvserve cluster (pip install 'kvserve[cluster]')")
+    for f in dataclasses.fields(ClusterConfig):
+        _add_field(group, f)
     return parser
 
 
-def _add_field(parser: argparse.ArgumentParser, f: dataclasses.Field[Any]) -> None:
+def _add_field(parser: argparse._ActionsContainer, f: dataclasses.Field[Any]) -> None:
     flag = "--" + f.name.replace("_", "-")
     default = f.default
     help_text = f"{f.metadata.get('help', '')} (default: {default!r})"
@@ -74,6 +84,15 @@ def config_from_args(args: argparse.Namespace) -> ServeConfig:
     if overrides.get("warm") is not None:
         overrides["warm"] = tuple(overrides["warm"])
     return make_config(args.config, **overrides)
+
+
+def cluster_config_from_args(args: argparse.Namespace) -> ClusterConfig:
+    given = {f.name: getattr(args, f.name) for f in dataclasses.fields(ClusterConfig)}
+    if args.action != "cluster":
+        flags = [f"--{name.replace('_', '-')}" for name, value in given.items() if value is not None]
+        if flags:
+            raise ConfigError(f"{', '.join(flags)}: only for `kvserve cluster`")
+    return make_cluster_config(args.config, **given)
 
 
 def describe(config: ServeConfig, info: Any) -> str:
@@ -113,6 +132,7 @@ UVICORN_GRACEFUL_S = 5
 def serve(config: ServeConfig, log_level: str) -> None:
     import uvicorn
 
+    from kvserve.api.backend import LocalBackend
     from kvserve.api.server import create_app
     from kvserve.engine.async_engine import AsyncEngine
     from kvserve.engine.engine import Engine
@@ -124,7 +144,8 @@ def serve(config: ServeConfig, log_level: str) -> None:
     metrics = Metrics(config.served_model_name or config.model, engine.info.max_model_len)
     async_engine = AsyncEngine(engine, config.max_queue_size, observer=metrics.observe)
     async_engine.start()
-    app = create_app(config, async_engine, metrics)
+    backend = LocalBackend(async_engine, metrics, config)
+    app = create_app(config, backend)
     print(
         f"kvserve: serving {config.served_model_name or config.model} on http://{config.host}:{config.port}",
         flush=True,
@@ -132,7 +153,7 @@ def serve(config: ServeConfig, log_level: str) -> None:
 
     class Server(uvicorn.Server):
         async def shutdown(self, sockets: Any = None) -> None:
-            await async_engine.drain(SHUTDOWN_GRACE_S)  # before uvicorn waits for (or cancels) requests
+            await backend.drain(SHUTDOWN_GRACE_S)  # before uvicorn waits for (or cancels) requests
             await super().shutdown(sockets)
 
     uv_config = uvicorn.Config(
@@ -152,11 +173,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     try:
         config = config_from_args(args)
+        cluster = cluster_config_from_args(args)
     except KVServeError as e:
         print(f"kvserve: error: {e.message}", file=sys.stderr)
         return 2
     try:
-        serve(config, args.log_level)
+        if args.action == "cluster":
+            from kvserve.cluster.app import run
+
+            run(config, cluster)
+        else:
+            serve(config, args.log_level)
     except KVServeError as e:
         print(f"kvserve: error: {e.message}", file=sys.stderr)
         return 2

@@ -322,7 +322,9 @@ def load_yaml(path: str | Path) -> dict[str, Any]:
 
 
 def make_config(config_file: str | Path | None = None, **overrides: Any) -> ServeConfig:
-    """defaults < YAML preset < overrides."""
+    """defaults < YAML preset < overrides. The preset's `cluster:` mapping is `kvserve cluster`'s
+    (kvserve/cluster/config.py)."""
     values: dict[str, Any] = load_yaml(config_file) if config_file else {}
+    values.pop("cluster", None)
     values.update({k: v for k, v in overrides.items() if v is not None})
     return from_dict(values)

@@ -44,3 +44,10 @@ class OverloadedError(KVServeError):
 class RequestTimeoutError(KVServeError):
     status = 504
     error_type = "timeout_error"
+
+
+class UnavailableError(KVServeError):
+    """A part of the server failed while it held the request (a cluster replica died): retry."""
+
+    status = 503
+    error_type = "server_error"

@@ -23,6 +23,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response
 
 import kvserve
 from kvserve.api import responses as R
+from kvserve.api.backend import Backend, OutputStream
 from kvserve.api.errors import ErrorEnvelopeMiddleware, install_error_handlers
 from kvserve.api.middleware import MAX_BODY_BYTES, EdgeMiddleware
 from kvserve.api.openapi import (
@@ -48,13 +49,10 @@ from kvserve.api.protocol import (
     Tool,
     WarmRequest,
 )
-from kvserve.api.stats import stats_body
 from kvserve.api.streaming import sse_response, stream_events
 from kvserve.api.tools import ToolCalling, check_messages, tool_calling
 from kvserve.config import ServeConfig
-from kvserve.engine.async_engine import AsyncEngine, RequestStream
-from kvserve.errors import ModelNotFoundError, OverloadedError
-from kvserve.metrics import Metrics
+from kvserve.errors import ModelNotFoundError
 from kvserve.request import (
     Request,
     RequestOutput,
@@ -72,8 +70,7 @@ CLIENT_CLOSED = 499  # nginx's status for a request whose client went away (nobo
 @dataclass
 class ServerState:
     config: ServeConfig
-    engine: AsyncEngine
-    metrics: Metrics
+    backend: Backend
     model_name: str
     started: int
     # one thread: Hugging Face tokenizers are not safe to call from several threads at once
@@ -83,11 +80,11 @@ class ServerState:
 
     @property
     def tokenizer(self) -> Any:
-        return self.engine.engine.tokenizer
+        return self.backend.tokenizer
 
     @property
     def info(self) -> Any:
-        return self.engine.engine.info
+        return self.backend.info
 
     @property
     def vocab_size(self) -> int:
@@ -117,24 +114,18 @@ class ServerState:
             [t.model_dump(exclude_none=True) for t in tools],
         )
 
-    async def submit(self, requests: list[Request]) -> RequestStream:
-        try:
-            return await self.engine.submit(requests)
-        except OverloadedError:
-            self.metrics.on_rejected()
-            raise
+    async def submit(self, requests: list[Request]) -> OutputStream:
+        return await self.backend.submit(requests)
 
 
-def create_app(
-    config: ServeConfig, engine: AsyncEngine, metrics: Metrics, max_body_bytes: int = MAX_BODY_BYTES
-) -> FastAPI:
-    """The app over a started AsyncEngine; the app's shutdown stops the engine."""
-    state = ServerState(config, engine, metrics, config.served_model_name or config.model, int(time.time()))
+def create_app(config: ServeConfig, backend: Backend, max_body_bytes: int = MAX_BODY_BYTES) -> FastAPI:
+    """The app over a started backend; the app's shutdown stops it."""
+    state = ServerState(config, backend, config.served_model_name or config.model, int(time.time()))
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         yield
-        engine.shutdown()
+        backend.shutdown()
         state.tokenizer_thread.shutdown(wait=False, cancel_futures=True)
 
     app = FastAPI(title="kvserve", version=kvserve.__version__, lifespan=lifespan)
@@ -274,7 +265,7 @@ async def _run(
     return R.full_response(job, state.tokenizer, finals)
 
 
-async def _collect(outputs: RequestStream) -> dict[str, RequestOutput]:
+async def _collect(outputs: OutputStream) -> dict[str, RequestOutput]:
     """Wait for every request's final output; the first failure raises (and aborts the rest)."""
     finals: dict[str, RequestOutput] = {}
     try:
@@ -340,24 +331,14 @@ def _cache_routes(app: FastAPI, state: ServerState) -> None:
         token_ids = await warm_token_ids(body)
         return {
             "num_tokens": len(token_ids),
-            "num_unpinned_chunks": await state.engine.unpin(token_ids, body.cache_salt),
+            "num_unpinned_chunks": await state.backend.unpin(token_ids, body.cache_salt),
         }
 
 
 def _stats_routes(app: FastAPI, state: ServerState) -> None:
     @app.get("/v1/stats", response_model=None, responses=responses(Stats))
     async def stats() -> JSONResponse:
-        snapshot = state.engine.snapshot
-        body = stats_body(
-            snapshot,
-            state.engine.num_in_system,
-            state.engine.counters,
-            state.metrics,
-            state.config,
-            state.info,
-            state.model_name,
-        )
-        return JSONResponse(body)
+        return JSONResponse(await state.backend.stats())
 
     @app.get(
         "/metrics",
@@ -366,7 +347,6 @@ def _stats_routes(app: FastAPI, state: ServerState) -> None:
         responses=responses(None, text=True),
     )
     async def metrics() -> Response:
-        state.metrics.engine_stats = state.engine.snapshot
         return Response(
-            state.metrics.prometheus_text(), media_type="text/plain; version=0.0.4; charset=utf-8"
+            await state.backend.metrics_text(), media_type="text/plain; version=0.0.4; charset=utf-8"
         )

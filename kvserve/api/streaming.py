@@ -17,8 +17,8 @@ from typing import Any
 from sse_starlette import EventSourceResponse
 
 from kvserve.api import responses as R
+from kvserve.api.backend import OutputStream
 from kvserve.api.errors import kvserve_error_body
-from kvserve.engine.async_engine import RequestStream
 from kvserve.errors import KVServeError
 from kvserve.request import RequestOutput
 from kvserve.tokenizer import Tokenizer
@@ -43,7 +43,7 @@ def sse_response(events: AsyncIterator[dict[str, Any] | str]) -> EventSourceResp
 
 
 async def stream_events(
-    job: R.Job, tok: Tokenizer, stream: RequestStream, include_usage: bool
+    job: R.Job, tok: Tokenizer, stream: OutputStream, include_usage: bool
 ) -> AsyncIterator[dict[str, Any] | str]:
     finals: dict[str, RequestOutput] = {}
     started: set[str] = set()

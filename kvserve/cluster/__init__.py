@@ -1,2 +1,3 @@
-"""Scale-out (issue 16): kvserve replicas behind one router. Built so far: the routing policy
-(routing.py), which needs no Ray; the Ray Serve deployment is not built."""
+"""Scale-out (`kvserve cluster`): engine replicas on Ray Serve behind one ingress, prefix-affinity
+routing, KV shared through the Redis tier. routing.py (the policy) and config.py need no Ray; the
+rest imports it (pip install 'kvserve[cluster]'). docs/scale-out.md is the user's guide."""

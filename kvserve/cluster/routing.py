@@ -13,13 +13,16 @@ the KV their prefix left on one replica.
   to the least-loaded replica instead: one hot prefix cannot swamp its replica, at the price of
   computing that prefix once more elsewhere (or loading it from the shared tier).
 
-Pure and deterministic: no Ray, no network; the caller supplies replica ids and their loads.
+Pure and deterministic: no Ray, no network; the caller supplies replica ids and their loads. The
+Ray Serve router (router.py) counts its decisions here, for /v1/stats.
 """
 
 from __future__ import annotations
 
 import bisect
 import hashlib
+import threading
+from collections import Counter
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
@@ -48,7 +51,7 @@ def _position(data: bytes) -> int:
 class Route:
     replica: str
     preferred: str | None  # the ring's choice (None: no key)
-    reason: str  # "affinity", "overloaded" (bounded load sent it elsewhere) or "no key"
+    reason: str  # "affinity", "overloaded" (bounded load sent it elsewhere), "no key" or "asked"
 
 
 class PrefixRouter:
@@ -101,3 +104,20 @@ class PrefixRouter:
         if load >= self.min_load and load > self.load_factor * mean and loads.get(least, 0) < load:
             return Route(least, preferred, "overloaded")
         return Route(preferred, preferred, "affinity")
+
+
+# the request router's decisions in this process: "affinity" (the ring's replica), "overloaded" (bounded
+# load sent it to the least-loaded), "no key", "asked" (X-KVServe-Replica), "fallback" (Serve took a
+# later rank: the first was full or had died)
+DECISIONS: Counter[str] = Counter()
+_DECISIONS_LOCK = threading.Lock()
+
+
+def count_decision(reason: str) -> None:
+    with _DECISIONS_LOCK:
+        DECISIONS[reason] += 1
+
+
+def decisions() -> dict[str, int]:
+    with _DECISIONS_LOCK:
+        return dict(DECISIONS)

@@ -135,14 +135,13 @@ def test_500_is_an_envelope_and_the_connection_survives(tmp_path: object) -> Non
 
     from kvserve.api.server import create_app
     from kvserve.config import ServeConfig
-    from kvserve.metrics import Metrics
     from tests.e2e.conftest import free_port
 
     class Idle:
         def shutdown(self) -> None:
             pass
 
-    app = create_app(ServeConfig(model=TINY), Idle(), Metrics(TINY))  # type: ignore[arg-type]
+    app = create_app(ServeConfig(model=TINY), Idle())  # type: ignore[arg-type]
 
     @app.get("/boom")
     async def boom() -> None:

@@ -1,0 +1,105 @@
+"""`kvserve cluster`: the Ray Serve application (one ingress, N engine replicas) and the command that
+starts it on this machine or deploys it to a running Ray cluster (`--address`)."""
+
+from __future__ import annotations
+
+import signal
+import threading
+from typing import Any
+
+from kvserve.cluster.config import ClusterConfig
+from kvserve.config import ServeConfig
+from kvserve.errors import ConfigError
+
+APP_NAME = "kvserve"
+ENGINE_DEPLOYMENT = "kvserve-engine"
+INGRESS_DEPLOYMENT = "kvserve-ingress"
+
+
+def _serve() -> Any:
+    try:
+        from ray import serve
+    except ImportError:
+        raise ConfigError(
+            "kvserve cluster needs Ray Serve: pip install 'kvserve[cluster]' (or 'ray[serve]==2.60.0')"
+        ) from None
+    return serve
+
+
+def build_app(config: ServeConfig, cluster: ClusterConfig) -> Any:
+    """The Serve application: bind it with serve.run."""
+    serve = _serve()
+    from kvserve.cluster.ingress import Ingress
+    from kvserve.cluster.replica import EngineReplica
+    from kvserve.cluster.router import PrefixAffinityRouter
+
+    engines = serve.deployment(
+        EngineReplica,
+        name=ENGINE_DEPLOYMENT,
+        num_replicas=cluster.replicas,
+        ray_actor_options={"num_cpus": cluster.replica_cpus},
+        # the engine's own queue answers 503 when full, as a single server does; Serve must not
+        # hold requests back before it
+        max_ongoing_requests=config.max_queue_size + 1,
+        request_router_config={
+            "request_router_class": f"{PrefixAffinityRouter.__module__}.{PrefixAffinityRouter.__name__}",
+            "request_router_kwargs": {"load_factor": cluster.load_factor, "min_load": cluster.min_load},
+        },
+        health_check_period_s=2,
+        health_check_timeout_s=30,
+        graceful_shutdown_timeout_s=5,
+    )
+    ingress = serve.deployment(
+        serve.ingress()(Ingress),
+        name=INGRESS_DEPLOYMENT,
+        num_replicas=1,
+        ray_actor_options={"num_cpus": 0},
+        max_ongoing_requests=100_000,
+    )
+    return ingress.bind(config, cluster, engines.bind(config))
+
+
+def check(config: ServeConfig) -> None:
+    if not config.enable_prefix_caching:
+        raise ConfigError("kvserve cluster needs enable_prefix_caching (the replicas share cached KV)")
+    if not config.kv_redis_url:
+        raise ConfigError(
+            "kvserve cluster needs --kv-redis-url: the replicas share KV through Redis "
+            "(start one with `redis-server` and pass --kv-redis-url redis://HOST:6379/0)"
+        )
+
+
+def start(config: ServeConfig, cluster: ClusterConfig) -> None:
+    """Connect to (or start) Ray, start Serve's HTTP proxy on host:port and deploy; returns once the
+    application is up."""
+    import ray
+
+    serve = _serve()
+    check(config)
+    if not ray.is_initialized():
+        ray.init(address=cluster.address or None, include_dashboard=False, log_to_driver=True)
+    serve.start(http_options={"host": config.host, "port": config.port})
+    serve.run(build_app(config, cluster), name=APP_NAME, route_prefix="/", blocking=False)
+
+
+def stop() -> None:
+    _serve().delete(APP_NAME)
+
+
+def run(config: ServeConfig, cluster: ClusterConfig) -> None:
+    """`kvserve cluster`: deploy, print where, serve until SIGINT or SIGTERM, then take it down."""
+    start(config, cluster)
+    print(
+        f"kvserve cluster: {cluster.replicas} replicas of {config.served_model_name or config.model} "
+        f"behind http://{config.host}:{config.port} (prefix-affinity routing, KV shared through "
+        f"{config.kv_redis_url})",
+        flush=True,
+    )
+    done = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: done.set())
+    done.wait()
+    print("kvserve cluster: stopping", flush=True)
+    stop()
+    if not cluster.address:  # the Ray instance is ours
+        _serve().shutdown()

@@ -1,0 +1,62 @@
+"""`kvserve cluster` settings: the ServeConfig every replica runs, plus these. Field name == flag with
+dashes == key of the YAML preset's `cluster:` mapping, as for ServeConfig."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+from kvserve.config import load_yaml
+from kvserve.errors import ConfigError
+
+
+@dataclass(frozen=True)
+class ClusterConfig:
+    replicas: int = field(default=2, metadata={"help": "engine replicas (each loads the model)"})
+    address: str = field(
+        default="",
+        metadata={
+            "help": "Ray cluster to deploy on ('auto', 'ray://HOST:10001'); empty: start Ray on this machine"
+        },
+    )
+    replica_cpus: float = field(
+        default=1.0, metadata={"help": "CPUs Ray reserves for each replica (also its torch threads)"}
+    )
+    affinity_chunks: int = field(
+        default=1, metadata={"help": "prompt chunks whose prefix hash picks the replica"}
+    )
+    load_factor: float = field(
+        default=1.5,
+        metadata={"help": "bounded load: above this times the mean load, go to the least-loaded replica"},
+    )
+    min_load: int = field(default=2, metadata={"help": "bounded load applies from this many requests"})
+
+
+def validate(c: ClusterConfig) -> None:
+    if c.replicas < 1:
+        raise ConfigError(f"replicas must be >= 1 (got {c.replicas})")
+    if c.replica_cpus <= 0:
+        raise ConfigError(f"replica_cpus must be positive (got {c.replica_cpus})")
+    if c.affinity_chunks < 1:
+        raise ConfigError(f"affinity_chunks must be >= 1 (got {c.affinity_chunks})")
+    if c.load_factor < 1.0 or c.min_load < 0:
+        raise ConfigError(f"load_factor must be >= 1 and min_load >= 0 (got {c.load_factor}, {c.min_load})")
+
+
+def make_cluster_config(config_file: str | Path | None = None, **overrides: Any) -> ClusterConfig:
+    """defaults < the YAML preset's `cluster:` mapping < overrides."""
+    preset = load_yaml(config_file).get("cluster") if config_file else None
+    values: dict[str, Any] = dict(preset or {})
+    if not isinstance(preset or {}, dict):
+        raise ConfigError(f"{config_file}: `cluster:` must be a mapping of field: value")
+    values.update({k: v for k, v in overrides.items() if v is not None})
+    known = {f.name for f in fields(ClusterConfig)}
+    unknown = sorted(set(values) - known)
+    if unknown:
+        raise ConfigError(
+            f"unknown cluster key(s): {', '.join(unknown)}; known keys: {', '.join(sorted(known))}"
+        )
+    config = ClusterConfig(**values)
+    validate(config)
+    return config

@@ -1,0 +1,122 @@
+"""`kvserve cluster` end to end: a real `kvserve cluster` process (Ray Serve, 2 engine replicas of
+the tiny model with small pools and 1 CPU each) over a real redis-server, driven over HTTP."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+from collections.abc import Iterator
+
+import httpx
+import pytest
+
+from tests.e2e.conftest import TINY, Server, launch, wait_until
+from tests.redis_server import RedisServer
+
+pytestmark = pytest.mark.slow
+
+REPLICA = "x-kvserve-replica"
+SYSTEMS = [f"You are assistant number {i}. " + "Answer briefly and cite the handbook. " * 6 for i in range(4)]
+
+
+@pytest.fixture(scope="module")
+def redis() -> Iterator[RedisServer]:
+    server = RedisServer()
+    server.start()
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory: pytest.TempPathFactory, redis: RedisServer) -> Iterator[Server]:
+    flags = ("cluster", "--replicas", "2", "--replica-cpus", "1", "--model", TINY)
+    flags += ("--max-cache-bytes", "32000000", "--chunk-size", "16", "--kv-redis-url", redis.url)
+    server = launch(tmp_path_factory.mktemp("kvserve-cluster"), *flags, timeout_s=240)
+    yield server
+    server.proc.send_signal(signal.SIGTERM)
+    try:
+        server.proc.wait(90)
+    except subprocess.TimeoutExpired:
+        server.proc.kill()
+        server.proc.wait(10)
+
+
+def chat(h: httpx.Client, system: str, user: str, **headers: str) -> httpx.Response:
+    body = {"messages": [{"role": "system", "content": system}, {"role": "user", "content": user}]}
+    r = h.post("/v1/chat/completions", json={**body, "max_tokens": 3, "temperature": 0}, headers=headers)
+    assert r.status_code == 200, r.text
+    return r
+
+
+def test_a_system_prompt_stays_on_one_replica(cluster: Server) -> None:
+    with cluster.http() as h:
+        for system in SYSTEMS:
+            served = {chat(h, system, f"question {i}").headers[REPLICA] for i in range(4)}
+            assert len(served) == 1, (system[:30], served)
+        routing = h.get("/v1/stats").json()["cluster"]["routing"]
+    assert routing["decisions"].get("affinity", 0) >= 16, routing
+
+
+def test_stats_and_metrics_cover_every_replica(cluster: Server) -> None:
+    with cluster.http() as h:
+        chat(h, SYSTEMS[0], "hello")
+        stats = h.get("/v1/stats").json()
+        metrics = h.get("/metrics").text
+    replicas = stats["replicas"]
+    assert stats["cluster"]["replicas"] == len(replicas) == 2
+    for key in ("completed", "rejected", "in_system"):
+        assert stats["queue"][key] == sum(r["queue"][key] for r in replicas.values())
+    for key in ("hit_tokens", "query_tokens", "blocks_total", "chunks"):
+        assert stats["cache"][key] == sum(r["cache"][key] for r in replicas.values())
+    assert stats["cache"]["hit_rate"] == pytest.approx(
+        stats["cache"]["hit_tokens"] / max(1, stats["cache"]["query_tokens"])
+    )
+    assert stats["latency"]["ttft_s"]["count"] >= 1  # measured at the ingress
+    for replica in replicas:
+        assert f'replica="{replica}"' in metrics
+    assert "# TYPE kvserve:request_success_total counter" in metrics
+
+
+def test_errors_are_the_single_servers(cluster: Server) -> None:
+    with cluster.http() as h:
+        bad = h.post("/v1/chat/completions", json={"messages": [], "max_tokens": -1})
+        missing = h.post("/v1/completions", json={"model": "nope", "prompt": "x"})
+    assert bad.status_code == 400 and bad.json()["error"]["type"] == "invalid_request_error"
+    assert missing.status_code == 404 and missing.json()["error"]["code"] == "model_not_found"
+
+
+def test_a_prefix_warmed_on_one_replica_is_a_redis_hit_on_the_other(cluster: Server) -> None:
+    document = "The shared handbook, section 7: " + "every replica reads the same pages. " * 12
+    with cluster.http() as h:
+        warm = h.post("/v1/warm", json={"text": document})
+        assert warm.status_code == 200 and warm.json()["num_new_chunks"] >= 4, warm.text
+        a = warm.headers[REPLICA]
+        before = h.get("/v1/stats").json()["replicas"]
+        b = next(r for r in before if r != a)
+        r = h.post(
+            "/v1/completions",
+            json={"prompt": document + " Question: what do replicas read?", "max_tokens": 2},
+            headers={REPLICA: b},
+        )
+        assert r.status_code == 200 and r.headers[REPLICA] == b
+        after = h.get("/v1/stats").json()["replicas"]
+    cached = r.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
+    assert cached >= warm.json()["num_cacheable_tokens"], (cached, warm.json())
+    redis_loads = after[b]["cache"]["tiers"]["redis"]["loads"] - before[b]["cache"]["tiers"]["redis"]["loads"]
+    assert redis_loads >= warm.json()["num_new_chunks"]
+
+
+def test_requests_survive_a_replica_being_killed(cluster: Server) -> None:
+    with cluster.http() as h:
+        victim = chat(h, SYSTEMS[1], "before").headers[REPLICA]
+        pid = h.get("/v1/stats").json()["replicas"][victim]["pid"]
+        os.kill(pid, signal.SIGKILL)
+        served = [chat(h, SYSTEMS[1], f"after {i}").headers[REPLICA] for i in range(6)]
+        assert victim not in served
+        # Serve replaces the dead replica; the cluster is back to two
+        back = wait_until(
+            lambda: len(h.get("/v1/stats").json()["replicas"]) == 2, timeout_s=120, interval_s=1
+        )
+        assert back
+        assert chat(h, SYSTEMS[2], "later").status_code == 200

@@ -1,0 +1,87 @@
+"""The cluster's pieces without Ray: an EngineReplica in this process (what a Serve replica runs),
+ClusterStream over its generator, and the stats aggregation over two replicas' bodies."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from typing import Any
+
+import pytest
+
+from kvserve.cluster.config import ClusterConfig
+from kvserve.cluster.ingress import ClusterStream
+from kvserve.cluster.replica import Accepted, EngineReplica
+from kvserve.cluster.stats import cluster_stats, merge_metrics
+from kvserve.config import ServeConfig
+from kvserve.errors import InvalidRequestError, OverloadedError
+from kvserve.metrics import Metrics
+from kvserve.request import Request, SamplingParams
+
+TINY = ServeConfig(model="tiny-random-llama", max_cache_bytes=16 << 20, chunk_size=16, max_queue_size=2)
+
+
+@pytest.fixture(scope="module")
+def replica() -> Any:
+    r = EngineReplica(TINY)
+    yield r
+    r.backend.shutdown()
+
+
+def _requests(n: int, prompt: list[int], tag: str) -> list[Request]:
+    return [Request(f"{tag}-{i}", prompt, SamplingParams(max_tokens=3, temperature=0)) for i in range(n)]
+
+
+def test_generate_admits_then_streams_and_refuses_before_admitting(replica: EngineReplica) -> None:
+    async def run() -> None:
+        gen = replica.generate(_requests(2, list(range(40)), "ok"))
+        first = await gen.__anext__()
+        assert first == Accepted("local")
+
+        class Outputs:  # the DeploymentResponseGenerator surface ClusterStream uses
+            async def __anext__(self) -> Any:
+                return await gen.__anext__()
+
+            def cancel(self) -> None:
+                raise AssertionError("not cancelled")
+
+        stream = ClusterStream(Outputs(), ["ok-0", "ok-1"], Metrics("m"))
+        finals = [out async for out in stream if out.finished]
+        assert sorted(o.request_id for o in finals) == ["ok-0", "ok-1"] and stream.finished
+        assert all(len(o.token_ids) == 3 for o in finals)
+        with pytest.raises(InvalidRequestError):  # more than max_queue_size at once can never run
+            await replica.generate(_requests(3, [1, 2, 3], "big")).__anext__()
+
+    asyncio.run(run())
+
+
+def test_a_full_replica_refuses_before_admitting(replica: EngineReplica) -> None:
+    async def run() -> None:
+        held = replica.generate(_requests(2, list(range(30)), "held"))
+        assert isinstance(await held.__anext__(), Accepted)
+        with pytest.raises(OverloadedError):
+            await replica.generate(_requests(1, [5, 6], "late")).__anext__()
+        await held.aclose()  # closing aborts what is unfinished and frees the queue
+        for _ in range(100):
+            if replica.backend.engine.num_in_system == 0:
+                break
+            await asyncio.sleep(0.05)
+        assert replica.backend.engine.num_in_system == 0
+
+    asyncio.run(run())
+
+
+def test_stats_sum_the_replicas_and_metrics_carry_their_label(replica: EngineReplica) -> None:
+    body = asyncio.run(replica.stats())
+    assert body["replica"] == "local" and body["pid"] == os.getpid()
+    other = {**body, "replica": "other", "pid": 0}
+    merged = cluster_stats([body, other], Metrics("m"), ClusterConfig())
+    assert merged["cluster"]["replicas"] == 2 and set(merged["replicas"]) == {"local", "other"}
+    assert merged["queue"]["completed"] == 2 * body["queue"]["completed"] > 0
+    assert merged["cache"]["query_tokens"] == 2 * body["cache"]["query_tokens"]
+    assert merged["cache"]["hit_rate"] == pytest.approx(body["cache"]["hit_rate"])
+    name, text = asyncio.run(replica.metrics_text())
+    exposition = merge_metrics({name: text, "other": text}).decode()
+    for label in ('replica="local"', 'replica="other"'):
+        assert label in exposition
+    assert exposition.count("# TYPE kvserve:request_success_total counter") == 1

@@ -1,0 +1,45 @@
+"""`kvserve cluster` settings: flags, the YAML preset's `cluster:` mapping, and clear errors."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from kvserve.cli import build_parser, cluster_config_from_args, config_from_args, main
+from kvserve.cluster.app import check
+from kvserve.cluster.config import ClusterConfig, make_cluster_config
+from kvserve.config import ServeConfig
+from kvserve.errors import ConfigError
+
+
+def test_flags_override_the_presets_cluster_mapping(tmp_path: Path) -> None:
+    preset = tmp_path / "c.yaml"
+    preset.write_text("chunk_size: 32\ncluster:\n  replicas: 4\n  load_factor: 2.0\n")
+    args = build_parser().parse_args(["cluster", "--config", str(preset), "--replicas", "3"])
+    assert cluster_config_from_args(args) == ClusterConfig(replicas=3, load_factor=2.0)
+    assert config_from_args(args).chunk_size == 32  # the serve fields still come from the preset
+
+
+def test_bad_values_and_unknown_keys_are_errors(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="replicas must be >= 1"):
+        make_cluster_config(replicas=0)
+    with pytest.raises(ConfigError, match="load_factor must be >= 1"):
+        make_cluster_config(load_factor=0.5)
+    preset = tmp_path / "c.yaml"
+    preset.write_text("cluster:\n  replica: 2\n")
+    with pytest.raises(ConfigError, match="unknown cluster key.*replica"):
+        make_cluster_config(preset)
+
+
+def test_cluster_flags_are_refused_by_serve(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["--replicas", "2"]) == 2
+    assert "--replicas: only for `kvserve cluster`" in capsys.readouterr().err
+
+
+def test_the_cluster_needs_the_shared_tier() -> None:
+    with pytest.raises(ConfigError, match="--kv-redis-url"):
+        check(ServeConfig())
+    with pytest.raises(ConfigError, match="enable_prefix_caching"):
+        check(ServeConfig(enable_prefix_caching=False))
+    check(ServeConfig(kv_redis_url="redis://127.0.0.1:6379/0"))
