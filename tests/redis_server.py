@@ -79,6 +79,12 @@ class RedisServer:
                 raise RuntimeError(f"redis-server on port {self.port} did not start: {self._log_tail()}")
             time.sleep(0.02)
 
+    def flush(self) -> None:
+        """FLUSHALL: an empty database, the server still up."""
+        with socket.create_connection(("127.0.0.1", self.port), timeout=5) as s:
+            s.sendall(b"FLUSHALL\r\n")
+            assert s.recv(16).startswith(b"+OK"), "FLUSHALL failed"
+
     def kill(self) -> None:
         """SIGKILL: a crash. The data is gone (no persistence)."""
         self._end(signal.SIGKILL)

@@ -5,6 +5,7 @@ request is checked the same way whichever backend runs it."""
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator
 from typing import Any, Protocol
 
@@ -41,6 +42,11 @@ class Backend(Protocol):
 
     async def unpin(self, token_ids: list[int], cache_salt: str | None) -> int: ...
 
+    async def flush_tiers(self) -> bool:
+        """Wait until the chunks computed so far are written to the KV tiers (a warmed text is in
+        the shared tier when /v1/warm answers)."""
+        ...
+
     async def stats(self) -> dict[str, Any]:
         """The GET /v1/stats body."""
         ...
@@ -76,6 +82,9 @@ class LocalBackend:
 
     async def unpin(self, token_ids: list[int], cache_salt: str | None) -> int:
         return await self.engine.unpin(token_ids, cache_salt)
+
+    async def flush_tiers(self) -> bool:
+        return await asyncio.to_thread(self.engine.engine.flush_tiers)
 
     async def stats(self) -> dict[str, Any]:
         e = self.engine

@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import functools
+import logging
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
@@ -64,6 +65,7 @@ from kvserve.request import (
 )
 
 T = TypeVar("T")
+log = logging.getLogger("kvserve")
 CLIENT_CLOSED = 499  # nginx's status for a request whose client went away (nobody receives it)
 
 
@@ -322,6 +324,8 @@ def _cache_routes(app: FastAPI, state: ServerState) -> None:
         if finals is None:
             return Response(status_code=CLIENT_CLOSED)
         final = finals[request.request_id]
+        if not await state.backend.flush_tiers():
+            log.warning("/v1/warm: the KV tiers' writes did not finish in time")
         return dataclasses.asdict(
             WarmResult.from_output(len(token_ids), final, state.config.chunk_size, body.pin)
         )

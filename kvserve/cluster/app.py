@@ -43,7 +43,11 @@ def build_app(config: ServeConfig, cluster: ClusterConfig) -> Any:
         max_ongoing_requests=config.max_queue_size + 1,
         request_router_config={
             "request_router_class": f"{PrefixAffinityRouter.__module__}.{PrefixAffinityRouter.__name__}",
-            "request_router_kwargs": {"load_factor": cluster.load_factor, "min_load": cluster.min_load},
+            "request_router_kwargs": {
+                "routing": cluster.routing,
+                "load_factor": cluster.load_factor,
+                "min_load": cluster.min_load,
+            },
         },
         health_check_period_s=2,
         health_check_timeout_s=30,
@@ -91,7 +95,7 @@ def run(config: ServeConfig, cluster: ClusterConfig) -> None:
     start(config, cluster)
     print(
         f"kvserve cluster: {cluster.replicas} replicas of {config.served_model_name or config.model} "
-        f"behind http://{config.host}:{config.port} (prefix-affinity routing, KV shared through "
+        f"behind http://{config.host}:{config.port} ({cluster.routing} routing, KV shared through "
         f"{config.kv_redis_url})",
         flush=True,
     )

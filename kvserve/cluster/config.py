@@ -23,6 +23,10 @@ class ClusterConfig:
     replica_cpus: float = field(
         default=1.0, metadata={"help": "CPUs Ray reserves for each replica (also its torch threads)"}
     )
+    routing: str = field(
+        default="prefix-affinity",
+        metadata={"help": "prefix-affinity or round-robin (the baseline: every replica in turn)"},
+    )
     affinity_chunks: int = field(
         default=1, metadata={"help": "prompt chunks whose prefix hash picks the replica"}
     )
@@ -30,10 +34,18 @@ class ClusterConfig:
         default=1.5,
         metadata={"help": "bounded load: above this times the mean load, go to the least-loaded replica"},
     )
-    min_load: int = field(default=2, metadata={"help": "bounded load applies from this many requests"})
+    min_load: int = field(
+        default=8,
+        metadata={"help": "bounded load applies from this many requests in flight on a replica"},
+    )
+
+
+ROUTING = ("prefix-affinity", "round-robin")
 
 
 def validate(c: ClusterConfig) -> None:
+    if c.routing not in ROUTING:
+        raise ConfigError(f"routing must be one of {', '.join(ROUTING)} (got {c.routing!r})")
     if c.replicas < 1:
         raise ConfigError(f"replicas must be >= 1 (got {c.replicas})")
     if c.replica_cpus <= 0:

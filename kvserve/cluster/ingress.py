@@ -121,10 +121,15 @@ class ClusterBackend:
 
     async def start(self, timeout_s: float = 300.0) -> None:
         """Wait until the router knows every replica (so that no key moves once serving starts)."""
+        from ray.serve.exceptions import DeploymentUnavailableError
+
         deadline = time.monotonic() + timeout_s
         replicas: list[ReplicaInfo] = []
         while len(replicas) < self.cluster.replicas and time.monotonic() < deadline:
-            replicas = await self._everywhere("describe")
+            try:
+                replicas = await self._everywhere("describe")
+            except DeploymentUnavailableError:  # the engines' deployment is still starting
+                pass
             await asyncio.sleep(0.0 if len(replicas) >= self.cluster.replicas else 0.2)
         if not replicas:
             raise UnavailableError(f"no engine replica came up in {timeout_s:.0f} s")
@@ -184,6 +189,9 @@ class ClusterBackend:
 
     async def unpin(self, token_ids: list[int], cache_salt: str | None) -> int:
         return sum(await self._everywhere("unpin", token_ids, cache_salt))
+
+    async def flush_tiers(self) -> bool:
+        return all(await self._everywhere("flush_tiers"))
 
     async def stats(self) -> dict[str, Any]:
         bodies = await self._everywhere("stats")

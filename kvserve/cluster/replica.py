@@ -77,6 +77,9 @@ class EngineReplica:
     async def unpin(self, token_ids: list[int], cache_salt: str | None) -> int:
         return await self.backend.unpin(token_ids, cache_salt)
 
+    async def flush_tiers(self) -> bool:
+        return await self.backend.flush_tiers()
+
     async def stats(self) -> dict[str, Any]:
         return {"replica": self.replica, "pid": os.getpid(), **await self.backend.stats()}
 

@@ -56,7 +56,7 @@ class Route:
 
 class PrefixRouter:
     def __init__(
-        self, replicas: Sequence[str], virtual_nodes: int = 64, load_factor: float = 1.5, min_load: int = 2
+        self, replicas: Sequence[str], virtual_nodes: int = 64, load_factor: float = 1.5, min_load: int = 8
     ):
         if virtual_nodes < 1 or load_factor < 1.0 or min_load < 0:
             raise ValueError("virtual_nodes >= 1, load_factor >= 1 and min_load >= 0 are required")
@@ -107,8 +107,8 @@ class PrefixRouter:
 
 
 # the request router's decisions in this process: "affinity" (the ring's replica), "overloaded" (bounded
-# load sent it to the least-loaded), "no key", "asked" (X-KVServe-Replica), "fallback" (Serve took a
-# later rank: the first was full or had died)
+# load sent it to the least-loaded), "no key", "asked" (X-KVServe-Replica), "round-robin", "fallback"
+# (Serve took a later rank: the first was full or had died)
 DECISIONS: Counter[str] = Counter()
 _DECISIONS_LOCK = threading.Lock()
 

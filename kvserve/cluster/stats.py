@@ -76,7 +76,7 @@ def cluster_stats(bodies: list[dict[str, Any]], ingress: Metrics, cluster: Clust
         "cluster": {
             "replicas": len(bodies),
             "routing": {
-                "policy": "prefix-affinity",
+                "policy": cluster.routing,
                 "affinity_chunks": cluster.affinity_chunks,
                 "load_factor": cluster.load_factor,
                 "decisions": decisions,

@@ -234,6 +234,10 @@ class Engine:
         if self.tiers is not None:
             self.tiers.housekeeping(time.monotonic())
 
+    def flush_tiers(self, timeout_s: float = 30.0) -> bool:
+        """Wait until the KV tiers' writes queued so far are stored (any thread); False on timeout."""
+        return self.tiers is None or self.tiers.tiers.flush(timeout_s)
+
     def close(self) -> None:
         """Store the KV tiers' queued writes and stop their threads."""
         if self.tiers is not None:

@@ -264,3 +264,26 @@ def test_redis_killed_mid_run_falls_back_to_compute_then_reconnects(redis_server
     assert tier(reader, "redis").loads == 3
     llm.engine.close()
     reader.engine.close()
+
+
+def test_a_chain_loaded_into_a_full_pool_does_not_evict_itself(tmp_path, reference):
+    """The pool is full of a prompt used often (a high eviction priority); a prefix loaded from disk
+    must evict that prompt's chunks to make room, not the chunk it loaded just before (a leaf with
+    one use, until its child is inserted), which would cut the chain."""
+    small = dict(max_cache_bytes=14 * 16 * 2 * 2 * 4 * 16 * 4)  # about 14 blocks: 7 chunks
+    y = corpus_token_ids(reference, 4 * CHUNK + 3, seed=31)
+    x = corpus_token_ids(reference, 4 * CHUNK + 3, seed=32)
+    with make(tmp_path, kv_disk_write="all") as first:
+        run(first, y)
+    llm = make(tmp_path, kv_disk_write="all", **small)
+    for _ in range(3):
+        run(llm, x)
+    hits = llm.engine.stats().num_hit_tokens
+    ids, logits = run(llm, y)
+    want = run(reference, y)
+    assert ids == want[0]
+    torch.testing.assert_close(logits, want[1], atol=1e-4, rtol=0)
+    assert tier(llm, "disk").loads == 4
+    assert llm.engine.stats().num_hit_tokens - hits == 4 * CHUNK
+    llm.engine.check_integrity()
+    llm.engine.close()

@@ -293,10 +293,24 @@ class KVTiers:
         assert item is not None
         if item.prefix_hash in self.store:  # computed meanwhile
             return
-        if not self._room(item.parent):
-            loaded.job.broken = True
-            self._count_unfit(loaded.tier)
-            return
+        # the parent (often the chunk imported just before) is held while room is made, so that
+        # the eviction cannot pick it: a chain loaded into a full pool would cut itself off
+        parent = self.store.get(item.parent) if item.parent is not None else None
+        if parent is not None:
+            self.store.acquire(parent, hit=False)
+        try:
+            if not self._room(item.parent):
+                loaded.job.broken = True
+                self._count_unfit(loaded.tier)
+                return
+            self._insert(loaded)
+        finally:
+            if parent is not None:
+                self.store.release(parent.prefix_hash)
+
+    def _insert(self, loaded: _Loaded) -> None:
+        item = loaded.item
+        assert item is not None
         start = time.perf_counter()
         blocks = self.pool.allocate(self.bpc)
         if loaded.tier == "cold":
@@ -319,8 +333,6 @@ class KVTiers:
             return False
         if self.pool.num_free_blocks < self.bpc:
             self.store.evict(self.bpc - self.pool.num_free_blocks)
-        if parent is not None and parent not in self.store:  # evicted just now (it was a leaf)
-            return False
         return self.pool.num_free_blocks >= self.bpc
 
     def _count_unfit(self, tier: str) -> None:
