@@ -330,7 +330,7 @@ def main() -> None:
     serve.shutdown()
     header = (
         f"Measured by `python scripts/bench_cluster.py{' --quick' if args.quick else ''}` on {describe(1)} "
-        f"per replica; model {args.model}, {args.systems} system prompts of {args.system_tokens} tokens x "
+        f"per replica (the single replica: 2 CPUs, 2 threads); model {args.model}, {args.systems} system prompts of {args.system_tokens} tokens x "
         f"{args.chats} chats each, {args.rounds} bursts (each: every chat at once), {args.max_tokens} "
         f"tokens each; each replica's pool {pool / 1e6:.0f} MB (about {args.pool_prompts} system prompts)."
     )

@@ -60,7 +60,8 @@ def build_app(config: ServeConfig, cluster: ClusterConfig) -> Any:
         ray_actor_options={"num_cpus": 0},
         max_ongoing_requests=100_000,
     )
-    return ingress.bind(config, cluster, engines.bind(config))
+    threads = max(1, int(cluster.replica_cpus))
+    return ingress.bind(config, cluster, engines.bind(config, threads))
 
 
 def check(config: ServeConfig) -> None:

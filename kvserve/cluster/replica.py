@@ -39,12 +39,17 @@ def replica_id() -> str:
 
 
 class EngineReplica:
-    def __init__(self, config: ServeConfig):
+    def __init__(self, config: ServeConfig, threads: int | None = None):
+        """`threads`: torch's CPU threads (the CPUs Ray reserved; None: as inherited)."""
+        import torch
+
         from kvserve.cli import describe, warm_up
         from kvserve.engine.async_engine import AsyncEngine
         from kvserve.engine.engine import Engine
         from kvserve.metrics import Metrics
 
+        if threads is not None:
+            torch.set_num_threads(threads)
         engine = Engine(config)
         self.replica = replica_id()
         print(f"[replica {self.replica}]\n{describe(config, engine.info)}", flush=True)
@@ -81,7 +86,10 @@ class EngineReplica:
         return await self.backend.flush_tiers()
 
     async def stats(self) -> dict[str, Any]:
-        return {"replica": self.replica, "pid": os.getpid(), **await self.backend.stats()}
+        import torch
+
+        body = await self.backend.stats()
+        return {"replica": self.replica, "pid": os.getpid(), "threads": torch.get_num_threads(), **body}
 
     async def metrics_text(self) -> tuple[str, bytes]:
         return self.replica, await self.backend.metrics_text()

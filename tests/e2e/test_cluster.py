@@ -65,6 +65,7 @@ def test_stats_and_metrics_cover_every_replica(cluster: Server) -> None:
         metrics = h.get("/metrics").text
     replicas = stats["replicas"]
     assert stats["cluster"]["replicas"] == len(replicas) == 2
+    assert all(r["threads"] == 1 for r in replicas.values())  # --replica-cpus 1
     for key in ("completed", "rejected", "in_system"):
         assert stats["queue"][key] == sum(r["queue"][key] for r in replicas.values())
     for key in ("hit_tokens", "query_tokens", "blocks_total", "chunks"):
