@@ -3,8 +3,10 @@ starts it on this machine or deploys it to a running Ray cluster (`--address`)."
 
 from __future__ import annotations
 
+import os
 import signal
 import threading
+from pathlib import Path
 from typing import Any
 
 from kvserve.cluster.config import ClusterConfig
@@ -77,14 +79,40 @@ def check(config: ServeConfig) -> None:
 def start(config: ServeConfig, cluster: ClusterConfig) -> None:
     """Connect to (or start) Ray, start Serve's HTTP proxy on host:port and deploy; returns once the
     application is up."""
+    check(config)
+    connect(cluster.address)
+    deploy(config, cluster)
+
+
+def connect(address: str) -> None:
+    """Join the Ray cluster at `address`, or start one here (""); nothing when Ray is up already."""
+    _token_auth(address)  # before Ray is imported
     import ray
 
+    _serve()  # a clear error without Ray Serve
+    if ray.is_initialized():
+        return
+    try:
+        ray.init(address=address or None, include_dashboard=False, log_to_driver=True)
+    except ConnectionError as e:
+        raise ConfigError(
+            f"could not join the Ray cluster at {address!r} ({e}); check the address (`ray status` on a "
+            "node of the cluster prints it) and, with token authentication, that RAY_AUTH_TOKEN or "
+            "~/.ray/auth_token holds the cluster's token"
+        ) from None
+
+
+def deploy(config: ServeConfig, cluster: ClusterConfig) -> None:
     serve = _serve()
-    check(config)
-    if not ray.is_initialized():
-        ray.init(address=cluster.address or None, include_dashboard=False, log_to_driver=True)
     serve.start(http_options={"host": config.host, "port": config.port})
     serve.run(build_app(config, cluster), name=APP_NAME, route_prefix="/", blocking=False)
+
+
+def _token_auth(address: str) -> None:
+    """`ray start` enables token authentication when ~/.ray/auth_token exists, but a client that
+    joins by address sends the token only with RAY_AUTH_MODE=token, read when Ray is imported."""
+    if address and "RAY_AUTH_MODE" not in os.environ and (Path.home() / ".ray" / "auth_token").exists():
+        os.environ["RAY_AUTH_MODE"] = "token"
 
 
 def stop() -> None:
@@ -93,16 +121,24 @@ def stop() -> None:
 
 def run(config: ServeConfig, cluster: ClusterConfig) -> None:
     """`kvserve cluster`: deploy, print where, serve until SIGINT or SIGTERM, then take it down."""
-    start(config, cluster)
+    done = threading.Event()
+
+    def catch_signals() -> None:  # SIGINT, SIGTERM: stop, also while deploying
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, lambda *_: done.set())
+
+    check(config)
+    catch_signals()
+    print(f"kvserve cluster: deploying {cluster.replicas} replicas (each loads the model)", flush=True)
+    connect(cluster.address)
+    catch_signals()  # ray.init installs handlers of its own that end the process
+    deploy(config, cluster)
     print(
         f"kvserve cluster: {cluster.replicas} replicas of {config.served_model_name or config.model} "
         f"behind http://{config.host}:{config.port} ({cluster.routing} routing, KV shared through "
         f"{config.kv_redis_url})",
         flush=True,
     )
-    done = threading.Event()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda *_: done.set())
     done.wait()
     print("kvserve cluster: stopping", flush=True)
     stop()
