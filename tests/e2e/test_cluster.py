@@ -121,3 +121,26 @@ def test_requests_survive_a_replica_being_killed(cluster: Server) -> None:
         )
         assert back
         assert chat(h, SYSTEMS[2], "later").status_code == 200
+
+
+def test_the_openai_client_streams_and_a_client_that_leaves_aborts_on_the_replica(cluster: Server) -> None:
+    client = cluster.client()
+    messages = [{"role": "system", "content": SYSTEMS[3]}, {"role": "user", "content": "stream"}]
+    whole = client.chat.completions.create(model=TINY, messages=messages, max_tokens=6, temperature=0)
+    stream = client.chat.completions.create(
+        model=TINY, messages=messages, max_tokens=6, temperature=0, stream=True
+    )
+    text = "".join(chunk.choices[0].delta.content or "" for chunk in stream if chunk.choices)
+    assert text == whole.choices[0].message.content  # greedy: the same answer streamed or not
+    with cluster.http() as h:
+        body = {"messages": messages, "max_tokens": 2000, "stream": True, "ignore_eos": True}
+        with h.stream("POST", "/v1/chat/completions", json=body) as r:
+            replica = r.headers[REPLICA]
+            lines = r.iter_lines()
+            assert next(lines).startswith("data: ")  # it runs; now the client leaves
+
+        def aborted() -> bool:
+            queue = h.get("/v1/stats").json()["replicas"][replica]["queue"]
+            return queue["in_system"] == 0 and queue["aborted"] >= 1
+
+        assert wait_until(aborted, timeout_s=30, interval_s=0.5)
