@@ -226,6 +226,11 @@ at::Tensor pack_linear_weight_bf16(const at::Tensor& weight);
 at::Tensor row_linear_bf16(const at::Tensor& x, const at::Tensor& packed, const c10::optional<at::Tensor>& bias,
                            int64_t out_features);
 
+// csrc/cpu/nested_linear.cpp
+at::Tensor pack_nested_weight(const at::Tensor& hi, const at::Tensor& lo);
+at::Tensor nested_linear(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scale,
+                         const c10::optional<at::Tensor>& bias, int64_t out_features, bool fp16);
+
 // csrc/cpu/layer_ops.cpp
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps);
 at::Tensor add_rms_norm_(at::Tensor& residual, const at::Tensor& x, const at::Tensor& weight, double eps);
@@ -239,6 +244,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("row_linear", &row_linear, "x W^T (+ b) in fp32 over packed W, each row independent of the others");
   m.def("pack_linear_weight_bf16", &pack_linear_weight_bf16, "bf16 W [out, in] -> the panels row_linear_bf16 reads");
   m.def("row_linear_bf16", &row_linear_bf16, "x W^T (+ b) for bf16 x and W, fp32 sums, each row independent");
+  m.def("pack_nested_weight", &pack_nested_weight, "NestedFP hi, lo [out, in] -> the planes nested_linear reads");
+  m.def("nested_linear", &nested_linear, "(x W^T) * scale (+ b) over NestedFP planes: FP8 mode reads hi, FP16 both");
   m.def("rms_norm", &rms_norm, "Llama RMSNorm of each row (fp32 sums; the modeling code's bf16 roundings)");
   m.def("add_rms_norm_", &add_rms_norm_, "residual += x in place, then rms_norm(residual)");
   m.def("rope_", &rope_, "rotary embedding of the first heads * head_dim columns of each row, in place");

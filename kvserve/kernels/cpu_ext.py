@@ -31,8 +31,15 @@ from kvserve.kvcache.kv_storage import LayerKV
 log = logging.getLogger(__name__)
 
 CSRC = Path(__file__).resolve().parents[2] / "csrc"
-SOURCES = ["cpu/paged_attention_cpu.cpp", "cpu/linear_cpu.cpp", "cpu/layer_ops.cpp"]
-HEADERS = ["cpu/vec.h", "cpu/kv_readers.h", "cpu/attention_math.h", "cpu/paged_attention.h", "cpu/parallel.h"]
+SOURCES = ["cpu/paged_attention_cpu.cpp", "cpu/linear_cpu.cpp", "cpu/nested_linear.cpp", "cpu/layer_ops.cpp"]
+HEADERS = [
+    "cpu/vec.h",
+    "cpu/kv_readers.h",
+    "cpu/attention_math.h",
+    "cpu/paged_attention.h",
+    "cpu/parallel.h",
+    "cpu/linear_tiles.h",
+]
 # -ffp-contract=off: a multiply-add is fused only where the source says so (csrc/cpu/vec.h: fmadd), so
 # the arithmetic of every output element is fixed by the source, not by how the compiler schedules it.
 FLAGS = ["-O3", "-fopenmp", "-std=c++17", "-ffp-contract=off"]

@@ -1,0 +1,109 @@
+// The tiled schedule of the row-invariant CPU linears (linear_cpu.cpp: fp32, bf16; nested_linear.cpp:
+// NestedFP), generic over T, the weight format: T::X an input step of x, T::W the packed weight's
+// element, T::load_w a step of kLanes outputs' weights as fp32 lanes, T::step the multiply-add, T::store
+// the result. linear_cpu.cpp's header comment describes the schedule and why each output element is
+// one fixed chain whatever the rows, tiles and threads.
+#pragma once
+
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <cstdint>
+
+#include "parallel.h"
+#include "vec.h"
+
+namespace kvserve_cpu {
+
+constexpr int kTileRows = 8;
+constexpr int kTilePanels = 3;
+constexpr int64_t kBlockRows = 96;
+constexpr int64_t kFewRows = 16;
+constexpr int64_t kMinMacsPerThread = int64_t{1} << 21;
+
+template <typename T>
+struct Shape {
+  const typename T::X* x;   // [rows, steps]
+  const typename T::W* wp;  // [panels, steps, kLanes]
+  const float* b;           // [panels * kLanes] zero-padded fp32, or null
+  typename T::Y* y;         // [rows, out]
+  int64_t steps, out;
+  int64_t plane = 0;          // a second weight plane starts this many X after the first (NestedFP lo)
+  const float* scale = nullptr;  // [panels * kLanes] per-output factor before the bias, or null
+};
+
+// y[m0 .. m0 + R, panels p0 .. p0 + P]: the register tile.
+template <typename T, int R, int P>
+inline void tile(const Shape<T>& s, int64_t m0, int64_t p0) {
+  const typename T::X* x = s.x + m0 * s.steps;
+  const typename T::W* w = s.wp + p0 * s.steps * kLanes;
+  vf acc[R][P];
+  for (int r = 0; r < R; ++r)
+    for (int p = 0; p < P; ++p) acc[r][p] = vf{};
+  for (int64_t i = 0; i < s.steps; ++i) {
+    vf wv[P];
+    for (int p = 0; p < P; ++p) wv[p] = T::load_w(w + (p * s.steps + i) * kLanes, s.plane);
+    for (int r = 0; r < R; ++r) {
+      const vf xv = T::broadcast(x[r * s.steps + i]);
+      for (int p = 0; p < P; ++p) acc[r][p] = T::step(acc[r][p], xv, wv[p]);
+    }
+  }
+  for (int p = 0; p < P; ++p) {
+    const int64_t o0 = (p0 + p) * kLanes, n = std::min<int64_t>(kLanes, s.out - o0);
+    const vf bias = s.b ? loadu(s.b + o0) : vf{};
+    const vf scale = s.scale ? loadu(s.scale + o0) : vf{};
+    for (int r = 0; r < R; ++r) {
+      const vf v = s.scale ? acc[r][p] * scale : acc[r][p];
+      T::store(s.y + (m0 + r) * s.out + o0, s.b ? v + bias : v, n);
+    }
+  }
+}
+
+// Rows [m0, m1) x panels [p0, p0 + P): row tiles of 8, then 4, 2, 1.
+template <typename T, int P>
+inline void rows_tile(const Shape<T>& s, int64_t m0, int64_t m1, int64_t p0) {
+  int64_t m = m0;
+  for (; m + kTileRows <= m1; m += kTileRows) tile<T, kTileRows, P>(s, m, p0);
+  if (m + 4 <= m1) tile<T, 4, P>(s, m, p0), m += 4;
+  if (m + 2 <= m1) tile<T, 2, P>(s, m, p0), m += 2;
+  if (m < m1) tile<T, 1, P>(s, m, p0);
+}
+
+// The block rows [m0, m1) x panels [p0, p1).
+template <typename T>
+void block(const Shape<T>& s, int64_t m0, int64_t m1, int64_t p0, int64_t p1) {
+  int64_t p = p0;
+  for (; p + kTilePanels <= p1; p += kTilePanels) rows_tile<T, kTilePanels>(s, m0, m1, p);
+  for (; p < p1; ++p) rows_tile<T, 1>(s, m0, m1, p);
+}
+
+// The same schedule for both dtypes: few rows stream W panel by panel; many rows go in cache blocks.
+template <typename T>
+void run_blocks(const Shape<T>& s, int64_t rows, int64_t panels, int64_t in_features) {
+  auto block_fn = [&](int64_t m0, int64_t m1, int64_t p0, int64_t p1) { block<T>(s, m0, m1, p0, p1); };
+  if (rows <= kFewRows) {  // bound by reading W: each panel once, three at a time (three FMA chains)
+    const int64_t groups = (panels + kTilePanels - 1) / kTilePanels;
+    // a thread gets at least kMinMacsPerThread of work: waking a second thread for one decode-step
+    // projection costs more than it saves (with the server's own threads on the same cores, far more)
+    const int64_t group_macs = std::max<int64_t>(1, rows * in_features * kTilePanels * kLanes);
+    const int64_t grain = std::max<int64_t>(2, kMinMacsPerThread / group_macs);
+    parallel_chunks(groups, std::max<int64_t>(1, grain / 4), grain, [&](int64_t first, int64_t last) {
+      for (int64_t g = first; g < last; ++g) block_fn(0, rows, g * kTilePanels, std::min(panels, (g + 1) * kTilePanels));
+    });
+    return;
+  }
+  const int64_t row_blocks = (rows + kBlockRows - 1) / kBlockRows;
+  const int64_t panel_blocks = (panels + kTilePanels - 1) / kTilePanels;
+  // panel-major: consecutive blocks of a chunk share their panels
+  const int64_t num_blocks = row_blocks * panel_blocks;
+  parallel_chunks(num_blocks, (num_blocks + 8 * at::get_num_threads() - 1) / (8 * at::get_num_threads()), 1,
+                  [&](int64_t first, int64_t last) {
+    for (int64_t i = first; i < last; ++i) {
+      const int64_t pb = i / row_blocks, rb = i % row_blocks;
+      block_fn(rb * kBlockRows, std::min(rows, (rb + 1) * kBlockRows), pb * kTilePanels,
+               std::min(panels, (pb + 1) * kTilePanels));
+    }
+  });
+}
+
+}  // namespace kvserve_cpu

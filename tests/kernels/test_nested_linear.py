@@ -1,0 +1,70 @@
+"""The CPU extension's nested_linear over NestedFP planes (csrc/cpu/nested_linear.cpp): bitwise the
+row_linear chain over the dequantized weights in both modes (so the same row invariance), close to
+torch's linear over the fp32 reference, and clear refusals."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from kvserve.quant.nestedfp import NestedWeight
+
+MODES = ("fp8", "fp16")
+
+
+def weight(out_f: int, in_f: int, seed: int) -> tuple[torch.Tensor, NestedWeight]:
+    gen = torch.Generator().manual_seed(seed)
+    # rows of very different magnitudes: every row gets its own power-of-two pre-scale
+    w = torch.randn(out_f, in_f, generator=gen) * torch.logspace(-3, 1, out_f).unsqueeze(1)
+    return w, NestedWeight.from_float(w)
+
+
+def nested(ext, x, n: NestedWeight, mode: str, b=None):
+    return ext.nested_linear(x, ext.pack_nested_weight(n.hi, n.lo), n.scale, b, n.shape[0], mode == "fp16")
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("rows", [1, 2, 8, 16, 70])
+@pytest.mark.parametrize("shape", [(576, 576), (1536, 576), (100, 37), (7, 3)])
+def test_is_row_linear_over_the_dequantized_weight(ext, mode, rows, shape):
+    out_f, in_f = shape
+    w, n = weight(out_f, in_f, rows)
+    gen = torch.Generator().manual_seed(100 + rows)
+    x, b = torch.randn(rows, in_f, generator=gen), torch.randn(out_f, generator=gen)
+    ref = n.dequant(mode)
+    y = nested(ext, x, n, mode, b)
+    assert torch.equal(y, ext.row_linear(x, ext.pack_linear_weight(ref), b, out_f))
+    torch.testing.assert_close(y, F.linear(x, ref, b), atol=1e-3, rtol=1e-5)  # rows up to 10x: sums to ~300
+
+
+def test_fp8_mode_error_is_the_formats_and_fp16_mode_is_nearly_exact(ext):
+    w, n = weight(576, 576, 0)
+    x = torch.randn(4, 576, generator=torch.Generator().manual_seed(1))
+    exact = F.linear(x, w)
+    rel = {m: float((nested(ext, x, n, m) - exact).norm() / exact.norm()) for m in MODES}
+    assert rel["fp16"] < 1e-3 and 1e-3 < rel["fp8"] < 0.05, rel
+
+
+def test_a_row_does_not_depend_on_the_rows_beside_it(ext):
+    w, n = weight(300, 576, 2)
+    x = torch.randn(33, 576, generator=torch.Generator().manual_seed(3))
+    for mode in MODES:
+        whole = nested(ext, x, n, mode)
+        for r in (0, 7, 32):
+            assert torch.equal(whole[r], nested(ext, x[r : r + 1].contiguous(), n, mode)[0])
+
+
+def test_rejects_bad_arguments(ext):
+    _, n = weight(8, 16, 4)
+    packed = ext.pack_nested_weight(n.hi, n.lo)
+    with pytest.raises(RuntimeError, match="fp32"):
+        ext.nested_linear(torch.randn(2, 16).double(), packed, n.scale, None, 8, True)
+    with pytest.raises(RuntimeError, match="in_features"):
+        ext.nested_linear(torch.randn(2, 15), packed, n.scale, None, 8, True)
+    with pytest.raises(RuntimeError, match="scale"):
+        ext.nested_linear(torch.randn(2, 16), packed, n.scale[:7], None, 8, False)
+    with pytest.raises(RuntimeError, match="packed must be"):
+        ext.nested_linear(torch.randn(2, 16), packed, n.scale, None, 40, False)
+    with pytest.raises(RuntimeError, match="uint8"):
+        ext.pack_nested_weight(n.hi.float(), n.lo)
