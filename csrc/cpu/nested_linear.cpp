@@ -19,6 +19,19 @@ namespace {
 
 using namespace kvserve_cpu;
 
+// kLanes consecutive bytes, sign-extended to 32-bit lanes
+inline vu widen_signed(const uint8_t* p) {
+#if defined(__AVX512F__)
+  return reinterpret_cast<vu>(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+#elif defined(__AVX2__)
+  return reinterpret_cast<vu>(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+#else
+  vu v;
+  for (int l = 0; l < kLanes; ++l) v[l] = static_cast<uint32_t>(static_cast<int32_t>(static_cast<int8_t>(p[l])));
+  return v;
+#endif
+}
+
 // kLanes consecutive bytes, zero-extended to 32-bit lanes
 inline vu widen(const uint8_t* p) {
 #if defined(__AVX512F__)
@@ -44,8 +57,9 @@ struct NestedFp8 {
   using Y = float;
   static vf broadcast(float x) { return splat(x); }
   static vf load_w(const uint8_t* w, int64_t) {
-    const vu h = widen(w);
-    return weight_from_bits(((h & 0x7Fu) << 20) | ((h & 0x80u) << 24));  // E4M3 / 2^8
+    // sign-extended, the byte's sign lands on bits 27..31 after the shift and its magnitude on 20..26;
+    // clearing bits 27..30 leaves sign | magnitude << 20 (three operations a vector)
+    return weight_from_bits((widen_signed(w) << 20) & 0x87FFFFFFu);  // E4M3 / 2^8
   }
   static vf step(vf acc, vf x, vf w) { return fmadd(x, w, acc); }
   static void store(float* dst, vf v, int64_t n) {
