@@ -110,8 +110,8 @@ def test_compiles_for_sm90_and_sm80_without_gpu():
     if "GPUTarget" in proc.stderr and "ImportError" in proc.stderr:
         pytest.skip(f"this triton cannot compile for a target without a GPU: {proc.stderr[-300:]}")
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    for arch in (90, 80):  # prefill, decode, decode-fp8kv, decode-int8kv, merge
-        assert proc.stdout.count(f"ok   sm_{arch}") == 5, proc.stdout
+    for arch in (90, 80):  # prefill, decode, decode-fp8kv, decode-int8kv, merge, nested-fp8, nested-fp16
+        assert proc.stdout.count(f"ok   sm_{arch}") == 7, proc.stdout
     assert "decode-int8kv" in proc.stdout
 
 

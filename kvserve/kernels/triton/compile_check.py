@@ -20,6 +20,7 @@ import time
 import triton
 from triton.backends.compiler import GPUTarget
 
+from kvserve.kernels.triton.nested_linear import nested_linear_kernel
 from kvserve.kernels.triton.paged_decode import (
     INT8_BLOCK_N,
     INT8_NUM_WARPS,
@@ -30,7 +31,8 @@ from kvserve.kernels.triton.paged_prefill import paged_prefill_kernel
 
 TRITON_TYPES = {"fp16": "*fp16", "bf16": "*bf16"}
 INT32_POINTERS = {"block_tables_ptr", "query_start_loc_ptr", "seq_lens_ptr", "k_open_slot_ptr"}
-FP32_POINTERS = {"o_part_ptr", "lse_part_ptr"}
+FP32_POINTERS = {"o_part_ptr", "lse_part_ptr", "scale_ptr"}
+U8_POINTERS = {"hi_ptr", "lo_ptr"}  # NestedFP planes
 CODE_POINTERS = {"k_cache_ptr", "v_cache_ptr"}  # uint8 with FP8_KV / INT8_KV
 SCALE_POINTERS = {"k_scale_ptr", "v_scale_ptr", "k_zero_ptr", "v_zero_ptr"}  # fp32 (fp8), fp16 (int8)
 FP32_SCALARS = {"qk_scale"}
@@ -48,6 +50,8 @@ def signature(kernel, dtype: str, constexprs: dict) -> dict[str, str]:
             sig[name] = "*i32"
         elif name in FP32_POINTERS:
             sig[name] = "*fp32"
+        elif name in U8_POINTERS:
+            sig[name] = "*u8"
         elif name in SCALE_POINTERS:
             sig[name] = "*fp16" if constexprs.get("INT8_KV") else "*fp32"
         elif name in CODE_POINTERS and quantized:
@@ -84,6 +88,9 @@ def variants(quick: bool) -> list[tuple[str, object, str, dict]]:
                     )
                 out.append((label, paged_decode_split_kernel, dtype, dict(decode, **flags)))
             out.append(("merge", merge_splits_kernel, dtype, dict(HEAD_DIM=d, SPLITS_PAD=16)))
+        for fp16 in (False, True):
+            tiles = dict(FP16=fp16, X_FP32=False, BLOCK_M=16, BLOCK_N=64, BLOCK_K=64)
+            out.append((f"nested-{'fp16' if fp16 else 'fp8'}", nested_linear_kernel, dtype, tiles))
     return out
 
 

@@ -1,0 +1,93 @@
+"""y = (x W^T) * scale over NestedFP planes (kvserve/quant/nestedfp.py) in Triton, for GPUs.
+
+One program per (BLOCK_M rows, BLOCK_N outputs), looping over the inputs in BLOCK_K steps. Each step
+loads the `hi` bytes (FP8 mode) or both planes (FP16 mode) of its [BLOCK_N, BLOCK_K] weight tile and
+builds FP16 bit patterns with integer operations: FP8 mode sign | (hi & 0x7F) << 7 (the E4M3 view
+divided by 2^8 is exactly that FP16 value), FP16 mode sign | A << 8 | lo with A = ((hi & 0x7F) -
+(lo >> 7)) >> 1. No float -> fp8 cast is involved (it is wrong under TRITON_INTERPRET=1). The tile is
+converted to x's dtype and multiplied with fp32 accumulation (tl.dot); the epilogue multiplies each
+output by its row's power-of-two scale. FP8 values are exact in fp16 and bf16; FP16 mode is exact in
+fp16 and fp32 activations, not in bf16.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def nested_linear_kernel(
+    x_ptr,
+    hi_ptr,
+    lo_ptr,
+    scale_ptr,
+    y_ptr,
+    M,
+    N,
+    K,
+    FP16: tl.constexpr,
+    X_FP32: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        rk = k0 + tl.arange(0, BLOCK_K)
+        x = tl.load(
+            x_ptr + rm[:, None] * K + rk[None, :], mask=(rm[:, None] < M) & (rk[None, :] < K), other=0.0
+        )
+        w_mask = (rn[:, None] < N) & (rk[None, :] < K)
+        hi = tl.load(hi_ptr + rn[:, None] * K + rk[None, :], mask=w_mask, other=0).to(tl.int32)
+        sign = (hi & 0x80) << 8
+        if FP16:
+            lo = tl.load(lo_ptr + rn[:, None] * K + rk[None, :], mask=w_mask, other=0).to(tl.int32)
+            a = ((hi & 0x7F) - (lo >> 7)) >> 1
+            bits = sign | (a << 8) | lo
+        else:
+            bits = sign | ((hi & 0x7F) << 7)
+        w = bits.to(tl.int16).to(tl.float16, bitcast=True).to(x.dtype)  # [BLOCK_N, BLOCK_K]
+        if X_FP32:  # fp32 products, not TF32
+            acc += tl.dot(x, tl.trans(w), input_precision="ieee", out_dtype=tl.float32)
+        else:
+            acc += tl.dot(x, tl.trans(w), out_dtype=tl.float32)
+    scale = tl.load(scale_ptr + rn, mask=rn < N, other=0.0)
+    out = acc * scale[None, :]
+    tl.store(
+        y_ptr + rm[:, None] * N + rn[None, :],
+        out.to(y_ptr.dtype.element_ty),
+        mask=(rm[:, None] < M) & (rn[None, :] < N),
+    )
+
+
+def nested_linear(
+    x: torch.Tensor,
+    hi: torch.Tensor,
+    lo: torch.Tensor,
+    scale: torch.Tensor,
+    fp16: bool,
+    block_m: int = 16,
+    block_n: int = 64,
+    block_k: int = 64,
+) -> torch.Tensor:
+    """x [M, K] (fp16, bf16 or fp32) times the NestedFP weight [N, K]^T, times scale [N]: [M, N] in x's
+    dtype. FP8 mode (fp16=False) reads `hi` only; `lo` may be any tensor then."""
+    if x.dim() != 2 or hi.dim() != 2 or x.shape[1] != hi.shape[1] or lo.shape != hi.shape:
+        raise ValueError(f"x [M, K] and planes [N, K] needed (got {tuple(x.shape)}, {tuple(hi.shape)})")
+    if hi.dtype != torch.uint8 or lo.dtype != torch.uint8:
+        raise ValueError("the planes must be uint8")
+    m, k = x.shape
+    n = hi.shape[0]
+    y = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    grid = (triton.cdiv(m, block_m), triton.cdiv(n, block_n))
+    nested_linear_kernel[grid](
+        x.contiguous(), hi.contiguous(), lo.contiguous(), scale.float().contiguous(), y, m, n, k,
+        FP16=fp16, X_FP32=x.dtype == torch.float32, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
+    )  # fmt: skip
+    return y
