@@ -9,6 +9,10 @@
 // smallest ones); one multiply by 2^112 makes it the exact weight, zero and subnormals included. Then
 // every y[m, o] is one FMA chain over the inputs in order, times the row's power-of-two scale (exact),
 // plus the bias: bitwise the chain row_linear computes over the dequantized weights, whatever the rows.
+//
+// `unpack_nested_weight` writes that dequantized weight (scale applied) in row_linear's packed fp32
+// layout, the same conversion once per weight instead of once per tile of rows: for prefill, where
+// row_linear over it may beat converting inside every tile (scripts/bench_weights.py measures both).
 #include <torch/extension.h>
 
 #include <cstring>
@@ -97,6 +101,31 @@ at::Tensor pack_nested_weight(const at::Tensor& hi, const at::Tensor& lo) {
   planes[0].narrow(0, 0, out).copy_(hi);
   planes[1].narrow(0, 0, out).copy_(lo);
   return planes.view({2, panels, kLanes, in}).transpose(2, 3).contiguous();  // [2, panels, in, kLanes]
+}
+
+at::Tensor unpack_nested_weight(const at::Tensor& packed, const at::Tensor& scale, int64_t out_features, bool fp16) {
+  TORCH_CHECK(packed.device().is_cpu() && packed.scalar_type() == at::kByte && packed.dim() == 4 &&
+                  packed.is_contiguous() && packed.size(0) == 2 && packed.size(3) == kLanes &&
+                  packed.size(1) * kLanes >= out_features && (packed.size(1) - 1) * kLanes < out_features,
+              "packed must be pack_nested_weight's planes of a weight with out_features rows");
+  const int64_t panels = packed.size(1), in = packed.size(2), plane = panels * in * kLanes;
+  const at::Tensor sc = padded(scale, panels, out_features, "scale");
+  auto w = at::empty({panels, in, kLanes}, packed.options().dtype(at::kFloat));
+  const uint8_t* src = packed.data_ptr<uint8_t>();
+  float* dst = w.data_ptr<float>();
+  const float* scales = sc.data_ptr<float>();
+  parallel_chunks(panels, 1, std::max<int64_t>(1, (int64_t{1} << 20) / std::max<int64_t>(1, in * kLanes)),
+                  [&](int64_t first, int64_t last) {
+    for (int64_t p = first; p < last; ++p) {
+      const vf s = loadu(scales + p * kLanes);
+      for (int64_t i = 0; i < in; ++i) {
+        const int64_t at = (p * in + i) * kLanes;
+        const vf v = fp16 ? NestedFp16::load_w(src + at, plane) : NestedFp8::load_w(src + at, plane);
+        storeu(dst + at, v * s);  // the row's power of two: exact
+      }
+    }
+  });
+  return w;
 }
 
 at::Tensor nested_linear(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scale,

@@ -228,6 +228,7 @@ at::Tensor row_linear_bf16(const at::Tensor& x, const at::Tensor& packed, const 
 
 // csrc/cpu/nested_linear.cpp
 at::Tensor pack_nested_weight(const at::Tensor& hi, const at::Tensor& lo);
+at::Tensor unpack_nested_weight(const at::Tensor& packed, const at::Tensor& scale, int64_t out_features, bool fp16);
 at::Tensor nested_linear(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scale,
                          const c10::optional<at::Tensor>& bias, int64_t out_features, bool fp16);
 
@@ -245,6 +246,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("pack_linear_weight_bf16", &pack_linear_weight_bf16, "bf16 W [out, in] -> the panels row_linear_bf16 reads");
   m.def("row_linear_bf16", &row_linear_bf16, "x W^T (+ b) for bf16 x and W, fp32 sums, each row independent");
   m.def("pack_nested_weight", &pack_nested_weight, "NestedFP hi, lo [out, in] -> the planes nested_linear reads");
+  m.def("unpack_nested_weight", &unpack_nested_weight, "NestedFP planes -> row_linear's packed fp32 weight (scaled)");
   m.def("nested_linear", &nested_linear, "(x W^T) * scale (+ b) over NestedFP planes: FP8 mode reads hi, FP16 both");
   m.def("rms_norm", &rms_norm, "Llama RMSNorm of each row (fp32 sums; the modeling code's bf16 roundings)");
   m.def("add_rms_norm_", &add_rms_norm_, "residual += x in place, then rms_norm(residual)");

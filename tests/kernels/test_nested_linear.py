@@ -68,3 +68,13 @@ def test_rejects_bad_arguments(ext):
         ext.nested_linear(torch.randn(2, 16), packed, n.scale, None, 40, False)
     with pytest.raises(RuntimeError, match="uint8"):
         ext.pack_nested_weight(n.hi.float(), n.lo)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_unpacked_weight_is_row_linears_packing_of_the_reference(ext, mode):
+    w, n = weight(100, 37, 5)
+    packed = ext.pack_nested_weight(n.hi, n.lo)
+    unpacked = ext.unpack_nested_weight(packed, n.scale, 100, mode == "fp16")
+    assert torch.equal(unpacked, ext.pack_linear_weight(n.dequant(mode)))
+    x = torch.randn(130, 37, generator=torch.Generator().manual_seed(6))
+    assert torch.equal(ext.row_linear(x, unpacked, None, 100), nested(ext, x, n, mode))
