@@ -35,6 +35,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+from doc_section import fill
 from machine import describe
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -47,7 +48,6 @@ from kvserve.models.loader import resolve_model_path  # noqa: E402
 from kvserve.tokenizer import Tokenizer  # noqa: E402
 from tests.redis_server import RedisServer  # noqa: E402
 
-START, END = "<!-- cluster:start -->", "<!-- cluster:end -->"
 REPLICA = "x-kvserve-replica"
 BYTES_PER_TOKEN = 23040  # SmolLM2-135M in bf16 (the pool budget is in bytes)
 
@@ -339,9 +339,7 @@ def main() -> None:
     plot(results, ROOT / "docs" / "img" / "cluster_ttft.png")
     if args.json:
         args.json.write_text(json.dumps({"results": results, "cross": cross}, indent=1))
-    doc = args.doc.read_text()
-    start, end = doc.index(START) + len(START), doc.index(END)
-    args.doc.write_text(doc[:start] + "\n" + text + "\n" + doc[end:])
+    fill(args.doc, "cluster", text)
 
 
 if __name__ == "__main__":

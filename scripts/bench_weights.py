@@ -18,6 +18,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
+from doc_section import fill
 from machine import describe
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -28,7 +29,6 @@ from nestedfp_report import linear_weights  # noqa: E402
 from kvserve.kernels import cpu_ext  # noqa: E402
 from kvserve.quant.nestedfp import NestedWeight  # noqa: E402
 
-START, END = "<!-- nestedfp-gemv:start -->", "<!-- nestedfp-gemv:end -->"
 KERNELS = ("fp32", "bf16", "nested fp16", "nested fp8", "nested fp8, unpacked per call")
 ROWS = (1, 8, 128)
 
@@ -62,26 +62,22 @@ def kernels(ext, weights: list[torch.Tensor]) -> dict[str, tuple[Callable[[int],
     nested = [NestedWeight.from_float(w) for w in weights]
     planes = [(ext.pack_nested_weight(n.hi, n.lo), n.scale, n.shape[0]) for n in nested]
     params = sum(w.numel() for w in weights)
-    inputs: dict[tuple[int, int], torch.Tensor] = {}
+    inputs: dict[tuple[int, int, torch.dtype], torch.Tensor] = {}
 
     def x(rows: int, in_f: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        key = (rows, in_f)
+        key = (rows, in_f, dtype)
         if key not in inputs:
-            inputs[key] = torch.randn(rows, in_f, generator=torch.Generator().manual_seed(rows))
-        return inputs[key].to(dtype)
+            gen = torch.Generator().manual_seed(rows)
+            inputs[key] = torch.randn(rows, in_f, generator=gen).to(dtype)
+        return inputs[key]
 
     def run_fp32(rows: int) -> None:
         for p, out in fp32:
             ext.row_linear(x(rows, p.shape[1]), p, None, out)
 
-    xb = {}
-
     def run_bf16(rows: int) -> None:
         for p, out in bf16:
-            in_f = 2 * p.shape[1]
-            if (rows, in_f) not in xb:
-                xb[(rows, in_f)] = x(rows, in_f, torch.bfloat16)
-            ext.row_linear_bf16(xb[(rows, in_f)], p, None, out)
+            ext.row_linear_bf16(x(rows, 2 * p.shape[1], torch.bfloat16), p, None, out)
 
     def run_nested(fp16: bool) -> Callable[[int], None]:
         def run(rows: int) -> None:
@@ -156,9 +152,7 @@ def main() -> None:
     results = {rows: measure(runs, rows, args.repeats) for rows in ROWS}
     text = render(args.model, args.threads, sum(w.numel() for w in weights), runs, results)
     print(text)
-    doc = args.doc.read_text()
-    start, end = doc.index(START) + len(START), doc.index(END)
-    args.doc.write_text(doc[:start] + "\n" + text + "\n" + doc[end:])
+    fill(args.doc, "nestedfp-gemv", text)
 
 
 if __name__ == "__main__":

@@ -12,6 +12,7 @@ import statistics
 import sys
 from pathlib import Path
 
+from doc_section import fill
 from machine import describe
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -19,8 +20,6 @@ sys.path.insert(0, str(ROOT))
 
 from kvserve.models.loader import resolve_model_path  # noqa: E402
 from kvserve.quant.nestedfp import FP8_LIMIT, LayerReport, report  # noqa: E402
-
-START, END = "<!-- nestedfp-layers:start -->", "<!-- nestedfp-layers:end -->"
 
 
 def linear_weights(model: str) -> dict[str, object]:
@@ -82,9 +81,7 @@ def main() -> None:
     rows = [report(name, w) for name, w in weights.items()]  # type: ignore[arg-type]
     text = render(args.model, dtype, rows)
     print(text)
-    doc = args.doc.read_text()
-    start, end = doc.index(START) + len(START), doc.index(END)
-    args.doc.write_text(doc[:start] + "\n" + text + "\n" + doc[end:])
+    fill(args.doc, "nestedfp-layers", text)
 
 
 if __name__ == "__main__":

@@ -36,25 +36,9 @@ namespace {
 
 using namespace kvserve_cpu;
 
-// One step of input: fp32 takes one input feature (x a float, W's step kLanes floats), bf16 a pair
-// (x two bf16 in a uint32, W's step kLanes such pairs). Both a W step and a broadcast x are one vf.
-struct Fp32 {
-  using X = float;
-  using W = float;
-  using Y = float;
-  static vf broadcast(float x) { return splat(x); }
-  static vf load_w(const float* w, int64_t) { return loadu(w); }
-  // acc + x * w, one fused multiply-add
-  static vf step(vf acc, vf x, vf w) { return fmadd(x, w, acc); }
-  static void store(float* dst, vf v, int64_t n) {
-    if (n == kLanes) {
-      storeu(dst, v);
-    } else {
-      for (int64_t l = 0; l < n; ++l) dst[l] = v[l];
-    }
-  }
-};
-
+// One step of input: fp32 (Fp32, linear_tiles.h) takes one input feature (x a float, W's step kLanes
+// floats), bf16 a pair (x two bf16 in a uint32, W's step kLanes such pairs). Both a W step and a
+// broadcast x are one vf.
 struct Bf16 {
   using X = uint32_t;
   using W = uint32_t;

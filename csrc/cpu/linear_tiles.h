@@ -21,6 +21,25 @@ constexpr int64_t kBlockRows = 96;
 constexpr int64_t kFewRows = 16;
 constexpr int64_t kMinMacsPerThread = int64_t{1} << 21;
 
+// fp32 x and y, one input feature a step; the weight formats that widen to fp32 lanes (NestedFP)
+// derive from it and replace W and load_w.
+struct Fp32 {
+  using X = float;
+  using W = float;
+  using Y = float;
+  static vf broadcast(float x) { return splat(x); }
+  static vf load_w(const float* w, int64_t) { return loadu(w); }
+  // acc + x * w, one fused multiply-add
+  static vf step(vf acc, vf x, vf w) { return fmadd(x, w, acc); }
+  static void store(float* dst, vf v, int64_t n) {
+    if (n == kLanes) {
+      storeu(dst, v);
+    } else {
+      for (int64_t l = 0; l < n; ++l) dst[l] = v[l];
+    }
+  }
+};
+
 template <typename T>
 struct Shape {
   const typename T::X* x;   // [rows, steps]

@@ -55,23 +55,12 @@ inline vf weight_from_bits(vu bits) {
   return v * splat(0x1p112f);
 }
 
-struct NestedFp8 {
-  using X = float;
+struct NestedFp8 : Fp32 {
   using W = uint8_t;
-  using Y = float;
-  static vf broadcast(float x) { return splat(x); }
   static vf load_w(const uint8_t* w, int64_t) {
     // sign-extended, the byte's sign lands on bits 27..31 after the shift and its magnitude on 20..26;
     // clearing bits 27..30 leaves sign | magnitude << 20 (three operations a vector)
     return weight_from_bits((widen_signed(w) << 20) & 0x87FFFFFFu);  // E4M3 / 2^8
-  }
-  static vf step(vf acc, vf x, vf w) { return fmadd(x, w, acc); }
-  static void store(float* dst, vf v, int64_t n) {
-    if (n == kLanes) {
-      storeu(dst, v);
-    } else {
-      for (int64_t l = 0; l < n; ++l) dst[l] = v[l];
-    }
   }
 };
 

@@ -117,7 +117,7 @@ class ClusterBackend:
         self.config, self.cluster = config, cluster
         self.model_name = config.served_model_name or config.model
         self._replica: ReplicaInfo | None = None
-        self.metrics = Metrics(self.model_name)  # latency and throughput as clients see them
+        self.metrics: Metrics  # latency and throughput as clients see them (built in start)
 
     async def start(self, timeout_s: float = 300.0) -> None:
         """Wait until the router knows every replica (so that no key moves once serving starts)."""
