@@ -40,6 +40,7 @@ using namespace kvserve_cpu;
 // floats), bf16 a pair (x two bf16 in a uint32, W's step kLanes such pairs). Both a W step and a
 // broadcast x are one vf.
 struct Bf16 {
+  static constexpr int64_t kMinMacsPerThread = Fp32::kMinMacsPerThread;
   using X = uint32_t;
   using W = uint32_t;
   using Y = at::BFloat16;

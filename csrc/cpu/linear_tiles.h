@@ -19,7 +19,6 @@ constexpr int kTileRows = 8;
 constexpr int kTilePanels = 3;
 constexpr int64_t kBlockRows = 96;
 constexpr int64_t kFewRows = 16;
-constexpr int64_t kMinMacsPerThread = int64_t{1} << 21;
 
 // fp32 x and y, one input feature a step; the weight formats that widen to fp32 lanes (NestedFP)
 // derive from it and replace W and load_w.
@@ -27,6 +26,8 @@ struct Fp32 {
   using X = float;
   using W = float;
   using Y = float;
+  // a thread gets at least this many multiply-adds of a few-row call (run_blocks)
+  static constexpr int64_t kMinMacsPerThread = int64_t{1} << 21;
   static vf broadcast(float x) { return splat(x); }
   static vf load_w(const float* w, int64_t) { return loadu(w); }
   // acc + x * w, one fused multiply-add
@@ -102,10 +103,10 @@ void run_blocks(const Shape<T>& s, int64_t rows, int64_t panels, int64_t in_feat
   auto block_fn = [&](int64_t m0, int64_t m1, int64_t p0, int64_t p1) { block<T>(s, m0, m1, p0, p1); };
   if (rows <= kFewRows) {  // bound by reading W: each panel once, three at a time (three FMA chains)
     const int64_t groups = (panels + kTilePanels - 1) / kTilePanels;
-    // a thread gets at least kMinMacsPerThread of work: waking a second thread for one decode-step
+    // a thread gets at least T::kMinMacsPerThread of work: waking a second thread for one decode-step
     // projection costs more than it saves (with the server's own threads on the same cores, far more)
     const int64_t group_macs = std::max<int64_t>(1, rows * in_features * kTilePanels * kLanes);
-    const int64_t grain = std::max<int64_t>(2, kMinMacsPerThread / group_macs);
+    const int64_t grain = std::max<int64_t>(2, T::kMinMacsPerThread / group_macs);
     parallel_chunks(groups, std::max<int64_t>(1, grain / 4), grain, [&](int64_t first, int64_t last) {
       for (int64_t g = first; g < last; ++g) block_fn(0, rows, g * kTilePanels, std::min(panels, (g + 1) * kTilePanels));
     });

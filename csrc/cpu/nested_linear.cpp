@@ -1,14 +1,22 @@
 // y = (x W^T) * scale (+ b) in fp32 over NestedFP weights (kvserve/quant/nestedfp.py): the same tiled,
 // row-invariant schedule as row_linear (linear_tiles.h), reading the weight's byte planes.
 //
-// W is packed once (`pack_nested_weight`) into [2, panels, in, kLanes] uint8: plane 0 the `hi` bytes,
-// plane 1 the `lo` bytes, each in row_linear's panel order. FP8 mode reads plane 0 only, 1 byte a
-// weight; FP16 mode reads both, 2 bytes a weight, and rebuilds the FP16 magnitude
-// (((hi & 0x7F) - (lo >> 7)) >> 1) << 8 | lo. Either magnitude, shifted under fp32's exponent field
-// (E4M3 by 20, FP16 by 13) and read as a float, is the weight times 2^-112 (an fp32 denormal for the
-// smallest ones); one multiply by 2^112 makes it the exact weight, zero and subnormals included. Then
-// every y[m, o] is one FMA chain over the inputs in order, times the row's power-of-two scale (exact),
-// plus the bias: bitwise the chain row_linear computes over the dequantized weights, whatever the rows.
+// W is packed once (`pack_nested_weight`) into [2, panels, in, kLanes] uint8, each plane in row_linear's
+// panel order:
+// - plane 0 holds the `hi` bytes (the E4M3 view of w * 2^8);
+// - plane 1 holds the FP16 residual below it, r = m - ((hi & 0x7F) << 7) as an int8, m being the FP16
+//   magnitude bits. That is a re-encoding of `lo` (the low mantissa byte), not a third copy: rounding
+//   `hi` moved m by at most 64 ulps (127 where it saturated), so r always fits, and m and lo follow from
+//   (hi, r) and back (tests/kernels/test_nested_linear.py). It makes FP16 mode one add away from FP8 mode.
+// FP8 mode reads plane 0 only, 1 byte a weight; FP16 mode reads both, 2 bytes a weight.
+//
+// The E4M3 byte of w * 2^8, its magnitude shifted up 7 under an FP16 sign, is the FP16 encoding of w
+// itself (the exponent biases differ by 8: 15 - 7), subnormals included. So a step of weights is: widen
+// the bytes to 16-bit lanes with their sign, shift by 7, clear the copy of the sign left at bit 14, (FP16
+// mode: add the residual), and convert FP16 -> fp32 with F16C's vcvtph2ps, which is exact. The 16-bit
+// work runs at half the vector width (one uop on CPUs that split 512-bit operations). Then every y[m, o]
+// is one FMA chain over the inputs in order, times the row's power-of-two scale (exact), plus the bias:
+// bitwise the chain row_linear computes over the dequantized weights, whatever the rows.
 //
 // `unpack_nested_weight` writes that dequantized weight (scale applied) in row_linear's packed fp32
 // layout, the same conversion once per weight instead of once per tile of rows: for prefill, where
@@ -23,52 +31,55 @@ namespace {
 
 using namespace kvserve_cpu;
 
-// kLanes consecutive bytes, sign-extended to 32-bit lanes
-inline vu widen_signed(const uint8_t* p) {
+// kLanes FP16 values (their bits) -> fp32 lanes, exactly
 #if defined(__AVX512F__)
-  return reinterpret_cast<vu>(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+using vh = __m256i;
+inline vf fp16_to_fp32(vh bits) { return reinterpret_cast<vf>(_mm512_cvtph_ps(bits)); }
+// kLanes bytes sign-extended to 16-bit lanes
+inline vh widen16(const uint8_t* p) { return _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
+inline vh fp8_to_fp16(vh b) { return _mm256_and_si256(_mm256_slli_epi16(b, 7), _mm256_set1_epi16(-0x4001)); }
+inline vh add16(vh a, vh b) { return _mm256_add_epi16(a, b); }
 #elif defined(__AVX2__)
-  return reinterpret_cast<vu>(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+using vh = __m128i;
+inline vf fp16_to_fp32(vh bits) { return reinterpret_cast<vf>(_mm256_cvtph_ps(bits)); }
+inline vh widen16(const uint8_t* p) { return _mm_cvtepi8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))); }
+inline vh fp8_to_fp16(vh b) { return _mm_and_si128(_mm_slli_epi16(b, 7), _mm_set1_epi16(-0x4001)); }
+inline vh add16(vh a, vh b) { return _mm_add_epi16(a, b); }
 #else
-  vu v;
-  for (int l = 0; l < kLanes; ++l) v[l] = static_cast<uint32_t>(static_cast<int32_t>(static_cast<int8_t>(p[l])));
-  return v;
+struct vh {
+  uint16_t v[kLanes];
+};
+inline vf fp16_to_fp32(vh bits) {
+  vf out;
+  for (int l = 0; l < kLanes; ++l) out[l] = static_cast<float>(c10::Half(bits.v[l], c10::Half::from_bits()));
+  return out;
+}
+inline vh widen16(const uint8_t* p) {
+  vh h;
+  for (int l = 0; l < kLanes; ++l) h.v[l] = static_cast<uint16_t>(static_cast<int16_t>(static_cast<int8_t>(p[l])));
+  return h;
+}
+inline vh fp8_to_fp16(vh b) {
+  for (int l = 0; l < kLanes; ++l) b.v[l] = static_cast<uint16_t>((b.v[l] << 7) & 0xBFFF);
+  return b;
+}
+inline vh add16(vh a, vh b) {
+  for (int l = 0; l < kLanes; ++l) a.v[l] = static_cast<uint16_t>(a.v[l] + b.v[l]);
+  return a;
+}
 #endif
-}
-
-// kLanes consecutive bytes, zero-extended to 32-bit lanes
-inline vu widen(const uint8_t* p) {
-#if defined(__AVX512F__)
-  return reinterpret_cast<vu>(_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
-#elif defined(__AVX2__)
-  return reinterpret_cast<vu>(_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
-#else
-  vu v;
-  for (int l = 0; l < kLanes; ++l) v[l] = p[l];
-  return v;
-#endif
-}
-
-inline vf weight_from_bits(vu bits) {
-  vf v;
-  std::memcpy(&v, &bits, sizeof(vf));
-  return v * splat(0x1p112f);
-}
 
 struct NestedFp8 : Fp32 {
   using W = uint8_t;
-  static vf load_w(const uint8_t* w, int64_t) {
-    // sign-extended, the byte's sign lands on bits 27..31 after the shift and its magnitude on 20..26;
-    // clearing bits 27..30 leaves sign | magnitude << 20 (three operations a vector)
-    return weight_from_bits((widen_signed(w) << 20) & 0x87FFFFFFu);  // E4M3 / 2^8
-  }
+  static constexpr int64_t kMinMacsPerThread = int64_t{1} << 18;
+  // the sign-extended byte shifted by 7 has the sign at bits 15 and 14; clearing 14 leaves the FP16 of w
+  static vf load_w(const uint8_t* w, int64_t) { return fp16_to_fp32(fp8_to_fp16(widen16(w))); }
 };
 
 struct NestedFp16 : NestedFp8 {
+  // the residual moves the magnitude below the sign: no carry reaches bit 15 (m stays below 0x3F80: |w| < 1.875)
   static vf load_w(const uint8_t* w, int64_t plane) {
-    const vu h = widen(w), lo = widen(w + plane);
-    const vu a = ((h & 0x7Fu) - (lo >> 7)) >> 1;  // never negative: hi's magnitude is 2a + (lo >> 7) + 0 or 1
-    return weight_from_bits((((a << 8) | lo) << 13) | ((h & 0x80u) << 24));  // the FP16 value
+    return fp16_to_fp32(add16(fp8_to_fp16(widen16(w)), widen16(w + plane)));
   }
 };
 
@@ -86,9 +97,13 @@ at::Tensor pack_nested_weight(const at::Tensor& hi, const at::Tensor& lo) {
                   lo.scalar_type() == at::kByte && lo.device().is_cpu(),
               "hi and lo must be uint8 CPU tensors [out_features, in_features] of one shape");
   const int64_t out = hi.size(0), in = hi.size(1), panels = (out + kLanes - 1) / kLanes;
+  const at::Tensor h = hi.to(at::kInt).bitwise_and(0x7F), low = lo.to(at::kInt);
+  // m = a << 8 | lo with a = (hi - (lo >> 7)) >> 1 (nestedfp.merge); the residual r = m - (hi << 7)
+  const at::Tensor a = h.sub(low.bitwise_right_shift(7)).bitwise_right_shift(1);
+  const at::Tensor residual = a.bitwise_left_shift(8).bitwise_or(low).sub(h.bitwise_left_shift(7));
   auto planes = at::zeros({2, panels * kLanes, in}, hi.options());
   planes[0].narrow(0, 0, out).copy_(hi);
-  planes[1].narrow(0, 0, out).copy_(lo);
+  planes[1].narrow(0, 0, out).copy_(residual.to(at::kChar).view(at::kByte));
   return planes.view({2, panels, kLanes, in}).transpose(2, 3).contiguous();  // [2, panels, in, kLanes]
 }
 

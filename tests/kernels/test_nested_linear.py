@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kvserve.quant.nestedfp import NestedWeight
+from kvserve.quant.nestedfp import NestedWeight, fp8_view, merge, split
 
 MODES = ("fp8", "fp16")
 
@@ -78,3 +78,19 @@ def test_unpacked_weight_is_row_linears_packing_of_the_reference(ext, mode):
     assert torch.equal(unpacked, ext.pack_linear_weight(n.dequant(mode)))
     x = torch.randn(130, 37, generator=torch.Generator().manual_seed(6))
     assert torch.equal(ext.row_linear(x, unpacked, None, 100), nested(ext, x, n, mode))
+
+
+def test_the_kernels_planes_rebuild_every_fp16_pattern_in_range(ext):
+    """Plane 1 holds the residual below the FP8 view, not lo itself: the kernel's FP16 conversion of
+    every FP16 weight with |w| < 1.875 (and the FP8 one of its hi byte) is exact."""
+    bits = torch.arange(-(1 << 15), 1 << 15, dtype=torch.int32).to(torch.int16)
+    v = bits.view(torch.float16)
+    v = v[torch.isfinite(v) & (v.abs() < 1.875)]
+    v = v[: v.numel() // 16 * 16].reshape(-1, 16)  # [out, in]: every row a whole panel
+    hi, lo = split(v)
+    packed = ext.pack_nested_weight(hi, lo)
+    ones = torch.ones(v.shape[0])
+    fp16 = ext.unpack_nested_weight(packed, ones, v.shape[0], True)
+    assert torch.equal(fp16, ext.pack_linear_weight(merge(hi, lo).float()))
+    fp8 = ext.unpack_nested_weight(packed, ones, v.shape[0], False)
+    assert torch.equal(fp8, ext.pack_linear_weight(fp8_view(hi).float() / 256))
