@@ -54,14 +54,18 @@ clean:
 
 # Benchmark peers for scripts/bench_compare.py, each in its own venv under .bench-peers/ (git-ignored;
 # never the project's .venv), all on the pinned CPU torch. llama.cpp is optional: its source build
-# gets at most 15 minutes and a failure only leaves it out of the comparison.
+# gets at most 30 minutes (it needs about that on two cores) and a failure only leaves it out of the comparison.
 PEERS      ?= .bench-peers
 PEER_TORCH ?= torch==2.13.0
 .PHONY: bench-peers bench-compare
 
-bench-peers: setup $(PEERS)/hf/.ok $(PEERS)/kvboost/.ok $(PEERS)/vllm/.ok
+bench-peers: setup $(PEERS)/hf/.ok $(PEERS)/kvboost/.ok $(PEERS)/vllm/.ok bench-peer-llamacpp
+
+# llama.cpp alone (scripts/bench_weights.py --part peers needs only it)
+.PHONY: bench-peer-llamacpp
+bench-peer-llamacpp:
 	-test -f $(PEERS)/llamacpp/.ok || ( (test -d $(PEERS)/llamacpp || $(PYTHON) -m venv $(PEERS)/llamacpp) \
-	  && CMAKE_BUILD_PARALLEL_LEVEL=2 timeout 900 $(PEERS)/llamacpp/bin/pip install -q \
+	  && CMAKE_BUILD_PARALLEL_LEVEL=2 timeout 1800 $(PEERS)/llamacpp/bin/pip install -q \
 	     "llama-cpp-python[server]==0.3.36" && touch $(PEERS)/llamacpp/.ok )
 
 $(PEERS)/hf/.ok:

@@ -31,6 +31,34 @@ class ServeConfig:
             "help": "auto (on CPU bfloat16 where AMX or AVX-512 BF16 make it measurably faster, else float32; bfloat16 on GPUs of compute capability 8.0+, else float16), float32, bfloat16 or float16"
         },
     )
+    weight_precision: str = field(
+        default="dense",
+        metadata={
+            "help": "dense (the weights as --dtype), or NestedFP weights held once as FP16 in two byte "
+            "planes (2 bytes a parameter, fp32 activations; CPU, fused forward): fp16 (exact FP16 "
+            "weights), fp8 (the upper plane alone, an E4M3 view: half the bytes read, about 2.7 percent "
+            "weight error) or auto (each request gets fp8 while load puts --slo-ttft-ms or --fp8-queue-depth "
+            "at risk, fp16 otherwise, with hysteresis)"
+        },
+    )
+    slo_ttft_ms: float = field(
+        default=0.0,
+        metadata={
+            "help": "weight_precision auto: new requests get fp8 while the recent time-to-first-token "
+            "p90 is over this (0 = judge by queue depth alone)"
+        },
+    )
+    fp8_queue_depth: int = field(
+        default=4,
+        metadata={
+            "help": "weight_precision auto: new requests get fp8 while this many or more wait to be "
+            "scheduled; back to fp16 at half of it"
+        },
+    )
+    precision_hold_s: float = field(
+        default=2.0,
+        metadata={"help": "weight_precision auto: stay at least this long in fp8 before going back to fp16"},
+    )
     max_model_len: int = field(
         default=0, metadata={"help": "context length in tokens; 0 = the model's max_position_embeddings"}
     )
@@ -216,6 +244,7 @@ _CHOICES: dict[str, tuple[str, ...]] = {
     "eviction_policy": ("lru_freq", "lru"),
     "attention_backend": ("auto", "reference", "cpu_paged", "triton", "cuda"),
     "model_forward": ("auto", "hf"),
+    "weight_precision": ("dense", "fp16", "fp8", "auto"),
     "reuse": ("prefix", "any"),
     "recompute_strategy": ("none", "selective", "cacheblend"),
     "pieces": ("fixed", "content"),
@@ -288,6 +317,18 @@ def validate(cfg: ServeConfig) -> None:
         raise ConfigError(f"max_model_len must be >= 0 (got {cfg.max_model_len})")
     if cfg.batch_window_ms < 0 or cfg.request_timeout_s <= 0:
         raise ConfigError("batch_window_ms must be >= 0 and request_timeout_s > 0")
+    if cfg.slo_ttft_ms < 0 or cfg.fp8_queue_depth < 1 or cfg.precision_hold_s < 0:
+        raise ConfigError("slo_ttft_ms and precision_hold_s must be >= 0 and fp8_queue_depth >= 1")
+    if cfg.weight_precision != "dense" and cfg.dtype not in ("auto", "float32"):
+        raise ConfigError(
+            f"weight_precision {cfg.weight_precision} computes in float32 over NestedFP weights; "
+            f"drop --dtype {cfg.dtype} (or use --weight-precision dense)"
+        )
+    if cfg.weight_precision != "dense" and cfg.model_forward == "hf":
+        raise ConfigError(
+            "weight_precision fp16 / fp8 / auto run through the fused CPU forward; drop --model-forward hf "
+            "(or use --weight-precision dense)"
+        )
     if not 0 < cfg.port < 65536:
         raise ConfigError(f"port must be in 1..65535 (got {cfg.port})")
 

@@ -244,6 +244,9 @@ class Request:
     # engine-internal (an audit's full recompute): scheduled only while no other request runs or
     # waits, and its output goes to the engine, never to a client
     background: bool = False
+    # NestedFP weights: the precision to compute at (an audit keeps the audited request's); None: the
+    # engine's policy picks (engine/precision.py)
+    weight_precision: str | None = None
 
 
 def sample_requests(
@@ -340,6 +343,7 @@ class RequestOutput:
     prompt_logprobs: list[TokenLogprob | None] | None = None
     error: str | None = None
     metrics: RequestMetrics = field(default_factory=RequestMetrics)
+    weight_precision: str | None = None  # NestedFP weights: "fp16" or "fp8", what it was computed at
 
     @property
     def num_prompt_tokens(self) -> int:

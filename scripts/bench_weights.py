@@ -1,16 +1,20 @@
-"""NestedFP linear kernels against the fp32 and bf16 ones, on one decode step's projections of a model:
-each layer's q|k|v, o, gate|up and down, and the LM head, with rows = 1 (single-stream decode) and
-rows = 8 (8-way batched decode). Every kernel gets the same inputs in the same run; the order of the
-kernels rotates each repeat. Writes docs/weights.md between the nestedfp-gemv markers.
+"""NestedFP weights against fp32 and bf16 ones, written to docs/weights.md. Three parts:
 
-This is the projections alone, not a served token: the engine does not load NestedFP weights yet.
+- kernels (section nestedfp-gemv): one decode step's projections of a model (each layer's q|k|v, o,
+  gate|up and down, and the LM head) at 1, 8 and 128 rows, every kernel on the same inputs, the order
+  rotating each repeat;
+- engine (nestedfp-engine; scripts/weights_engine.py): SmolLM2 served by the engine in each weight
+  format: weight bytes, single-stream and 8-way decode, perplexity;
+- auto (nestedfp-auto; scripts/weights_auto.py): --weight-precision auto under a load ramp against
+  fp16 and fp8 alone.
 
-    python scripts/bench_weights.py [--model smollm2-135m] [--repeats 7] [--threads 1]
+    python scripts/bench_weights.py [--part kernels|engine|auto|all] [--threads 2]
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
 import sys
 import time
@@ -140,12 +144,99 @@ def render(model: str, threads: int, params: int, runs: dict, results: dict[int,
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--part", choices=["kernels", "engine", "auto", "peers", "all"], default="all")
     ap.add_argument("--model", default="smollm2-135m")
     ap.add_argument("--repeats", type=int, default=7)
-    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--threads", type=int, default=torch.get_num_threads())
+    ap.add_argument("--rounds", type=int, default=2, help="engine part: rounds over the formats")
     ap.add_argument("--doc", type=Path, default=ROOT / "docs" / "weights.md")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
+    engine_json = args.doc.parent / "data" / "weights_engine.json"
+    if args.part in ("kernels", "all"):
+        kernel_part(args)
+    if args.part in ("engine", "all"):
+        import weights_engine
+
+        results = weights_engine.run_all(args.rounds, repeats=3)
+        engine_json.parent.mkdir(parents=True, exist_ok=True)
+        engine_json.write_text(json.dumps(results, indent=1) + "\n")
+        text = weights_engine.render(results, describe(args.threads), args.rounds, 3)
+        print(text)
+        fill(args.doc, "nestedfp-engine", text)
+    if args.part in ("peers", "all"):
+        text = peers_part(args)
+        print(text)
+        fill(args.doc, "nestedfp-peers", text)
+    if args.part in ("auto", "all"):
+        import weights_auto
+
+        ppl = None
+        if engine_json.exists():
+            ppl = {k: v["ppl"] for k, v in json.loads(engine_json.read_text()).items()}
+        m = weights_auto.measure()
+        text = weights_auto.render(m, describe(args.threads), ppl)
+        print(text)
+        fill(args.doc, "nestedfp-auto", text)
+
+
+PEER_SYSTEMS = ("kvserve-fp32", "kvserve-bf16", "kvserve-nested-fp16", "kvserve-nested-fp8", "llamacpp")
+
+
+def peers_part(args: argparse.Namespace) -> str:
+    """Single-stream decode through each server (bench_compare's decode workload: one chat, 128 tokens,
+    end of sequence ignored; tokens/s = 1 / ITL p50), llama.cpp's server on the Q4_1 GGUF the model
+    comes from (`make bench-peer-llamacpp` builds it)."""
+    from bench_compare import run_all
+    from bench_serving import VLLM_SIZE
+    from bench_vllm_report import _summaries
+
+    out = ROOT / "out" / "bench" / "weights_peers.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    rounds = []
+    for r in range(args.rounds):  # each round every server once, in a rotated order (run_all)
+        data = run_all(
+            list(PEER_SYSTEMS[r:] + PEER_SYSTEMS[:r]),
+            ["decode"],
+            VLLM_SIZE,
+            out.with_suffix(f".{r}.json"),
+            False,
+        )
+        rounds.append(_summaries(data))
+    rates: dict[str, float | None] = {}
+    notes: dict[str, str] = {}
+    for name in PEER_SYSTEMS:
+        values = [s.get((name, "decode", "c1"), {}).get("decode_tok_per_s") for s in rounds]
+        ok = [v for v in values if v]
+        rates[name] = statistics.median(ok) if ok else None
+    for r in data["results"]:
+        if "unavailable" in r:
+            notes[r["system"]] = "unavailable: " + r["unavailable"].strip().splitlines()[-1][:160]
+        elif r.get("note"):
+            notes[r["system"]] = r["note"]
+    fp32, llama = rates.get("kvserve-fp32"), rates.get("llamacpp")
+    lines = [
+        f"Measured by `python scripts/bench_weights.py --part peers` on {describe()}: single-stream decode "
+        f"through each server (one chat request, {VLLM_SIZE.decode_tokens} tokens, end of sequence "
+        f"ignored; tokens/s = 1 / ITL p50 as the client sees the stream), {args.rounds} rounds with the "
+        "servers in rotated order, medians.",
+        "",
+        "| server | decode tok/s | x kvserve fp32 | x llama.cpp |",
+        "|---|---:|---:|---:|",
+    ]
+
+    def ratio(v: float | None, ref: float | None) -> str:
+        return f"{v / ref:.2f}x" if v and ref else "-"
+
+    for name in PEER_SYSTEMS:
+        v = rates[name]
+        value = f"{v:.1f}" if v else "-"
+        lines.append(f"| {name} | {value} | {ratio(v, fp32)} | {ratio(v, llama)} |")
+    lines += ["", *(f"- {k}: {v}" for k, v in notes.items())]
+    return "\n".join(lines)
+
+
+def kernel_part(args: argparse.Namespace) -> None:
     ext = cpu_ext.load()
     weights = step_weights(args.model)
     runs = kernels(ext, weights)

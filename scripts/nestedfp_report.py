@@ -12,6 +12,7 @@ import statistics
 import sys
 from pathlib import Path
 
+import torch
 from doc_section import fill
 from machine import describe
 
@@ -32,7 +33,19 @@ def linear_weights(model: str) -> dict[str, object]:
     return {k: v for k, v in weights.items() if getattr(v, "ndim", 0) == 2 and "embed_tokens" not in k}
 
 
-def render(model: str, dtype: str, rows: list[LayerReport]) -> str:
+def embedding(model: str) -> torch.Tensor:
+    from safetensors.torch import load_file
+
+    for f in sorted(resolve_model_path(model).glob("*.safetensors")):
+        tensors = load_file(str(f))
+        if "model.embed_tokens.weight" in tensors:
+            return tensors["model.embed_tokens.weight"]
+    raise KeyError("model.embed_tokens.weight")
+
+
+def render(
+    model: str, dtype: str, rows: list[LayerReport], bf16: list[LayerReport], table: LayerReport
+) -> str:
     params = sum(r.shape[0] * r.shape[1] for r in rows)
     channels = sum(r.shape[0] for r in rows)
     out_of_range = [r for r in rows if not r.in_range]
@@ -54,6 +67,11 @@ def render(model: str, dtype: str, rows: list[LayerReport]) -> str:
         f"| conversion to FP16: mean \\|error\\| (mean over weights) "
         f"| {statistics.fmean(r.fp16_mean_abs_error for r in rows):.3g} |",
         f"| overflow in plain FP16 (no pre-scale) | {sum(r.fp16_overflow for r in rows)} weights |",
+        f"| the checkpoint cast to bf16 first, then converted: max / mean \\|error\\| against the bf16 weights "
+        f"| {max(r.fp16_max_abs_error for r in bf16):.3g} / {statistics.fmean(r.fp16_mean_abs_error for r in bf16):.3g}"
+        f" (overflow: {sum(r.fp16_overflow for r in bf16)} weights) |",
+        f"| the embedding table, which the engine nests too (tied LM head, {table.shape[0]}x{table.shape[1]}): "
+        f"FP16 max \\|error\\|, FP8 relative error | {table.fp16_max_abs_error:.3g}, {table.fp8_rel_error:.4f} |",
         f"| FP8 mode, relative error \\|\\|W8 - W\\|\\| / \\|\\|W\\|\\|: median / max "
         f"| {statistics.median(fp8):.4f} / {max(fp8):.4f} |",
         "",
@@ -79,7 +97,9 @@ def main() -> None:
     weights = linear_weights(args.model)
     dtype = str(next(iter(weights.values())).dtype).replace("torch.", "")  # type: ignore[attr-defined]
     rows = [report(name, w) for name, w in weights.items()]  # type: ignore[arg-type]
-    text = render(args.model, dtype, rows)
+    bf16 = [report(name, w.bfloat16()) for name, w in weights.items()]  # type: ignore[union-attr]
+    table = report("model.embed_tokens.weight", embedding(args.model))
+    text = render(args.model, dtype, rows, bf16, table)
     print(text)
     fill(args.doc, "nestedfp-layers", text)
 

@@ -28,6 +28,7 @@ from machine import describe
 
 from kvserve import LLM, SamplingParams
 from kvserve.models.fused_llama import FusedLinear
+from kvserve.models.nested import NestedLinear
 from kvserve.request import Request
 
 Timers = dict[str, float]
@@ -63,6 +64,7 @@ def timed_calls(llm: LLM, timers: Timers) -> Iterator[None]:
             wrap(module, "forward", "linear")
     if runner.fused is not None:  # its projections are FusedLinear calls, not module forwards
         wrap(FusedLinear, "__call__", "linear")
+        wrap(NestedLinear, "run", "linear")  # NestedFP projections and LM head (--weight-precision)
     wrap(runner.backend, "forward", "attention")
     for layer in runner.layers:
         wrap(layer, "write", "attention")

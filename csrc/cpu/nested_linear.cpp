@@ -83,8 +83,17 @@ struct NestedFp16 : NestedFp8 {
   }
 };
 
+// Each plane [panels, in, kLanes] contiguous; the planes any distance apart (a projection's planes are a
+// slice of a concatenation's: kvserve/models/nested.py)
+bool planes_laid_out(const at::Tensor& packed) {
+  return packed.stride(3) == 1 && packed.stride(2) == kLanes && packed.stride(1) == packed.size(2) * kLanes;
+}
+
 at::Tensor padded(const at::Tensor& v, int64_t panels, int64_t out_features, const char* what) {
   TORCH_CHECK(v.dim() == 1 && v.size(0) == out_features, what, " must be [out_features]");
+  if (out_features == panels * kLanes && v.scalar_type() == at::kFloat && v.is_contiguous()) {
+    return v;  // whole panels: nothing to pad (a copy per call costs more than a decode row's small GEMV)
+  }
   auto p = at::zeros({panels * kLanes}, v.options().dtype(at::kFloat));
   p.narrow(0, 0, out_features).copy_(v);
   return p;
@@ -109,10 +118,10 @@ at::Tensor pack_nested_weight(const at::Tensor& hi, const at::Tensor& lo) {
 
 at::Tensor unpack_nested_weight(const at::Tensor& packed, const at::Tensor& scale, int64_t out_features, bool fp16) {
   TORCH_CHECK(packed.device().is_cpu() && packed.scalar_type() == at::kByte && packed.dim() == 4 &&
-                  packed.is_contiguous() && packed.size(0) == 2 && packed.size(3) == kLanes &&
+                  planes_laid_out(packed) && packed.size(0) == 2 && packed.size(3) == kLanes &&
                   packed.size(1) * kLanes >= out_features && (packed.size(1) - 1) * kLanes < out_features,
               "packed must be pack_nested_weight's planes of a weight with out_features rows");
-  const int64_t panels = packed.size(1), in = packed.size(2), plane = panels * in * kLanes;
+  const int64_t panels = packed.size(1), in = packed.size(2), plane = packed.stride(0);
   const at::Tensor sc = padded(scale, panels, out_features, "scale");
   auto w = at::empty({panels, in, kLanes}, packed.options().dtype(at::kFloat));
   const uint8_t* src = packed.data_ptr<uint8_t>();
@@ -137,7 +146,7 @@ at::Tensor nested_linear(const at::Tensor& x, const at::Tensor& packed, const at
   TORCH_CHECK(x.device().is_cpu() && packed.device().is_cpu(), "nested_linear runs on CPU tensors");
   TORCH_CHECK(x.scalar_type() == at::kFloat && x.dim() == 2 && x.is_contiguous(),
               "x must be contiguous fp32 [rows, in_features]");
-  TORCH_CHECK(packed.scalar_type() == at::kByte && packed.dim() == 4 && packed.is_contiguous() &&
+  TORCH_CHECK(packed.scalar_type() == at::kByte && packed.dim() == 4 && planes_laid_out(packed) &&
                   packed.size(0) == 2 && packed.size(3) == kLanes && packed.size(1) * kLanes >= out_features &&
                   (packed.size(1) - 1) * kLanes < out_features,
               "packed must be pack_nested_weight's planes of a weight with out_features rows");
@@ -148,7 +157,7 @@ at::Tensor nested_linear(const at::Tensor& x, const at::Tensor& packed, const at
   const at::Tensor b = bias.has_value() && bias->defined() ? padded(*bias, panels, out_features, "bias") : at::Tensor();
   auto y = at::empty({rows, out_features}, x.options());
   if (rows == 0 || out_features == 0) return y;
-  const int64_t plane = panels * in * kLanes;
+  const int64_t plane = packed.stride(0);
   if (fp16) {
     Shape<NestedFp16> s{x.data_ptr<float>(), packed.data_ptr<uint8_t>(), b.defined() ? b.data_ptr<float>() : nullptr,
                         y.data_ptr<float>(), in, out_features, plane, sc.data_ptr<float>()};

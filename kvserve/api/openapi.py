@@ -145,6 +145,7 @@ class Stats(_Open):
     tokens: dict[str, Any]
     latency: dict[str, Any]
     model: dict[str, Any]
+    weights: dict[str, Any]
     config: dict[str, Any]
 
 

@@ -49,6 +49,7 @@ def stats_body(
             "max_model_len": info.max_model_len,
             "pool_tokens": info.pool_tokens,
         },
+        "weights": {**dataclasses.asdict(s.weights), "bytes_per_param": s.weights.bytes_per_param},
         "config": snapshot,
     }
 

@@ -97,6 +97,7 @@ class Auditor:
             cache_salt=seq.request.cache_salt,
             reuse=ReuseOptions(reuse="prefix"),
             background=True,
+            weight_precision=seq.precision,
         )
 
     def complete(self, request_id: str, full_logits: torch.Tensor) -> list[bytes]:

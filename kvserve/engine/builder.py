@@ -20,6 +20,7 @@ from kvserve.kvcache.kv_storage import LayerKV
 from kvserve.models.fused_llama import FusedLlamaForward, unsupported_reason
 from kvserve.models.hf_adapter import ATTN_IMPLEMENTATION, check_supported
 from kvserve.models.loader import model_fingerprint, resolve_model_path
+from kvserve.models.nested import weight_bytes as model_weight_bytes
 from kvserve.quant.storage import create_layer_kv
 from kvserve.request import REUSE_OPTION_NAMES, ReuseOptions
 from kvserve.tokenizer import Tokenizer
@@ -39,6 +40,9 @@ class RuntimeInfo:
     kv_codec: str
     attention_backend: str
     model_forward: str  # "fused" or "hf (why)"
+    weight_precision: str  # "dense" (the weights as `dtype`) or NestedFP's fp16, fp8, auto
+    weight_bytes: int  # what the model's weights take in memory (models/nested.py: weight_bytes)
+    num_params: int
     num_layers: int
     num_kv_heads: int
     head_dim: int
@@ -154,7 +158,9 @@ def load_model(config: ServeConfig, device: torch.device, dtype: torch.dtype) ->
     )
     check_supported(model)
     model.to(device).eval()  # type: ignore[arg-type]
-    if device.type == "cpu" and dtype in (torch.float32, torch.bfloat16):
+    if config.weight_precision != "dense":
+        nest_weights(model)
+    elif device.type == "cpu" and dtype in (torch.float32, torch.bfloat16):
         from kvserve.kernels import cpu_ext
         from kvserve.models.cpu_linear import wrap_linears
 
@@ -162,6 +168,34 @@ def load_model(config: ServeConfig, device: torch.device, dtype: torch.dtype) ->
         if ext is not None:
             wrap_linears(model, ext)  # decode steps' few rows stream each weight once
     return model, path
+
+
+def nest_weights(model: torch.nn.Module) -> None:
+    """NestedFP weights in place (models/nested.py), or a ConfigError saying why not."""
+    from kvserve.kernels import cpu_ext
+    from kvserve.models.nested import nest_model
+
+    ext = cpu_ext.load_or_none()
+    if ext is None:
+        raise ConfigError(
+            "NestedFP weights need the CPU extension, which is unavailable: "
+            f"{cpu_ext.unavailable_reason() or 'its build failed (see the log)'}; use --weight-precision dense",
+            param="weight_precision",
+        )
+    started = time.perf_counter()
+    count = nest_model(model, ext)
+    log.info("NestedFP: %d linear weights converted in %.1f s", count, time.perf_counter() - started)
+
+
+def nested_dtype(config: ServeConfig, device: torch.device) -> torch.dtype:
+    """NestedFP weights compute in float32 on CPU (config.validate refuses other --dtype values)."""
+    if device.type != "cpu":
+        raise ConfigError(
+            f"--weight-precision {config.weight_precision} is served on CPU only (the Triton NestedFP "
+            "kernels are not wired into the engine); use --device cpu or --weight-precision dense",
+            param="weight_precision",
+        )
+    return torch.float32
 
 
 @dataclass
@@ -190,9 +224,17 @@ def fused_forward(config: ServeConfig, model: torch.nn.Module) -> tuple[FusedLla
 
 def build_parts(config: ServeConfig) -> EngineParts:
     device = resolve_device(config.device)
-    dtype = resolve_dtype(config.dtype, device)
+    nested = config.weight_precision != "dense"
+    dtype = nested_dtype(config, device) if nested else resolve_dtype(config.dtype, device)
     model, path = load_model(config, device, dtype)
     fused, forward_name = fused_forward(config, model)
+    if nested and fused is None:
+        raise ConfigError(
+            f"--weight-precision {config.weight_precision} runs through the fused CPU forward, which this "
+            f"model cannot use: {forward_name}; use --weight-precision dense",
+            param="weight_precision",
+        )
+    weight_bytes, num_params = model_weight_bytes(model)
     tokenizer = Tokenizer(path)
     mc: Any = model.config
     num_layers = mc.num_hidden_layers
@@ -226,6 +268,7 @@ def build_parts(config: ServeConfig) -> EngineParts:
             codec,
             f"chunk={config.chunk_size}",
             f"block={config.block_size}",
+            *(["weights=nestedfp"] if nested else []),  # each request adds its precision (Engine.root)
         ]
     )
     info = RuntimeInfo(
@@ -235,6 +278,9 @@ def build_parts(config: ServeConfig) -> EngineParts:
         kv_codec=codec,
         attention_backend=backend.name,
         model_forward=forward_name,
+        weight_precision=config.weight_precision,
+        weight_bytes=weight_bytes,
+        num_params=num_params,
         num_layers=num_layers,
         num_kv_heads=num_kv_heads,
         head_dim=head_dim,

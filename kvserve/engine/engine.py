@@ -30,6 +30,7 @@ from kvserve.engine.builder import (
 from kvserve.engine.model_runner import ModelRunner
 from kvserve.engine.output import OutputProcessor
 from kvserve.engine.pins import WarmPins
+from kvserve.engine.precision import PrecisionPolicy
 from kvserve.engine.prompt_logprobs import record
 from kvserve.engine.repair import Repairer
 from kvserve.engine.sampler import sample_one
@@ -85,6 +86,7 @@ class Engine:
         tiers = build_tiers(config, self.store, self.layers, self.info)
         self.tiers = EngineTiers(tiers, self.scheduler, config.demote_after_s) if tiers else None
         self.runner = ModelRunner(self.model, self.layers, parts.backend, device, parts.fused)
+        self.precision = PrecisionPolicy(config)
         self.outputs = OutputProcessor(self.info.eos_token_ids, self.info.max_model_len)
         self.grammars = GrammarCompiler(self.tokenizer.hf, self.info.logits_size, self.info.eos_token_ids)
         self._seqs: dict[str, Sequence] = {}
@@ -113,7 +115,10 @@ class Engine:
     def add_request(self, request: Request) -> None:
         """Validate and queue. Raises InvalidRequestError (the engine state is unchanged then)."""
         self._validate(request)
-        root = root_hash(self.info.namespace, request.cache_salt)
+        precision = request.weight_precision or self.precision.assign(
+            len(self.scheduler.waiting), time.monotonic()
+        )
+        root = self.root(request.cache_salt, precision)
         pin_owner = (
             WarmPins.owner(root, request.prompt_token_ids) if request.warm_only and request.pin else None
         )
@@ -126,6 +131,7 @@ class Engine:
             None if request.warm_only else IncrementalDetokenizer(self.tokenizer, request.prompt_token_ids)
         )
         seq = self._new_sequence(request, root, seed, detokenizer)
+        seq.precision = precision
         seq.pin_owner = pin_owner
         if params.structured is not None and not request.warm_only:
             seq.grammar = self.grammars.matcher(params.structured)
@@ -157,6 +163,14 @@ class Engine:
         if n > limit:
             raise InvalidRequestError(
                 f"the text has {n} tokens; at most {limit} can be warmed", param="prompt"
+            )
+        if request.weight_precision is not None and (
+            not self.precision.nested or request.weight_precision not in ("fp16", "fp8")
+        ):
+            raise InvalidRequestError(
+                f"weight_precision {request.weight_precision!r} is not served here (server: "
+                f"--weight-precision {self.config.weight_precision})",
+                param="weight_precision",
             )
         check_token_ids(request.prompt_token_ids, self.info.vocab_size, "prompt")
         request.sampling_params.check_vocab(self.info.vocab_size)
@@ -201,9 +215,17 @@ class Engine:
                 param="max_tokens",
             )
 
+    def root(self, cache_salt: str | None, precision: str | None) -> bytes:
+        """The root of a request's chunk hashes: the engine's namespace, the weight precision its KV is
+        computed at (NestedFP), its cache salt."""
+        namespace = self.info.namespace if precision is None else f"{self.info.namespace}|{precision}"
+        return root_hash(namespace, cache_salt)
+
     def unpin(self, token_ids: list[int], cache_salt: str | None = None) -> int:
-        """Release the pins a warm of this text holds; returns how many chunks it pinned (0: none)."""
-        return self.pins.unpin(root_hash(self.info.namespace, cache_salt), token_ids)
+        """Release the pins a warm of this text holds (at any weight precision); returns how many
+        chunks it pinned (0: none)."""
+        precisions: list[str | None] = ["fp16", "fp8"] if self.precision.nested else [None]
+        return sum(self.pins.unpin(self.root(cache_salt, p), token_ids) for p in precisions)
 
     # --- aborts ------------------------------------------------------------------------------------
     def abort_request(self, request_id: str, reason: str = "aborted") -> bool:
@@ -258,7 +280,8 @@ class Engine:
         return seq
 
     def _add_background(self, request: Request) -> None:
-        seq = self._new_sequence(request, root_hash(self.info.namespace, request.cache_salt), 0, None)
+        seq = self._new_sequence(request, self.root(request.cache_salt, request.weight_precision), 0, None)
+        seq.precision = request.weight_precision
         self._background[request.request_id] = seq
         self.scheduler.enqueue(seq)
 
@@ -266,6 +289,7 @@ class Engine:
     def step(self) -> list[RequestOutput]:
         now = time.monotonic()
         self._expire(now)
+        self.precision.update(len(self.scheduler.waiting), now)
         if self.tiers is not None:
             self.tiers.before_schedule(now)
         batch = self.scheduler.schedule(now)
@@ -404,7 +428,11 @@ class Engine:
             if self.logits_sink is not None:
                 self.logits_sink.setdefault(seq.request_id, []).append(logits.clone())
             if seq.request.metrics.first_token_time is None:
-                seq.request.metrics.first_token_time = time.monotonic()
+                metrics = seq.request.metrics
+                metrics.first_token_time = time.monotonic()
+                self.precision.observe_ttft(
+                    metrics.first_token_time - metrics.arrival_time, metrics.first_token_time
+                )
             stage = "processing its output"
             reason = self.outputs.append(seq, token, logprob)
         except Exception as e:
@@ -447,6 +475,7 @@ class Engine:
             return
         self.scheduler.finish(seq, reason, error)  # a no-op for one the scheduler finished (refused)
         self.pins.release(seq)
+        self.precision.generated(seq.precision, len(seq.output_token_ids))
         seq.request.metrics.finished_time = time.monotonic()
         del self._seqs[seq.request_id]
         self._pending.append(self.outputs.final(seq))

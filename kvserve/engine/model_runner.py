@@ -25,6 +25,7 @@ from kvserve.engine.prompt_logprobs import ROWS_PER_BLOCK, PromptRows, rows_to_s
 from kvserve.kvcache.kv_storage import LayerKV
 from kvserve.models.fused_llama import FusedLlamaForward, LayerCut
 from kvserve.models.hf_adapter import PoolCache
+from kvserve.models.nested import RowPrecision
 from kvserve.request import TokenLogprob
 from kvserve.scheduler.batch import ScheduledBatch, ScheduledSeq
 from kvserve.scheduler.cost import Work
@@ -39,6 +40,7 @@ class StepInputs:
     cuts: list[LayerCut] = field(default_factory=list)  # rows that stop early, by layer
     work: Work = field(default_factory=Work)  # what the forward computes (scheduler/cost.py)
     prompt_rows: list[PromptRows] = field(default_factory=list)  # rows that score prompt tokens
+    precision: RowPrecision | None = None  # NestedFP weights: each row's precision (its sequence's)
 
 
 @dataclass
@@ -91,6 +93,7 @@ class ModelRunner:
         rows: list[SeqRows] = []
         logits_indices: list[int] = []
         prompt_rows: list[PromptRows] = []
+        row_precisions: list[str] = []
         work = Work()
         for item in items:
             ids, r = self._rows(item)
@@ -102,6 +105,8 @@ class ModelRunner:
                     prompt_rows.append(PromptRows(item.seq, len(input_ids) + lo - start, lo, hi - lo))
             input_ids += ids
             rows.append(r)
+            if item.seq.precision is not None:
+                row_precisions += [item.seq.precision] * len(ids)
             num_layers = item.num_layers or layers
             work.add_rows(float(r.positions.sum()), len(ids), num_layers)
             if item.sample:
@@ -123,6 +128,7 @@ class ModelRunner:
             cuts=cuts,
             work=work,
             prompt_rows=prompt_rows,
+            precision=RowPrecision.of(row_precisions) if row_precisions else None,
         )
 
     def backend_for(self, meta: AttentionMetadata) -> AttentionBackend:
@@ -138,7 +144,13 @@ class ModelRunner:
         backend = self.backend_for(inputs.meta)
         if self.fused is not None:
             hidden = self.fused(
-                inputs.input_ids[0], inputs.position_ids[0], self.layers, backend, inputs.meta, inputs.cuts
+                inputs.input_ids[0],
+                inputs.position_ids[0],
+                self.layers,
+                backend,
+                inputs.meta,
+                inputs.cuts,
+                inputs.precision,
             )  # [num_tokens left after the cuts, hidden]
         elif inputs.cuts:
             hidden = self._hf_by_layer(inputs, backend)
@@ -150,17 +162,26 @@ class ModelRunner:
                     past_key_values=PoolCache(),
                     use_cache=True,
                 ).last_hidden_state[0]  # [num_tokens, hidden]
-        prompt_logprobs = [(rows, self._score(hidden, rows)) for rows in inputs.prompt_rows]
-        return StepOutput(self._logits(hidden.index_select(0, inputs.logits_indices)), prompt_logprobs)
+        precision = inputs.precision
+        prompt_logprobs = [(rows, self._score(hidden, rows, precision)) for rows in inputs.prompt_rows]
+        sampled = hidden.index_select(0, inputs.logits_indices)
+        if precision is not None:
+            precision = precision.select(inputs.logits_indices)
+        return StepOutput(self._logits(sampled, precision), prompt_logprobs)
 
-    def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden [rows, hidden] -> float32 logits [rows, vocab]."""
-        logits = self.lm_head(hidden).float()
+    def _logits(self, hidden: torch.Tensor, precision: RowPrecision | None = None) -> torch.Tensor:
+        """hidden [rows, hidden] -> float32 logits [rows, vocab] (NestedFP: each row at `precision`)."""
+        if precision is not None:
+            logits = self.lm_head.run(hidden.contiguous(), precision)
+        else:
+            logits = self.lm_head(hidden).float()
         if self.softcap:
             logits = torch.tanh(logits / self.softcap) * self.softcap
         return logits
 
-    def _score(self, hidden: torch.Tensor, rows: PromptRows) -> list[TokenLogprob]:
+    def _score(
+        self, hidden: torch.Tensor, rows: PromptRows, precision: RowPrecision | None
+    ) -> list[TokenLogprob]:
         """The prompt logprobs of `rows`, ROWS_PER_BLOCK rows of logits at a time."""
         k = rows.seq.request.sampling_params.prompt_logprobs
         assert k is not None
@@ -169,7 +190,8 @@ class ModelRunner:
         for start in range(0, rows.num_rows, ROWS_PER_BLOCK):
             end = min(start + ROWS_PER_BLOCK, rows.num_rows)
             block = hidden[rows.first_row + start : rows.first_row + end]
-            entries += score(self._logits(block), targets[start:end], k)
+            block_precision = None if precision is None else RowPrecision(rows.seq.precision)
+            entries += score(self._logits(block, block_precision), targets[start:end], k)
         return entries
 
     def _hf_by_layer(self, inputs: StepInputs, backend: AttentionBackend) -> torch.Tensor:

@@ -21,6 +21,9 @@ What it computes is the HF forward's arithmetic, checked against it (tests/kerne
   is fixed whatever the other rows, so batch invariance and cache-on == cache-off hold exactly, as
   tested for the engine.
 
+With NestedFP weights (`--weight-precision`, models/nested.py) the projections and the LM head are
+NestedLinear calls, each row at its request's precision (`RowPrecision`); the rest is the same.
+
 The HF model stays loaded and is the reference: `--model-forward hf` serves through it, and models
 this module does not cover (see `unsupported_reason`) always use it.
 """
@@ -30,6 +33,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 from types import ModuleType
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -38,6 +42,7 @@ from torch import nn
 from kvserve.attention.base import AttentionBackend, AttentionMetadata
 from kvserve.kvcache.kv_storage import LayerKV
 from kvserve.models.cpu_linear import RowInvariantLinear
+from kvserve.models.nested import NestedLinear, RowPrecision, concat
 
 MODEL_TYPES = ("llama", "mistral", "qwen2")  # RMSNorm, SiLU gated MLP, RoPE, no q/k norms or softcaps
 
@@ -54,6 +59,10 @@ class FusedLinear:
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         return self.kernel(x, self.packed, self.bias, self.out_features)
 
+    def run(self, x: torch.Tensor, precision: RowPrecision) -> torch.Tensor:
+        """NestedLinear.run's signature: dense weights have one precision."""
+        return self(x)
+
 
 @dataclass
 class LayerCut:
@@ -69,10 +78,10 @@ class LayerCut:
 class FusedLayer:
     post_norm: torch.Tensor
     next_norm: torch.Tensor  # the next layer's input norm; after the last layer, the final norm
-    qkv: FusedLinear
-    o: FusedLinear
-    gate_up: FusedLinear
-    down: FusedLinear
+    qkv: FusedLinear | NestedLinear
+    o: FusedLinear | NestedLinear
+    gate_up: FusedLinear | NestedLinear
+    down: FusedLinear | NestedLinear
 
 
 def unsupported_reason(model: nn.Module, ext: ModuleType | None) -> str:
@@ -95,8 +104,9 @@ def unsupported_reason(model: nn.Module, ext: ModuleType | None) -> str:
             mlp.up_proj,
             mlp.down_proj,
         ]
-        if not all(isinstance(m, RowInvariantLinear) for m in linears):
-            return "its linear layers are not on the CPU extension (fp32 or bf16 on CPU)"
+        kind = type(linears[0])
+        if kind not in (RowInvariantLinear, NestedLinear) or any(type(m) is not kind for m in linears):
+            return "its linear layers are not on the CPU extension (fp32, bf16 or NestedFP on CPU)"
         if any(
             type(n).__name__ not in ("LlamaRMSNorm", "MistralRMSNorm", "Qwen2RMSNorm")
             for n in (layer.input_layernorm, layer.post_attention_layernorm)
@@ -104,22 +114,30 @@ def unsupported_reason(model: nn.Module, ext: ModuleType | None) -> str:
             return "its norms are not the Llama-family RMSNorm"
         for group in ([attn.q_proj, attn.k_proj, attn.v_proj], [mlp.gate_proj, mlp.up_proj]):
             lanes = panel_width(group[0])
-            if any(m.out_features % lanes or m.dtype != group[0].dtype for m in group):
+            if any(m.out_features % lanes or _dtype(m) != _dtype(group[0]) for m in group):
                 return f"projections of {[m.out_features for m in group]} features are not whole {lanes}-wide panels"
         if type(mlp.act_fn).__name__ not in ("SiLU", "SiLUActivation"):  # torch's, transformers' (F.silu)
             return "its MLP activation is not SiLU"
     return ""
 
 
-def panel_width(linear: RowInvariantLinear) -> int:
+def _dtype(linear: RowInvariantLinear | NestedLinear) -> torch.dtype:
+    return linear.dtype if isinstance(linear, RowInvariantLinear) else torch.uint8
+
+
+def panel_width(linear: RowInvariantLinear | NestedLinear) -> int:
     """Output features per panel of the kernel's packed weight (csrc/cpu/linear_cpu.cpp)."""
+    if isinstance(linear, NestedLinear):
+        return linear.panel_width
     return linear.packed.shape[-1] // (2 if linear.dtype == torch.bfloat16 else 1)
 
 
-def fuse(linears: list[RowInvariantLinear], ext: ModuleType) -> FusedLinear:
+def fuse(linears: list[Any], ext: ModuleType) -> FusedLinear | NestedLinear:
     """One call for several projections of the same input. Their packs are concatenated (whole panels:
     every out_features must be a multiple of the panel width) and each module's `packed` becomes a view
-    of the concatenation, so memory does not grow."""
+    of the concatenation, so memory does not grow. NestedFP projections concatenate the same way."""
+    if isinstance(linears[0], NestedLinear):
+        return concat(linears)
     first = linears[0]
     if len(linears) == 1:
         return FusedLinear(first.packed, first.bias, first.out_features, first.kernel)
@@ -188,8 +206,10 @@ class FusedLlamaForward:
         backend: AttentionBackend,
         meta: AttentionMetadata,
         cuts: list[LayerCut] | None = None,
+        precision: RowPrecision | None = None,  # NestedFP weights: each row's mode (default FP16)
     ) -> torch.Tensor:
         ext = self.ext
+        precision = precision or RowPrecision()
         cut_at = {c.after_layer: c for c in cuts or []}
         hidden = self.decoder.embed_tokens(input_ids)  # [T, hidden], the residual stream
         cos, sin = self.decoder.rotary_emb(hidden, position_ids.unsqueeze(0))
@@ -199,23 +219,24 @@ class FusedLlamaForward:
         rows = hidden.shape[0]
         x = ext.rms_norm(hidden, self.first_norm, self.eps)
         for i, layer in enumerate(self.layers):
-            qkv = layer.qkv(x)  # [T, q_cols + 2 kv_cols]
+            qkv = layer.qkv.run(x, precision)  # [T, q_cols + 2 kv_cols]
             ext.rope_(qkv, cos, sin, self.num_heads + self.num_kv_heads, self.head_dim)
             k = qkv[:, q_cols : q_cols + kv_cols].view(rows, self.num_kv_heads, self.head_dim)
             v = qkv[:, q_cols + kv_cols :].view(rows, self.num_kv_heads, self.head_dim)
             kv_layers[i].write(meta.slot_mapping, k, v)
             q = qkv[:, :q_cols].view(rows, self.num_heads, self.head_dim)
             attn = backend.forward(q, kv_layers[i], meta, self.scale)  # [T, heads, head_dim]
-            o = layer.o(attn.reshape(rows, q_cols))
+            o = layer.o.run(attn.reshape(rows, q_cols), precision)
             x = ext.add_rms_norm_(hidden, o, layer.post_norm, self.eps)
-            gate_up = layer.gate_up(x)
+            gate_up = layer.gate_up.run(x, precision)
             inter = gate_up.shape[1] // 2
-            mlp = layer.down(F.silu(gate_up[:, :inter]) * gate_up[:, inter:])
+            mlp = layer.down.run(F.silu(gate_up[:, :inter]) * gate_up[:, inter:], precision)
             x = ext.add_rms_norm_(hidden, mlp, layer.next_norm, self.eps)
             cut = cut_at.get(i)
             if cut is not None:  # row slices of contiguous tensors stay contiguous
                 rows = cut.num_rows
                 hidden, x, cos, sin, meta = hidden[:rows], x[:rows], cos[:rows], sin[:rows], cut.meta
+                precision = precision.head(rows)
                 if rows == 0:  # every row stopped: no later layer has work
                     break
         return x

@@ -97,6 +97,9 @@ class Sequence:
     # structured output: where its generated tokens are in the grammar; it advances only when a token
     # is sampled, so preemption (which recomputes KV, never resamples) leaves it as it is
     grammar: GrammarMatcher | None = None
+    # NestedFP weights: the precision its every row computes at ("fp16" or "fp8"; its root hash names it,
+    # so it reuses only KV of that precision); None with dense weights
+    precision: str | None = None
 
     def __post_init__(self) -> None:
         if not self.token_ids:

@@ -97,6 +97,17 @@ def systems(workload: str) -> dict[str, System]:
             _kvserve(),
             note="defaults: compute dtype chosen by the CPU (--dtype auto), KV in that dtype",
         ),
+        "kvserve-bf16": System("kvserve-bf16", _kvserve("--dtype", "bfloat16"), note="bf16 weights and KV"),
+        "kvserve-nested-fp16": System(
+            "kvserve-nested-fp16",
+            _kvserve("--weight-precision", "fp16"),
+            note="NestedFP weights, FP16 mode (2 bytes a weight read), fp32 activations and KV",
+        ),
+        "kvserve-nested-fp8": System(
+            "kvserve-nested-fp8",
+            _kvserve("--weight-precision", "fp8"),
+            note="NestedFP weights, FP8 mode (1 byte a weight read), fp32 activations and KV",
+        ),
         "kvserve-8bit": System(
             "kvserve-8bit", _kvserve("--kv-cache-bits", "8"), note="fp8 e4m3 KV (best 8-bit codec)"
         ),

@@ -1,0 +1,86 @@
+"""Which weight precision a new request computes at, with NestedFP weights (models/nested.py).
+
+`--weight-precision fp16` or `fp8` gives every request that precision. `auto` follows load:
+- new requests get **fp8** when the latency objective is at risk: `--fp8-queue-depth` or more requests
+  wait to be scheduled, or the time-to-first-token p90 of the recent first tokens (the last 32 within
+  `WINDOW_S`) is over `--slo-ttft-ms`;
+- they get **fp16** again once it is safe by a margin: at most half that many wait, and the p90 is
+  at most `CALM_FRACTION` of the objective (or there are no recent first tokens), and fp8 has held for
+  `--precision-hold-s`. The two thresholds and the hold are the hysteresis: without them a queue that
+  sits at the threshold would flip the mode every step.
+
+The seed switches the precision of every step. Here a request keeps the precision it was admitted at for
+its life, because the KV it computes is cached under that precision (its root hash names it): a
+request served at fp16 reuses only KV that fp16 computed, so caching never changes an fp16 answer, and
+the same for fp8. What `auto` switches per step is the precision new requests get; a step holding rows
+of both runs each projection once per precision (models/nested.py: RowPrecision).
+"""
+
+from __future__ import annotations
+
+import math
+from collections import Counter, deque
+
+from kvserve.config import ServeConfig
+
+WINDOW_S = 10.0  # first tokens older than this no longer count for the p90
+CALM_FRACTION = 0.7  # back to fp16 only when the p90 is this far under the objective
+
+
+class PrecisionPolicy:
+    def __init__(self, config: ServeConfig):
+        self.setting = config.weight_precision  # dense, fp16, fp8 or auto
+        self.slo_s = config.slo_ttft_ms / 1000.0
+        self.queue_depth = config.fp8_queue_depth
+        self.hold_s = config.precision_hold_s
+        self.mode: str | None = (
+            None if self.setting == "dense" else "fp16" if self.setting == "auto" else self.setting
+        )
+        self.switched_at = -math.inf
+        self.num_switches = 0
+        self._ttfts: deque[tuple[float, float]] = deque(maxlen=32)  # (when, seconds)
+        self.requests: Counter[str] = Counter()  # requests admitted, by precision
+        self.tokens: Counter[str] = Counter()  # tokens generated, by precision
+
+    @property
+    def nested(self) -> bool:
+        return self.setting != "dense"
+
+    def assign(self, num_waiting: int, now: float) -> str | None:
+        """The precision of a request admitted now (None: dense weights)."""
+        self.update(num_waiting, now)
+        if self.mode is not None:
+            self.requests[self.mode] += 1
+        return self.mode
+
+    def observe_ttft(self, seconds: float, now: float) -> None:
+        self._ttfts.append((now, seconds))
+
+    def generated(self, precision: str | None, num_tokens: int) -> None:
+        if precision is not None:
+            self.tokens[precision] += num_tokens
+
+    def ttft_p90(self, now: float) -> float | None:
+        recent = sorted(s for t, s in self._ttfts if now - t <= WINDOW_S)
+        if not recent:
+            return None
+        return recent[min(len(recent) - 1, math.ceil(0.9 * len(recent)) - 1)]
+
+    def update(self, num_waiting: int, now: float) -> None:
+        """auto: move between fp16 and fp8 by the load now (see the module docstring)."""
+        if self.setting != "auto":
+            return
+        p90 = self.ttft_p90(now)
+        if self.mode == "fp16":
+            late = self.slo_s > 0 and p90 is not None and p90 > self.slo_s
+            if num_waiting >= self.queue_depth or late:
+                self._switch("fp8", now)
+        else:
+            calm_queue = num_waiting <= self.queue_depth // 2
+            calm_ttft = self.slo_s <= 0 or p90 is None or p90 <= CALM_FRACTION * self.slo_s
+            if calm_queue and calm_ttft and now - self.switched_at >= self.hold_s:
+                self._switch("fp16", now)
+
+    def _switch(self, mode: str, now: float) -> None:
+        self.mode, self.switched_at = mode, now
+        self.num_switches += 1
