@@ -97,7 +97,7 @@ class Auditor:
             cache_salt=seq.request.cache_salt,
             reuse=ReuseOptions(reuse="prefix"),
             background=True,
-            weight_precision=seq.precision,
+            weight_precision=seq.step_precision,  # what its served first token was computed at
         )
 
     def complete(self, request_id: str, full_logits: torch.Tensor) -> list[bytes]:

@@ -334,6 +334,7 @@ class Engine:
                     items.remove(item)
         if not items:
             return []
+        self._set_step_precision(items)
         try:
             batch = ScheduledBatch(items=items)
             inputs = self.runner.prepare_inputs(batch)
@@ -345,6 +346,25 @@ class Engine:
         self.cost.observe(inputs.work, time.perf_counter() - start)
         record(step.prompt_logprobs)
         return self._update(items, step.logits)
+
+    def _set_step_precision(self, items: list[ScheduledSeq]) -> None:
+        """NestedFP: every row computes at the policy's precision now (a request pinned to one, such as
+        an audit, at its own). A sequence computing at another precision than the one it was admitted
+        at (auto switched) stops caching from the chunk these rows fall in: its cached KV is only ever
+        what its root hash names."""
+        if not self.precision.nested:
+            return
+        for item in items:
+            seq = item.seq
+            precision = seq.request.weight_precision or self.precision.mode
+            assert precision is not None  # nested: the policy always has a mode
+            seq.step_precision = precision
+            seq.precisions_used.add(precision)
+            if precision != seq.precision:
+                first = item.positions[0] if item.positions is not None else seq.kv.num_computed_tokens
+                self.scheduler.chunks.limit(seq, first // self.config.chunk_size)
+            if item.sample:
+                self.precision.generated(precision, 1)
 
     def _execute_one_by_one(self, items: list[ScheduledSeq]) -> list[Sequence]:
         touched: list[Sequence] = []
@@ -475,7 +495,6 @@ class Engine:
             return
         self.scheduler.finish(seq, reason, error)  # a no-op for one the scheduler finished (refused)
         self.pins.release(seq)
-        self.precision.generated(seq.precision, len(seq.output_token_ids))
         seq.request.metrics.finished_time = time.monotonic()
         del self._seqs[seq.request_id]
         self._pending.append(self.outputs.final(seq))

@@ -105,8 +105,8 @@ class ModelRunner:
                     prompt_rows.append(PromptRows(item.seq, len(input_ids) + lo - start, lo, hi - lo))
             input_ids += ids
             rows.append(r)
-            if item.seq.precision is not None:
-                row_precisions += [item.seq.precision] * len(ids)
+            if item.seq.step_precision is not None:
+                row_precisions += [item.seq.step_precision] * len(ids)
             num_layers = item.num_layers or layers
             work.add_rows(float(r.positions.sum()), len(ids), num_layers)
             if item.sample:
@@ -190,7 +190,7 @@ class ModelRunner:
         for start in range(0, rows.num_rows, ROWS_PER_BLOCK):
             end = min(start + ROWS_PER_BLOCK, rows.num_rows)
             block = hidden[rows.first_row + start : rows.first_row + end]
-            block_precision = None if precision is None else RowPrecision(rows.seq.precision)
+            block_precision = None if precision is None else RowPrecision(rows.seq.step_precision)
             entries += score(self._logits(block, block_precision), targets[start:end], k)
         return entries
 

@@ -109,5 +109,5 @@ class OutputProcessor:
             prompt_logprobs=self._prompt_logprobs(seq),
             error=out.error if finished else None,
             metrics=seq.request.metrics,
-            weight_precision=seq.precision,
+            weight_precision="+".join(sorted(seq.precisions_used)) or seq.precision,
         )

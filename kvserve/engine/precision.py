@@ -1,19 +1,22 @@
-"""Which weight precision a new request computes at, with NestedFP weights (models/nested.py).
+"""Which weight precision a step computes at, with NestedFP weights (models/nested.py).
 
-`--weight-precision fp16` or `fp8` gives every request that precision. `auto` follows load:
-- new requests get **fp8** when the latency objective is at risk: `--fp8-queue-depth` or more requests
+`--weight-precision fp16` or `fp8` fixes it. `auto` follows load, checked every step and at every
+admission:
+- it moves to **fp8** when the latency objective is at risk: `--fp8-queue-depth` or more requests
   wait to be scheduled, or the time-to-first-token p90 of the recent first tokens (the last 32 within
   `WINDOW_S`) is over `--slo-ttft-ms`;
-- they get **fp16** again once it is safe by a margin: at most half that many wait, and the p90 is
+- back to **fp16** once it is safe by a margin: at most half that many wait, and the p90 is
   at most `CALM_FRACTION` of the objective (or there are no recent first tokens), and fp8 has held for
   `--precision-hold-s`. The two thresholds and the hold are the hysteresis: without them a queue that
   sits at the threshold would flip the mode every step.
 
-The seed switches the precision of every step. Here a request keeps the precision it was admitted at for
-its life, because the KV it computes is cached under that precision (its root hash names it): a
-request served at fp16 reuses only KV that fp16 computed, so caching never changes an fp16 answer, and
-the same for fp8. What `auto` switches per step is the precision new requests get; a step holding rows
-of both runs each projection once per precision (models/nested.py: RowPrecision).
+As in the seed, the precision is a property of the step: every row of a step computes at the mode of
+the moment (a request pinned to a precision, an audit, at its own). The cache stays exact per precision
+because a request's root hash names the precision it was admitted at, and a request that goes on at
+the other one (auto switched) stops caching from the chunk where that began
+(`ChunkRegistrar.limit`): cached KV is only ever KV its namespace's precision computed, so a request
+served at one precision throughout gets the same answer with the cache on or off. Requests report every
+precision they ran at ("fp16", "fp8" or "fp16+fp8").
 """
 
 from __future__ import annotations
@@ -47,7 +50,7 @@ class PrecisionPolicy:
         return self.setting != "dense"
 
     def assign(self, num_waiting: int, now: float) -> str | None:
-        """The precision of a request admitted now (None: dense weights)."""
+        """The precision a request admitted now is named by (None: dense weights)."""
         self.update(num_waiting, now)
         if self.mode is not None:
             self.requests[self.mode] += 1
@@ -56,9 +59,8 @@ class PrecisionPolicy:
     def observe_ttft(self, seconds: float, now: float) -> None:
         self._ttfts.append((now, seconds))
 
-    def generated(self, precision: str | None, num_tokens: int) -> None:
-        if precision is not None:
-            self.tokens[precision] += num_tokens
+    def generated(self, precision: str, num_tokens: int) -> None:
+        self.tokens[precision] += num_tokens
 
     def ttft_p90(self, now: float) -> float | None:
         recent = sorted(s for t, s in self._ttfts if now - t <= WINDOW_S)

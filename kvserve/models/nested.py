@@ -13,10 +13,10 @@ alone) per row of a step.
 So a model's weights take 2 bytes a parameter (plus a byte an output row and the fp32 norms and
 biases), and FP8 mode reads 1 byte a weight. Activations and accumulation stay fp32.
 
-Which rows compute in which mode is a `RowPrecision`: the engine gives every request one precision for
-its life (engine/precision.py) because the KV it caches is only what that precision computes. A step
-whose rows are all one precision runs each projection once; a step that mixes them (while `auto`
-changes its mind) runs each projection once per precision over that precision's rows.
+Which rows compute in which mode is a `RowPrecision`. The engine runs a step at one precision
+(engine/precision.py), so a step's rows normally share it; a request pinned to a precision (an audit
+recomputing what was served) can differ, and then each projection runs once per precision over its
+rows.
 """
 
 from __future__ import annotations

@@ -97,6 +97,18 @@ class ChunkRegistrar:
         seq.cache.in_flight = list(hashes)
         self.in_flight.update(hashes)
 
+    def limit(self, seq: Sequence, num_chunks: int) -> None:
+        """From chunk `num_chunks` on, the sequence's KV must not be cached (it is not what its root hash
+        names, e.g. computed at another weight precision): lower its register limit and stop holding
+        the chunks it no longer registers in flight (twins compute them instead)."""
+        cache = seq.cache
+        cache.register_limit = min(
+            num_chunks, cache.register_limit if cache.register_limit is not None else num_chunks
+        )
+        kept = set(cache.prefix_hashes[: cache.register_limit])
+        for h in [h for h in cache.in_flight if h not in kept]:
+            self._landed(seq, h)
+
     def drop_in_flight(self, seq: Sequence) -> None:
         """It leaves (finished or preempted): it will not register what it still had in flight."""
         for h in list(seq.cache.in_flight):

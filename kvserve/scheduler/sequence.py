@@ -97,9 +97,11 @@ class Sequence:
     # structured output: where its generated tokens are in the grammar; it advances only when a token
     # is sampled, so preemption (which recomputes KV, never resamples) leaves it as it is
     grammar: GrammarMatcher | None = None
-    # NestedFP weights: the precision its every row computes at ("fp16" or "fp8"; its root hash names it,
-    # so it reuses only KV of that precision); None with dense weights
+    # NestedFP weights: the precision it was admitted at ("fp16" or "fp8"; its root hash names it, so it
+    # reuses and caches only KV of that precision); None with dense weights
     precision: str | None = None
+    step_precision: str | None = None  # what its rows compute at in the current step (engine/precision.py)
+    precisions_used: set[str] = field(default_factory=set)  # every step precision it ran at
 
     def __post_init__(self) -> None:
         if not self.token_ids:

@@ -138,6 +138,32 @@ def test_a_step_mixing_precisions_equals_each_alone(auto):
         assert torch.equal(got, want)
 
 
+def test_a_request_stops_caching_where_auto_switches_it(auto):
+    """Admitted at fp16, switched to fp8 after its first prefill piece: the chunks it computed at fp16
+    are cached (an fp16 request with the same prompt hits them), the rest are not, and it reports
+    both precisions."""
+    engine, policy = auto.engine, auto.engine.precision
+    prompt = corpus_token_ids(auto, 6 * CHUNK + 3, seed=40)
+    params = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
+    engine.scheduler.max_num_batched_tokens, budget = 2 * CHUNK, engine.scheduler.max_num_batched_tokens
+    hold, policy.hold_s = policy.hold_s, 1e9
+    try:
+        engine.add_request(Request("switched", list(prompt), params, cache_salt="switch"))
+        engine.step()  # the first piece: 2 chunks at fp16
+        policy._switch("fp8", 0.0)
+        outs = []
+        while engine.has_unfinished_requests():
+            outs += [o for o in engine.step() if o.finished]
+    finally:
+        engine.scheduler.max_num_batched_tokens = budget
+        policy.hold_s = hold
+        policy._switch("fp16", 0.0)
+    (out,) = outs
+    assert out.weight_precision == "fp16+fp8"
+    (again,) = auto.generate([prompt], params, cache_salt="switch")
+    assert again.weight_precision == "fp16" and again.num_cached_tokens == 2 * CHUNK
+
+
 def test_weights_take_two_bytes_a_parameter(auto):
     """Both planes are 2 bytes a weight, stored once (a tied head and embedding share them); on top
     come a 4-byte scale an output row and the dense fp32 rest (norms). SmolLM2: 2.007 bytes a
