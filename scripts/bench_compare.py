@@ -34,6 +34,7 @@ SYSTEMS = (
     "kvserve",
     "kvserve-fp32",
     "kvserve-8bit",
+    "kvserve-dense-fp32",
     "kvserve-bf16",
     "kvserve-nested-fp16",
     "kvserve-nested-fp8",

@@ -180,7 +180,7 @@ def main() -> None:
         fill(args.doc, "nestedfp-auto", text)
 
 
-PEER_SYSTEMS = ("kvserve-fp32", "kvserve-bf16", "kvserve-nested-fp16", "kvserve-nested-fp8", "llamacpp")
+PEER_SYSTEMS = ("kvserve-dense-fp32", "kvserve-bf16", "kvserve-nested-fp16", "kvserve-nested-fp8", "llamacpp")
 
 
 def peers_part(args: argparse.Namespace) -> str:
@@ -214,7 +214,7 @@ def peers_part(args: argparse.Namespace) -> str:
             notes[r["system"]] = "unavailable: " + r["unavailable"].strip().splitlines()[-1][:160]
         elif r.get("note"):
             notes[r["system"]] = r["note"]
-    fp32, llama = rates.get("kvserve-fp32"), rates.get("llamacpp")
+    fp32, llama = rates.get("kvserve-dense-fp32"), rates.get("llamacpp")
     lines = [
         f"Measured by `python scripts/bench_weights.py --part peers` on {describe()}: single-stream decode "
         f"through each server (one chat request, {VLLM_SIZE.decode_tokens} tokens, end of sequence "

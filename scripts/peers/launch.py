@@ -97,6 +97,9 @@ def systems(workload: str) -> dict[str, System]:
             _kvserve(),
             note="defaults: compute dtype chosen by the CPU (--dtype auto), KV in that dtype",
         ),
+        "kvserve-dense-fp32": System(
+            "kvserve-dense-fp32", _kvserve("--dtype", "float32"), note="fp32 weights and KV (dense)"
+        ),
         "kvserve-bf16": System("kvserve-bf16", _kvserve("--dtype", "bfloat16"), note="bf16 weights and KV"),
         "kvserve-nested-fp16": System(
             "kvserve-nested-fp16",

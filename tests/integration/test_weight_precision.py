@@ -45,15 +45,15 @@ def auto() -> LLM:
 
 
 def dequantized_reference(mode: str) -> LLM:
-    """Hugging Face's modeling code (fp32) over the weights `mode` computes with: every linear's
-    dequantized NestedFP weight, the embedding's FP16 rows (lookups are FP16 in both modes)."""
+    """Hugging Face's modeling code (fp32) over the weights `mode` computes with: every decoder linear's
+    dequantized NestedFP weight; the LM head's and the embedding's FP16 ones (both FP16 in both modes)."""
     llm = LLM(dtype="float32", model_forward="hf", **COMMON)
     model = llm.engine.model
-    embed = model.get_input_embeddings()
+    embed, head = model.get_input_embeddings(), model.get_output_embeddings()
     source = embed.weight.detach().clone()
     for m in model.modules():
         if isinstance(m, RowInvariantLinear):
-            w = NestedWeight.from_float(m.linear.weight.detach()).dequant(mode)
+            w = NestedWeight.from_float(m.linear.weight.detach()).dequant("fp16" if m is head else mode)
             m.linear.weight = nn.Parameter(w)  # unties a tied head from the embedding
             m.repack()
     embed.weight = nn.Parameter(NestedWeight.from_float(source).dequant("fp16"))
