@@ -174,7 +174,7 @@ def main() -> None:
         ppl = None
         if engine_json.exists():
             ppl = {k: v["ppl"] for k, v in json.loads(engine_json.read_text()).items()}
-        m = weights_auto.measure()
+        m = weights_auto.measure(args.rounds)
         text = weights_auto.render(m, describe(args.threads), ppl)
         print(text)
         fill(args.doc, "nestedfp-auto", text)
