@@ -37,21 +37,21 @@ class ServeConfig:
             "help": "dense (the weights as --dtype), or NestedFP weights held once as FP16 in two byte "
             "planes (2 bytes a parameter, fp32 activations; CPU, fused forward): fp16 (exact FP16 "
             "weights), fp8 (the upper plane alone, an E4M3 view: half the bytes read, about 2.7 percent "
-            "weight error) or auto (each request gets fp8 while load puts --slo-ttft-ms or --fp8-queue-depth "
+            "weight error) or auto (fp8 steps while load puts --slo-ttft-ms or --fp8-queue-depth "
             "at risk, fp16 otherwise, with hysteresis)"
         },
     )
     slo_ttft_ms: float = field(
         default=0.0,
         metadata={
-            "help": "weight_precision auto: new requests get fp8 while the recent time-to-first-token "
+            "help": "weight_precision auto: steps compute at fp8 while the recent time-to-first-token "
             "p90 is over this (0 = judge by queue depth alone)"
         },
     )
     fp8_queue_depth: int = field(
         default=4,
         metadata={
-            "help": "weight_precision auto: new requests get fp8 while this many or more wait to be "
+            "help": "weight_precision auto: steps compute at fp8 while this many or more requests wait to be "
             "scheduled; back to fp16 at half of it"
         },
     )

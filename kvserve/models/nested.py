@@ -10,8 +10,9 @@ alone) per row of a step.
   embeddings (SmolLM2) the LM head's planes are the table, so it is stored once. Rows are looked up
   at FP16 precision in both modes: a lookup reads a few rows, so the exact ones cost nothing.
 
-So a model's weights take 2 bytes a parameter (plus a byte an output row and the fp32 norms and
-biases), and FP8 mode reads 1 byte a weight. Activations and accumulation stay fp32.
+So a model's weights take 2 bytes a parameter (plus a scale an output row and the fp32 norms and
+biases), and FP8 mode reads 1 byte a weight of the decoder's projections (the engine keeps the LM head
+in FP16 mode: engine/model_runner.py). Activations and accumulation stay fp32.
 
 Which rows compute in which mode is a `RowPrecision`. The engine runs a step at one precision
 (engine/precision.py), so a step's rows normally share it; a request pinned to a precision (an audit
