@@ -97,18 +97,26 @@ def systems(workload: str) -> dict[str, System]:
             _kvserve(),
             note="defaults: compute dtype chosen by the CPU (--dtype auto), KV in that dtype",
         ),
+        # the weight formats, compared on single-stream decode (scripts/bench_weights.py --part peers)
         "kvserve-dense-fp32": System(
-            "kvserve-dense-fp32", _kvserve("--dtype", "float32"), note="fp32 weights and KV (dense)"
+            "kvserve-dense-fp32",
+            _kvserve("--dtype", "float32"),
+            workloads=("decode",),
+            note="fp32 weights and KV (dense)",
         ),
-        "kvserve-bf16": System("kvserve-bf16", _kvserve("--dtype", "bfloat16"), note="bf16 weights and KV"),
+        "kvserve-bf16": System(
+            "kvserve-bf16", _kvserve("--dtype", "bfloat16"), workloads=("decode",), note="bf16 weights and KV"
+        ),
         "kvserve-nested-fp16": System(
             "kvserve-nested-fp16",
             _kvserve("--weight-precision", "fp16"),
+            workloads=("decode",),
             note="NestedFP weights, FP16 mode (2 bytes a weight read), fp32 activations and KV",
         ),
         "kvserve-nested-fp8": System(
             "kvserve-nested-fp8",
             _kvserve("--weight-precision", "fp8"),
+            workloads=("decode",),
             note="NestedFP weights, FP8 mode (1 byte a weight read), fp32 activations and KV",
         ),
         "kvserve-8bit": System(
