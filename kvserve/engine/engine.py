@@ -30,7 +30,7 @@ from kvserve.engine.builder import (
 from kvserve.engine.model_runner import ModelRunner
 from kvserve.engine.output import OutputProcessor
 from kvserve.engine.pins import WarmPins
-from kvserve.engine.precision import PrecisionPolicy
+from kvserve.engine.precision import PRECISIONS, PrecisionPolicy
 from kvserve.engine.prompt_logprobs import record
 from kvserve.engine.repair import Repairer
 from kvserve.engine.sampler import sample_one
@@ -165,7 +165,7 @@ class Engine:
                 f"the text has {n} tokens; at most {limit} can be warmed", param="prompt"
             )
         if request.weight_precision is not None and (
-            not self.precision.nested or request.weight_precision not in ("fp16", "fp8")
+            not self.precision.nested or request.weight_precision not in PRECISIONS
         ):
             raise InvalidRequestError(
                 f"weight_precision {request.weight_precision!r} is not served here (server: "
@@ -224,7 +224,7 @@ class Engine:
     def unpin(self, token_ids: list[int], cache_salt: str | None = None) -> int:
         """Release the pins a warm of this text holds (at any weight precision); returns how many
         chunks it pinned (0: none)."""
-        precisions: list[str | None] = ["fp16", "fp8"] if self.precision.nested else [None]
+        precisions: list[str | None] = list(PRECISIONS) if self.precision.nested else [None]
         return sum(self.pins.unpin(self.root(cache_salt, p), token_ids) for p in precisions)
 
     # --- aborts ------------------------------------------------------------------------------------
@@ -334,7 +334,7 @@ class Engine:
                     items.remove(item)
         if not items:
             return []
-        self._set_step_precision(items)
+        self.precision.apply(items, self.scheduler.chunks, self.config.chunk_size)
         try:
             batch = ScheduledBatch(items=items)
             inputs = self.runner.prepare_inputs(batch)
@@ -346,25 +346,6 @@ class Engine:
         self.cost.observe(inputs.work, time.perf_counter() - start)
         record(step.prompt_logprobs)
         return self._update(items, step.logits)
-
-    def _set_step_precision(self, items: list[ScheduledSeq]) -> None:
-        """NestedFP: every row computes at the policy's precision now (a request pinned to one, such as
-        an audit, at its own). A sequence computing at another precision than the one it was admitted
-        at (auto switched) stops caching from the chunk these rows fall in: its cached KV is only ever
-        what its root hash names."""
-        if not self.precision.nested:
-            return
-        for item in items:
-            seq = item.seq
-            precision = seq.request.weight_precision or self.precision.mode
-            assert precision is not None  # nested: the policy always has a mode
-            seq.step_precision = precision
-            seq.precisions_used.add(precision)
-            if precision != seq.precision:
-                first = item.positions[0] if item.positions is not None else seq.kv.num_computed_tokens
-                self.scheduler.chunks.limit(seq, first // self.config.chunk_size)
-            if item.sample:
-                self.precision.generated(precision, 1)
 
     def _execute_one_by_one(self, items: list[ScheduledSeq]) -> list[Sequence]:
         touched: list[Sequence] = []

@@ -25,6 +25,10 @@ import math
 from collections import Counter, deque
 
 from kvserve.config import ServeConfig
+from kvserve.scheduler.batch import ScheduledSeq
+from kvserve.scheduler.registration import ChunkRegistrar
+
+PRECISIONS = ("fp16", "fp8")
 
 WINDOW_S = 10.0  # first tokens older than this no longer count for the p90
 CALM_FRACTION = 0.7  # back to fp16 only when the p90 is this far under the objective
@@ -43,7 +47,7 @@ class PrecisionPolicy:
         self.num_switches = 0
         self._ttfts: deque[tuple[float, float]] = deque(maxlen=32)  # (when, seconds)
         self.requests: Counter[str] = Counter()  # requests admitted, by precision
-        self.tokens: Counter[str] = Counter()  # tokens generated, by precision
+        self.tokens: Counter[str] = Counter()  # tokens sampled, by the precision that computed them
 
     @property
     def nested(self) -> bool:
@@ -56,11 +60,27 @@ class PrecisionPolicy:
             self.requests[self.mode] += 1
         return self.mode
 
+    def apply(self, items: list[ScheduledSeq], chunks: ChunkRegistrar, chunk_size: int) -> None:
+        """Before a step's forward: every row computes at the mode now (a request pinned to a precision,
+        such as an audit, at its own). A sequence computing at another precision than the one it was
+        admitted at (auto switched) stops caching from the chunk these rows fall in: its cached KV is
+        only ever what its root hash names."""
+        if not self.nested:
+            return
+        for item in items:
+            seq = item.seq
+            precision = seq.request.weight_precision or self.mode
+            assert precision is not None  # nested: there is always a mode
+            seq.step_precision = precision
+            seq.precisions_used.add(precision)
+            if precision != seq.precision:
+                first = item.positions[0] if item.positions is not None else seq.kv.num_computed_tokens
+                chunks.limit(seq, first // chunk_size)
+            if item.sample:
+                self.tokens[precision] += 1
+
     def observe_ttft(self, seconds: float, now: float) -> None:
         self._ttfts.append((now, seconds))
-
-    def generated(self, precision: str, num_tokens: int) -> None:
-        self.tokens[precision] += num_tokens
 
     def ttft_p90(self, now: float) -> float | None:
         recent = sorted(s for t, s in self._ttfts if now - t <= WINDOW_S)

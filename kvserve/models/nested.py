@@ -30,8 +30,6 @@ from torch import nn
 
 from kvserve.quant.nestedfp import NestedWeight
 
-PRECISIONS = ("fp16", "fp8")
-
 
 @dataclass(frozen=True)
 class RowPrecision:
@@ -52,10 +50,6 @@ class RowPrecision:
     def head(self, rows: int) -> RowPrecision:
         """The first `rows` rows (what goes on after a cut)."""
         return self if self.fp8 is None else RowPrecision.of_mask(self.fp8[:rows])
-
-    def select(self, index: torch.Tensor) -> RowPrecision:
-        """The rows `index` picks, in its order (the sampled rows, for the LM head)."""
-        return self if self.fp8 is None else RowPrecision.of_mask(self.fp8.index_select(0, index))
 
     @classmethod
     def of_mask(cls, fp8: torch.Tensor) -> RowPrecision:
@@ -86,7 +80,6 @@ class NestedLinear(nn.Module):
         super().__init__()
         self.packed, self.scale, self.bias, self.ext = packed, scale, bias, ext
         self.in_features, self.out_features = int(packed.shape[2]), out_features
-        self.mode = "fp16"  # what a plain call (Hugging Face's modeling code) computes in
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, ext: ModuleType) -> NestedLinear:
@@ -103,14 +96,6 @@ class NestedLinear(nn.Module):
     def panel_width(self) -> int:
         return int(self.packed.shape[-1])
 
-    @property
-    def nbytes(self) -> int:
-        """Bytes held: both planes, the scales (fp32 here; one exponent byte a row is what they
-        encode) and the bias."""
-        return sum(
-            t.numel() * t.element_size() for t in (self.packed, self.scale, self.bias) if t is not None
-        )
-
     def run(self, x: torch.Tensor, precision: RowPrecision) -> torch.Tensor:
         """x [rows, in] fp32 contiguous -> [rows, out] fp32, each row in its precision."""
         ext = self.ext
@@ -126,8 +111,9 @@ class NestedLinear(nn.Module):
         return y
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """A plain call (Hugging Face's modeling code: the RoPE self-check) computes in FP16 mode."""
         rows = x.reshape(-1, x.shape[-1]).float().contiguous()
-        y = self.run(rows, RowPrecision(self.mode))
+        y = self.run(rows, RowPrecision("fp16"))
         return y.view(*x.shape[:-1], self.out_features).to(x.dtype)
 
 
