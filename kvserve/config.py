@@ -37,7 +37,7 @@ class ServeConfig:
             "help": "dense (the weights as --dtype), or NestedFP weights held once as FP16 in two byte "
             "planes (2 bytes a parameter, fp32 activations; CPU, fused forward): fp16 (exact FP16 "
             "weights), fp8 (the upper plane alone, an E4M3 view: half the bytes read, about 2.7 percent "
-            "weight error) or auto (fp8 steps while load puts --slo-ttft-ms or --fp8-queue-depth "
+            "weight error, projection inputs rounded to bf16) or auto (fp8 steps while load puts --slo-ttft-ms or --fp8-queue-depth "
             "at risk, fp16 otherwise, with hysteresis)"
         },
     )

@@ -10,13 +10,20 @@
 //   (hi, r) and back (tests/kernels/test_nested_linear.py). It makes FP16 mode one add away from FP8 mode.
 // FP8 mode reads plane 0 only, 1 byte a weight; FP16 mode reads both, 2 bytes a weight.
 //
+// FP8 mode multiplies x rounded to bf16 (E4M3 weights are exact in bf16). Where the CPU has AVX-512 BF16
+// it runs as bf16 pairs on vdpbf16ps (NestedFp8Pairs: two inputs a step, half the multiply instructions
+// of the FMA chain, which is what bounds a batch of decode rows); elsewhere, and for an odd in_features,
+// as the FMA chain below over the same products. Either way a row's result does not depend on the rows
+// beside it. FP16 mode keeps fp32 x: its weights are not exact in bf16.
+//
 // The E4M3 byte of w * 2^8, its magnitude shifted up 7 under an FP16 sign, is the FP16 encoding of w
 // itself (the exponent biases differ by 8: 15 - 7), subnormals included. So a step of weights is: widen
 // the bytes to 16-bit lanes with their sign, shift by 7, clear the copy of the sign left at bit 14, (FP16
 // mode: add the residual), and convert FP16 -> fp32 with F16C's vcvtph2ps, which is exact. The 16-bit
 // work runs at half the vector width (one uop on CPUs that split 512-bit operations). Then every y[m, o]
 // is one FMA chain over the inputs in order, times the row's power-of-two scale (exact), plus the bias:
-// bitwise the chain row_linear computes over the dequantized weights, whatever the rows.
+// bitwise the chain row_linear computes over the dequantized weights (and, in FP8 mode, x rounded to
+// bf16), whatever the rows.
 //
 // `unpack_nested_weight` writes that dequantized weight (scale applied) in row_linear's packed fp32
 // layout, the same conversion once per weight instead of once per tile of rows: for prefill, where
@@ -75,6 +82,49 @@ struct NestedFp8 : Fp32 {
   // the sign-extended byte shifted by 7 has the sign at bits 15 and 14; clearing 14 leaves the FP16 of w
   static vf load_w(const uint8_t* w, int64_t) { return fp16_to_fp32(fp8_to_fp16(widen16(w))); }
 };
+
+#if defined(__AVX512BF16__) && defined(__AVX512BW__)
+// FP8 mode as bf16 pairs for vdpbf16ps: an E4M3 value is exact in bf16 (3 mantissa bits of 7, and every
+// E4M3 exponent, subnormals included, is a normal bf16 one), so a step takes two inputs: x's bf16 pair
+// broadcast, and for each of the kLanes outputs the pair of its weights at those inputs, built from the
+// plane's bytes with integer operations. One vdpbf16ps then does two multiply-adds per lane; the 16-bit
+// work runs at the full vector width. W's unit is a byte pair so that the tile's step indexing (kLanes W
+// per step) lands on the 2 kLanes bytes of inputs 2i and 2i + 1.
+struct NestedFp8Pairs {
+  using X = uint32_t;
+  using W = uint16_t;
+  using Y = float;
+  static constexpr int64_t kMinMacsPerThread = NestedFp8::kMinMacsPerThread;
+  static vf broadcast(uint32_t x) { return splat_pair(x); }
+  static vf step(vf acc, vf x, vf w) { return dot_pairs(acc, x, w); }
+  static void store(float* dst, vf v, int64_t n) { Fp32::store(dst, v, n); }
+
+  static vf load_w(const uint16_t* w, int64_t) {
+    // [input 2i: lanes 0..15 | input 2i + 1: lanes 0..15], sign-extended to 16 bits, then paired by lane
+    const __m512i s = _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w)));
+    const __m512i e = _mm512_permutexvar_epi16(interleave(), s);
+    // a normal E4M3 byte: its 7 magnitude bits under bf16's exponent field, rebiased by 127 - 7 - 8 (the
+    // 8 undoes the view's 2^8, so the value is w itself, as in FP16 mode)
+    __m512i m = _mm512_add_epi16(_mm512_and_si512(_mm512_slli_epi16(e, 4), _mm512_set1_epi16(0x07F0)),
+                                 _mm512_set1_epi16(112 << 7));
+    // a subnormal (exponent field 0) one: m * 2^-9 * 2^-8, from a table indexed by its 3 mantissa bits
+    const __mmask32 sub = _mm512_testn_epi16_mask(e, _mm512_set1_epi16(0x0078));
+    m = _mm512_mask_permutexvar_epi16(m, sub, e, subnormals());
+    // the sign from the byte (bit 15 of the sign-extended lane): bitwise select 0x8000 ? e : m
+    return reinterpret_cast<vf>(_mm512_ternarylogic_epi32(_mm512_set1_epi16(static_cast<int16_t>(0x8000)), e, m, 0xCA));
+  }
+
+  static __m512i interleave() {  // 16-bit lane 2l <- l, 2l + 1 <- 16 + l
+    alignas(64) static const int16_t idx[32] = {0, 16, 1, 17, 2,  18, 3,  19, 4,  20, 5,  21, 6,  22, 7,  23,
+                                                8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31};
+    return _mm512_load_si512(idx);
+  }
+  static __m512i subnormals() {  // entry m: the bf16 bits of m * 2^-17 (m = 0 .. 7; the rest unused)
+    alignas(64) static const int16_t table[32] = {0, 0x3700, 0x3780, 0x37C0, 0x3800, 0x3820, 0x3840, 0x3860};
+    return _mm512_load_si512(table);
+  }
+};
+#endif
 
 struct NestedFp16 : NestedFp8 {
   // the residual moves the magnitude below the sign: no carry reaches bit 15 (m stays below 0x3F80: |w| < 1.875)
@@ -162,10 +212,25 @@ at::Tensor nested_linear(const at::Tensor& x, const at::Tensor& packed, const at
     Shape<NestedFp16> s{x.data_ptr<float>(), packed.data_ptr<uint8_t>(), b.defined() ? b.data_ptr<float>() : nullptr,
                         y.data_ptr<float>(), in, out_features, plane, sc.data_ptr<float>()};
     run_blocks(s, rows, panels, in);
-  } else {
-    Shape<NestedFp8> s{x.data_ptr<float>(), packed.data_ptr<uint8_t>(), b.defined() ? b.data_ptr<float>() : nullptr,
-                       y.data_ptr<float>(), in, out_features, plane, sc.data_ptr<float>()};
-    run_blocks(s, rows, panels, in);
+    return y;
   }
+  // FP8 mode multiplies x rounded to bf16 (to nearest even): E4M3 weights are exact in bf16, so the
+  // products are exact in fp32 and vdpbf16ps can take two inputs a step. Elsewhere (no AVX-512 BF16, or
+  // an odd in_features) the same products go through the fp32 FMA chain.
+  const at::Tensor xb = x.to(at::kBFloat16);
+#if defined(__AVX512BF16__) && defined(__AVX512BW__)
+  if (in % 2 == 0) {
+    Shape<NestedFp8Pairs> s{reinterpret_cast<const uint32_t*>(xb.data_ptr<at::BFloat16>()),
+                            reinterpret_cast<const uint16_t*>(packed.data_ptr<uint8_t>()),
+                            b.defined() ? b.data_ptr<float>() : nullptr, y.data_ptr<float>(), in / 2, out_features,
+                            plane / 2, sc.data_ptr<float>()};
+    run_blocks(s, rows, panels, in);
+    return y;
+  }
+#endif
+  const at::Tensor xr = xb.to(at::kFloat);
+  Shape<NestedFp8> s{xr.data_ptr<float>(), packed.data_ptr<uint8_t>(), b.defined() ? b.data_ptr<float>() : nullptr,
+                     y.data_ptr<float>(), in, out_features, plane, sc.data_ptr<float>()};
+  run_blocks(s, rows, panels, in);
   return y;
 }

@@ -117,7 +117,7 @@ def systems(workload: str) -> dict[str, System]:
             "kvserve-nested-fp8",
             _kvserve("--weight-precision", "fp8"),
             workloads=("decode",),
-            note="NestedFP weights, FP8 mode (1 byte a weight read), fp32 activations and KV",
+            note="NestedFP weights, FP8 mode (1 byte a weight read), bf16 projection inputs, fp32 KV",
         ),
         "kvserve-8bit": System(
             "kvserve-8bit", _kvserve("--kv-cache-bits", "8"), note="fp8 e4m3 KV (best 8-bit codec)"

@@ -1,6 +1,7 @@
-"""The CPU extension's nested_linear over NestedFP planes (csrc/cpu/nested_linear.cpp): bitwise the
-row_linear chain over the dequantized weights in both modes (so the same row invariance), close to
-torch's linear over the fp32 reference, and clear refusals."""
+"""The CPU extension's nested_linear over NestedFP planes (csrc/cpu/nested_linear.cpp): FP16 mode is
+bitwise the row_linear chain over the dequantized weights; FP8 mode takes x rounded to bf16 and is that
+chain where it runs as FMAs, and close to it where vdpbf16ps adds pairs; both modes row invariant, close
+to torch's linear over the reference, with clear refusals."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from kvserve.kernels.cpu_ext import cpu_capability
 from kvserve.quant.nestedfp import NestedWeight, fp8_view, merge, split
 
 MODES = ("fp8", "fp16")
@@ -18,6 +20,11 @@ def weight(out_f: int, in_f: int, seed: int) -> tuple[torch.Tensor, NestedWeight
     # rows of very different magnitudes: every row gets its own power-of-two pre-scale
     w = torch.randn(out_f, in_f, generator=gen) * torch.logspace(-3, 1, out_f).unsqueeze(1)
     return w, NestedWeight.from_float(w)
+
+
+def pairs_path(in_features: int) -> bool:
+    """FP8 mode runs as bf16 pairs on vdpbf16ps (an even in_features on an AVX-512 BF16 build)."""
+    return in_features % 2 == 0 and cpu_capability().endswith("_BF16")
 
 
 def nested(ext, x, n: NestedWeight, mode: str, b=None):
@@ -34,8 +41,21 @@ def test_is_row_linear_over_the_dequantized_weight(ext, mode, rows, shape):
     x, b = torch.randn(rows, in_f, generator=gen), torch.randn(out_f, generator=gen)
     ref = n.dequant(mode)
     y = nested(ext, x, n, mode, b)
-    assert torch.equal(y, ext.row_linear(x, ext.pack_linear_weight(ref), b, out_f))
+    if mode == "fp8":  # FP8 mode multiplies x rounded to bf16
+        x = x.bfloat16().float()
+    if mode == "fp16" or not pairs_path(in_f):
+        assert torch.equal(y, ext.row_linear(x, ext.pack_linear_weight(ref), b, out_f))
+    # vdpbf16ps adds a pair of products its own way: close to the chain, not bitwise
     torch.testing.assert_close(y, F.linear(x, ref, b), atol=1e-3, rtol=1e-5)  # rows up to 10x: sums to ~300
+
+
+def test_fp8_mode_takes_x_rounded_to_bf16(ext):
+    _, n = weight(64, 576, 7)
+    x = torch.randn(3, 576, generator=torch.Generator().manual_seed(8))
+    rounded = x.bfloat16().float()
+    assert not torch.equal(x, rounded)
+    assert torch.equal(nested(ext, x, n, "fp8"), nested(ext, rounded, n, "fp8"))
+    assert not torch.equal(nested(ext, x, n, "fp16"), nested(ext, rounded, n, "fp16"))
 
 
 def test_fp8_mode_error_is_the_formats_and_fp16_mode_is_nearly_exact(ext):
@@ -76,8 +96,9 @@ def test_unpacked_weight_is_row_linears_packing_of_the_reference(ext, mode):
     packed = ext.pack_nested_weight(n.hi, n.lo)
     unpacked = ext.unpack_nested_weight(packed, n.scale, 100, mode == "fp16")
     assert torch.equal(unpacked, ext.pack_linear_weight(n.dequant(mode)))
-    x = torch.randn(130, 37, generator=torch.Generator().manual_seed(6))
-    assert torch.equal(ext.row_linear(x, unpacked, None, 100), nested(ext, x, n, mode))
+    x = torch.randn(130, 37, generator=torch.Generator().manual_seed(6))  # odd in_features: the FMA chain
+    xm = x if mode == "fp16" else x.bfloat16().float()
+    assert torch.equal(ext.row_linear(xm, unpacked, None, 100), nested(ext, x, n, mode))
 
 
 def test_the_kernels_planes_rebuild_every_fp16_pattern_in_range(ext):
@@ -94,3 +115,7 @@ def test_the_kernels_planes_rebuild_every_fp16_pattern_in_range(ext):
     assert torch.equal(fp16, ext.pack_linear_weight(merge(hi, lo).float()))
     fp8 = ext.unpack_nested_weight(packed, ones, v.shape[0], False)
     assert torch.equal(fp8, ext.pack_linear_weight(fp8_view(hi).float() / 256))
+    # FP8 mode's own conversion (bf16 pairs where the build has them; every hi byte, subnormals and signs
+    # included): one-hot rows of x read each weight back exactly
+    y = ext.nested_linear(torch.eye(16), packed, ones, None, v.shape[0], False)
+    assert torch.equal(y, (fp8_view(hi).float() / 256).T)
