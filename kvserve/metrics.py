@@ -169,6 +169,24 @@ class Metrics:
             ttft, itl = sorted(self._ttft_s), sorted(self._itl_s)
         return {"ttft_s": _percentiles(ttft), "inter_token_s": _percentiles(itl)}
 
+    def histograms(self) -> dict[str, dict[str, list[float] | list[int]]]:
+        """TTFT and inter-token latency as bucket counts (not cumulative): `counts[i]` observations
+        at most `bounds[i]` seconds and over the bound before, the last one over every bound."""
+        out: dict[str, dict[str, list[float] | list[int]]] = {}
+        for key, hist in (("ttft_s", self.ttft), ("inter_token_s", self.itl)):
+            cumulative = [
+                int(sample.value)
+                for family in hist.collect()
+                for sample in family.samples
+                if sample.name.endswith("_bucket") and sample.labels.get("model_name") == self.model_name
+            ]
+            counts = [b - a for a, b in zip([0, *cumulative], cumulative, strict=False)]
+            out[key] = {
+                "bounds": list(_LATENCY_BUCKETS),
+                "counts": counts or [0] * (len(_LATENCY_BUCKETS) + 1),
+            }
+        return out
+
     def prometheus_text(self) -> bytes:
         return generate_latest(self.registry)
 

@@ -10,7 +10,10 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from kvserve.api.errors import error_body
 
 MAX_BODY_BYTES = 4 * 1024 * 1024
-OPEN_PATHS = frozenset({"/health"})
+OPEN_PATHS = frozenset({"/health", "/dashboard"})
+# the dashboard's page and its static files carry no data (its numbers come from /v1/stats, which
+# needs the key): a browser must be able to load them before it has the key to send
+OPEN_PREFIXES = ("/dashboard/static/",)
 
 
 async def _send_error(
@@ -42,7 +45,7 @@ class EdgeMiddleware:
             await self.app(scope, receive, send)
             return
         headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope.get("headers", [])}
-        if self.api_key and scope.get("path") not in OPEN_PATHS and not self._authorized(headers):
+        if self.api_key and not _open(scope.get("path", "")) and not self._authorized(headers):
             await _send_error(
                 send,
                 401,
@@ -86,6 +89,10 @@ class EdgeMiddleware:
             parts.append(chunk)
             if not message.get("more_body", False):
                 return b"".join(parts)
+
+
+def _open(path: str) -> bool:
+    return path in OPEN_PATHS or path.startswith(OPEN_PREFIXES)
 
 
 def _replay(body: bytes, receive_rest: Receive) -> Receive:

@@ -1,4 +1,4 @@
-"""The FastAPI app: OpenAI routes, tokenizer routes, cache warming, stats and metrics.
+"""The FastAPI app: OpenAI routes, tokenizer routes, cache warming, stats, metrics and the dashboard.
 
 The event loop only routes: tokenizing and chat templating run on a tokenizer thread, engine work on
 the engine's worker thread, and /v1/stats and /metrics read the snapshot that worker published, so
@@ -16,11 +16,13 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, TypeVar
 
 from fastapi import FastAPI
 from fastapi import Request as HTTPRequest
-from fastapi.responses import JSONResponse, PlainTextResponse, Response
+from fastapi.responses import FileResponse, JSONResponse, PlainTextResponse, Response
+from fastapi.staticfiles import StaticFiles
 
 import kvserve
 from kvserve.api import responses as R
@@ -66,6 +68,7 @@ from kvserve.request import (
 
 T = TypeVar("T")
 log = logging.getLogger("kvserve")
+DASHBOARD = Path(__file__).parent / "dashboard"  # GET /dashboard: the page, its script and uPlot
 CLIENT_CLOSED = 499  # nginx's status for a request whose client went away (nobody receives it)
 
 
@@ -340,6 +343,12 @@ def _cache_routes(app: FastAPI, state: ServerState) -> None:
 
 
 def _stats_routes(app: FastAPI, state: ServerState) -> None:
+    @app.get("/dashboard", include_in_schema=False)
+    async def dashboard() -> FileResponse:
+        return FileResponse(DASHBOARD / "index.html", headers={"Cache-Control": "no-cache"})
+
+    app.mount("/dashboard/static", StaticFiles(directory=DASHBOARD), name="dashboard")
+
     @app.get("/v1/stats", response_model=None, responses=responses(Stats))
     async def stats() -> JSONResponse:
         return JSONResponse(await state.backend.stats())

@@ -8,7 +8,7 @@ from typing import Any
 
 from kvserve.config import ServeConfig
 from kvserve.engine.async_engine import QueueCounters
-from kvserve.engine.stats import EngineStats
+from kvserve.engine.stats import ChunkRow, EngineStats
 from kvserve.metrics import Metrics
 
 
@@ -39,7 +39,7 @@ def stats_body(
             "prompt_tokens_computed": s.num_prompt_tokens_computed,
             "generated_tokens": s.num_generated_tokens,
         },
-        "latency": metrics.latency(),
+        "latency": {**metrics.latency(), "histograms": metrics.histograms()},
         "model": {
             "id": model_name,
             "device": info.device,
@@ -64,6 +64,7 @@ def _cache(s: EngineStats) -> dict[str, Any]:
         "cached_blocks": store.num_cached_blocks,
         "evictable_blocks": pool.num_evictable_blocks,
         "usage": pool.usage,
+        "occupancy_blocks": occupancy(s),
         "bytes_used": int(pool.num_used_blocks * s.bytes_per_token * pool.block_size),
         "cached_bytes": store.cached_bytes,
         "bytes_budget": store.max_cache_bytes,
@@ -75,4 +76,24 @@ def _cache(s: EngineStats) -> dict[str, Any]:
         "evictions": s.num_evictions,
         "reuse": dataclasses.asdict(s.content_reuse),
         "tiers": {t.tier: dataclasses.asdict(t) for t in s.tiers},
+        "top_chunks": [_chunk_row(c, time.monotonic()) for c in store.top_chunks],
+    }
+
+
+def _chunk_row(c: ChunkRow, now: float) -> dict[str, Any]:
+    row = dataclasses.asdict(c)
+    row["idle_s"] = max(0.0, now - row.pop("last_used"))  # the server's monotonic clock means nothing outside
+    return row
+
+
+def occupancy(s: EngineStats) -> dict[str, int]:
+    """The pool's blocks by state, summing to its size: free; cold (cached chunks eviction can
+    reclaim); pinned (warmed chunks); hot (held by running requests and the cached chunks they use)."""
+    pool, store = s.pool, s.store
+    cold, pinned = pool.num_evictable_blocks, store.num_pinned_blocks
+    return {
+        "hot": pool.num_used_blocks - cold - pinned,
+        "cold": cold,
+        "pinned": pinned,
+        "free": pool.num_free_blocks,
     }

@@ -13,6 +13,7 @@ from typing import Any
 
 from kvserve.cluster import routing
 from kvserve.cluster.config import ClusterConfig
+from kvserve.engine.stats import TOP_CHUNKS
 from kvserve.metrics import Metrics
 
 _CACHE_SUMS = (
@@ -54,6 +55,13 @@ def _tiers(rows: list[Mapping[str, Any]]) -> dict[str, Any]:
     return out
 
 
+def _top_chunks(bodies: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The replicas' most reused chunks, each row naming its replica, the most reused first."""
+    rows = [{**row, "replica": b["replica"]} for b in bodies for row in b["cache"]["top_chunks"]]
+    rows.sort(key=lambda r: (r["num_hits"], -r["idle_s"]), reverse=True)
+    return rows[:TOP_CHUNKS]
+
+
 def _ratio(num: float, den: float) -> float:
     return num / den if den else 0.0
 
@@ -69,6 +77,8 @@ def cluster_stats(bodies: list[dict[str, Any]], ingress: Metrics, cluster: Clust
         codec=caches[0]["codec"],
         reuse=_sum([c["reuse"] for c in caches]),
         tiers=_tiers([c["tiers"] for c in caches]),
+        occupancy_blocks=_sum([c["occupancy_blocks"] for c in caches]),
+        top_chunks=_top_chunks(bodies),
     )
     decisions = routing.decisions()
     routed = sum(decisions.values())
@@ -87,7 +97,7 @@ def cluster_stats(bodies: list[dict[str, Any]], ingress: Metrics, cluster: Clust
         "cache": cache,
         "throughput": ingress.throughput(time.monotonic()),
         "tokens": _sum([b["tokens"] for b in bodies]),
-        "latency": ingress.latency(),
+        "latency": {**ingress.latency(), "histograms": ingress.histograms()},
         "model": bodies[0]["model"],
         "config": bodies[0]["config"],
         "replicas": {b["replica"]: {k: v for k, v in b.items() if k != "config"} for b in bodies},

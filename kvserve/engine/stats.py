@@ -7,6 +7,7 @@ tracked), so AsyncEngine publishes it after steps at a bounded rate rather than 
 from __future__ import annotations
 
 import dataclasses
+import heapq
 import time
 from collections import Counter
 from dataclasses import dataclass
@@ -41,6 +42,24 @@ class PoolStats:
         return busy / self.num_blocks if self.num_blocks else 0.0
 
 
+TOP_CHUNKS = 10  # rows of the chunk table /v1/stats and the dashboard show
+
+
+@dataclass(frozen=True)
+class ChunkRow:
+    """A cached chunk as the stats show it: its hash and counters, never its tokens."""
+
+    chunk_hash: str  # the prefix hash's first 16 hex digits
+    depth: int  # its index in the prompts that share it (0: the first chunk)
+    num_tokens: int
+    prefix_tokens: int  # tokens from the prompt's start through this chunk
+    num_hits: int  # requests that reused it
+    pinned: bool
+    tier: str  # where its KV is: the hot pool (lower tiers are listed per tier, not per chunk)
+    origin: str  # computed here, or the tier it was loaded from
+    last_used: float  # time.monotonic() of its last use (a stable value: stats compare equal)
+
+
 @dataclass(frozen=True)
 class StoreStats:
     num_chunks: int
@@ -52,6 +71,7 @@ class StoreStats:
     cached_bytes: int
     max_cache_bytes: int
     num_evicted_chunks: int
+    top_chunks: tuple[ChunkRow, ...] = ()  # the most reused (TOP_CHUNKS), then the most recent
 
 
 @dataclass(frozen=True)
@@ -211,6 +231,26 @@ def _store(engine: Engine) -> StoreStats:
         cached_bytes=int(store.num_cached_blocks * info.bytes_per_token * info.block_size),
         max_cache_bytes=engine.config.max_cache_bytes,
         num_evicted_chunks=store.num_evicted_chunks,
+        top_chunks=_top_chunks(engine),
+    )
+
+
+def _top_chunks(engine: Engine) -> tuple[ChunkRow, ...]:
+    store = engine.store
+    chunks = heapq.nlargest(TOP_CHUNKS, store.chunks(), key=lambda c: (c.num_hits, c.last_used))
+    return tuple(
+        ChunkRow(
+            chunk_hash=c.prefix_hash.hex()[:16],
+            depth=c.depth,
+            num_tokens=c.num_tokens,
+            prefix_tokens=c.depth * store.chunk_size + c.num_tokens,
+            num_hits=c.num_hits,
+            pinned=c.pinned,
+            tier="hot",
+            origin=c.origin,
+            last_used=c.last_used,
+        )
+        for c in chunks
     )
 
 

@@ -43,6 +43,7 @@ class CachedChunk:
     # its KV is what an exact computation gives; False when it or a chunk before it was promoted from
     # the cold area (a lossy codec): such KV never goes to the disk or Redis tier
     exact: bool = True
+    origin: str = "computed"  # computed here, or the tier it was loaded from ("cold", "disk", "redis")
 
     @property
     def pinned(self) -> bool:

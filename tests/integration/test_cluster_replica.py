@@ -80,6 +80,14 @@ def test_stats_sum_the_replicas_and_metrics_carry_their_label(replica: EngineRep
     assert merged["queue"]["completed"] == 2 * body["queue"]["completed"] > 0
     assert merged["cache"]["query_tokens"] == 2 * body["cache"]["query_tokens"]
     assert merged["cache"]["hit_rate"] == pytest.approx(body["cache"]["hit_rate"])
+    # what the dashboard reads: the pool's states summed, the chunk tables merged with their replica
+    occupancy = body["cache"]["occupancy_blocks"]
+    assert merged["cache"]["occupancy_blocks"] == {k: 2 * v for k, v in occupancy.items()}
+    assert sum(occupancy.values()) == body["cache"]["blocks_total"]
+    top = merged["cache"]["top_chunks"]
+    assert body["cache"]["top_chunks"] and len(top) == min(10, 2 * len(body["cache"]["top_chunks"]))
+    assert {r["replica"] for r in top} == {"local", "other"} or len(top) == 10
+    assert set(merged["latency"]["histograms"]) == {"ttft_s", "inter_token_s"}
     name, text = asyncio.run(replica.metrics_text())
     exposition = merge_metrics({name: text, "other": text}).decode()
     for label in ('replica="local"', 'replica="other"'):

@@ -3,6 +3,8 @@ warm, all-or-none intake) built on kvserve.request's one fan-out and one warm re
 
 from __future__ import annotations
 
+import time
+
 import pytest
 
 from kvserve import LLM, SamplingParams
@@ -90,3 +92,36 @@ def test_a_refused_prompt_leaves_nothing_running(llm: LLM) -> None:
     engine.check_integrity()
     (out,) = llm.generate([_ids(300, 20)], GREEDY)
     assert len(out.token_ids) == 3
+
+
+def test_occupancy_by_state_and_the_top_chunks(llm: LLM) -> None:
+    """The dashboard's pool states sum to the pool; each is the count it names. The chunk table ranks
+    by reuse and carries hashes and counters only."""
+    from kvserve.api.stats import occupancy
+    from kvserve.request import Request
+
+    engine, per_chunk = llm.engine, CHUNK // llm.engine.pool.block_size
+    pinned_doc, cold_doc = _ids(5000, 2 * CHUNK), _ids(6000, 3 * CHUNK)
+    llm.warm(pinned_doc, pin=True)
+    llm.warm(cold_doc, pin=False)
+    for i in range(3):  # the cold document's first chunk is reused three times
+        llm.generate([cold_doc[:CHUNK] + [9, i]], GREEDY)
+    engine.add_request(Request("hot", _ids(7000, 2 * CHUNK), SamplingParams(max_tokens=50, ignore_eos=True)))
+    engine.step()
+    s = llm.stats()
+    occ = occupancy(s)
+    assert sum(occ.values()) == s.pool.num_blocks and occ["free"] == s.pool.num_free_blocks
+    assert occ["pinned"] == s.store.num_pinned_blocks >= 2 * per_chunk
+    assert occ["cold"] == s.pool.num_evictable_blocks >= 2 * per_chunk  # the cold document's tail
+    assert occ["hot"] >= 2 * per_chunk  # the running request's prompt
+    top = s.store.top_chunks
+    assert 0 < len(top) <= 10 and [c.num_hits for c in top] == sorted((c.num_hits for c in top), reverse=True)
+    first = top[0]
+    assert first.num_hits >= 3 and first.depth == 0 and first.prefix_tokens == CHUNK and not first.pinned
+    assert len(first.chunk_hash) == 16 and int(first.chunk_hash, 16) >= 0
+    assert first.tier == "hot" and first.origin == "computed" and first.last_used <= time.monotonic()
+    engine.abort_request("hot")
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert llm.unpin(pinned_doc) == 2
+    engine.check_integrity()

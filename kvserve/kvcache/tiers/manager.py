@@ -324,6 +324,7 @@ class KVTiers:
         self.store.release(item.prefix_hash)  # no user: evictable like any cached chunk
         chunk.token_hash = item.token_hash
         chunk.exact = chunk.exact and loaded.tier != "cold"
+        chunk.origin = loaded.tier
         self._record_load(loaded.tier, loaded.seconds + time.perf_counter() - start)
 
     def _room(self, parent: bytes | None) -> bool:
