@@ -49,7 +49,9 @@ def _binary(*names: str) -> str:
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
     # a pool of ~180 blocks, so that the traffic below fills a visible share of it
     # approximate reuse on and every such request audited, so the page's reuse and KL parts have data
+    # and a cold tier, so that evicted chunks come back from it
     flags = ("--model", TINY, "--max-cache-bytes", "3000000", "--reuse", "any", "--audit-rate", "1.0")
+    flags += ("--kv-cold-bytes", "20000000")
     s = launch(tmp_path_factory.mktemp("kvserve-dashboard"), *flags, api_key=KEY)
     yield s
     stop(s)
@@ -133,7 +135,13 @@ def _traffic(server: Server) -> int:
             t.join()
         sent += len(prompts)
         time.sleep(1.0)
-    return sent
+    flood, back = range(20, 26), (1, 2)
+    for seed in flood:  # new documents, which evict the older ones into the cold tier
+        ask(_doc(seed) + [90])
+    time.sleep(1.0)
+    for seed in back:  # and two of those come back: loaded from it
+        ask(_doc(seed) + [91])
+    return sent + len(flood) + len(back)
 
 
 def test_the_page_follows_traffic_and_matches_stats(server: Server, browser: Any) -> None:
@@ -166,6 +174,10 @@ def test_the_page_follows_traffic_and_matches_stats(server: Server, browser: Any
                 "return [...document.querySelectorAll('#top-chunks tbody tr')]"
                 ".map(r => [r.cells[0].textContent, r.cells[3].textContent, r.cells[4].textContent])"
             ),
+            "sources": browser.execute_script(
+                "return [...document.querySelectorAll('#sources tbody tr')]"
+                ".map(r => [r.cells[0].textContent, r.cells[1].textContent])"
+            ),
             "audited": browser.execute_script(
                 "return [...document.querySelectorAll('#audit tbody tr')]"
                 ".map(r => [r.cells[0].textContent, r.cells[1].textContent])"
@@ -174,7 +186,7 @@ def test_the_page_follows_traffic_and_matches_stats(server: Server, browser: Any
             "itl": browser.execute_script("return charts.itl.data[1]"),
         }
 
-    cache = stats["cache"]
+    cache, chunk = stats["cache"], stats["config"]["chunk_size"]
     want = {
         "running": stats["queue"]["running"],
         "waiting": stats["queue"]["waiting"],
@@ -190,6 +202,16 @@ def test_the_page_follows_traffic_and_matches_stats(server: Server, browser: Any
             [c["chunk_hash"], f"{c['num_hits']:,}", "yes" if c["pinned"] else "no"]
             for c in cache["top_chunks"]
         ],
+        "sources": [
+            ["computed", f"{stats['tokens']['prompt_tokens_computed']:,}"],
+            ["reused exactly (the hot pool)", f"{cache['hit_tokens']:,}"],
+            ["reused approximately (content match)", f"{cache['reuse']['num_approx_hit_tokens']:,}"],
+        ]
+        + [
+            [f"\xa0\xa0of those exactly, loaded from the {tier} tier", f"{row['loads'] * chunk:,}"]
+            for tier, row in cache["tiers"].items()
+            if tier != "hot"
+        ],
         "audited": [[name, f"{a['num_audited']:,}"] for name, a in cache["reuse"]["audit"].items()],
         "ttft": stats["latency"]["histograms"]["ttft_s"]["counts"],
         "itl": stats["latency"]["histograms"]["inter_token_s"]["counts"],
@@ -199,6 +221,7 @@ def test_the_page_follows_traffic_and_matches_stats(server: Server, browser: Any
     # what the traffic must have produced, so that the comparison above is not of zeros
     assert want["exact"] > 0 and want["blocks"]["pinned"] > 0 and want["blocks"]["cold"] > 0
     assert want["approx"] > 0 and want["audited"], cache["reuse"]
+    assert cache["tiers"]["cold"]["loads"] > 0, cache["tiers"]
     assert sum(want["ttft"]) >= sent and sum(b == "yes" for _, _, b in want["top"]) > 0
     assert sum(want["blocks"].values()) == cache["blocks_total"]
     SCREENSHOT.parent.mkdir(parents=True, exist_ok=True)
