@@ -145,6 +145,11 @@ def readable_pool(kv: LayerKV) -> PagedKV | None:
 NO_POSITIONS = torch.empty(0, dtype=torch.int32)
 
 
+def _int32(t: torch.Tensor) -> torch.Tensor:
+    """t as contiguous int32; the step's metadata already is, and this runs 30 times a step."""
+    return t if t.dtype == torch.int32 and t.is_contiguous() else t.to(torch.int32).contiguous()
+
+
 def attention(
     module: ModuleType,
     query: torch.Tensor,  # [num_rows, H, D] contiguous
@@ -158,13 +163,13 @@ def attention(
     """Causal attention of every row over its sequence's blocks, read in place in the pool's format:
     a row at position p sees KV positions [0, p]."""
     args = (
-        block_tables.to(torch.int32).contiguous(),
-        seq_lens.to(torch.int32).contiguous(),
-        query_start_loc.to(torch.int32).contiguous(),
-        NO_POSITIONS if positions is None else positions.to(torch.int32).contiguous(),
+        _int32(block_tables),
+        _int32(seq_lens),
+        _int32(query_start_loc),
+        NO_POSITIONS if positions is None else _int32(positions),
         float(scale),
     )
-    query = query.contiguous()
+    query = query if query.is_contiguous() else query.contiguous()
     if pool.kv_format == "dense":
         return module.paged_attention_dense(query, pool.k_cache, pool.v_cache, *args)
     if pool.kv_format == "fp8_e4m3":

@@ -8,7 +8,8 @@ import torch
 from transformers.models.llama.modeling_llama import LlamaRMSNorm, apply_rotary_pos_emb
 
 from kvserve import LLM, SamplingParams
-from kvserve.models.fused_llama import fuse
+from kvserve.kvcache.kv_storage import DenseLayerKV
+from kvserve.models.fused_llama import fuse, write_kv
 from tests.integration.helpers import corpus_token_ids, generate_with_logits
 
 DTYPES = [torch.float32, torch.bfloat16]
@@ -86,6 +87,34 @@ def test_layer_ops_reject_bad_arguments(ext):
         ext.rope_(x.clone(), torch.randn(4, 6), torch.randn(4, 6), 1, 8)
     with pytest.raises(RuntimeError, match="at least heads"):
         ext.rope_(x.clone(), torch.randn(4, 8), torch.randn(4, 8), 2, 8)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_kv_write_is_dense_layer_kvs_write(ext, dtype):
+    """The fused forward's one-call KV write leaves the pool as DenseLayerKV.write does: strided rows
+    (column views of the fused qkv), skipped slots (-1), every other slot untouched; a slot past the
+    pool is refused before anything is written."""
+    torch.manual_seed(1)
+    rows, heads, dim = 13, 3, 64
+    qkv = torch.randn(rows, 5 * heads * dim).to(dtype)
+    k = qkv[:, 2 * heads * dim : 3 * heads * dim].view(rows, heads, dim)
+    v = qkv[:, 4 * heads * dim :].view(rows, heads, dim)
+    slots = torch.randperm(6 * 16)[:rows]
+    slots[[2, 7]] = -1
+    want, got = (DenseLayerKV(6, 16, heads, dim, dtype) for _ in range(2))
+    for kv in (want, got):
+        kv.k_cache.normal_()
+        kv.v_cache.copy_(kv.k_cache * 2)
+    got.k_cache.copy_(want.k_cache), got.v_cache.copy_(want.v_cache)
+    want.write(slots, k, v)
+    write_kv(ext, got, slots, k, v)
+    assert torch.equal(got.k_cache, want.k_cache) and torch.equal(got.v_cache, want.v_cache)
+    before = got.k_cache.clone()
+    with pytest.raises(RuntimeError, match="past the pool"):
+        ext.kv_write_(got.k_cache, got.v_cache, torch.tensor([0] * (rows - 1) + [6 * 16]), k, v)
+    assert torch.equal(got.k_cache, before)
+    with pytest.raises(RuntimeError, match="pool's dtype"):
+        ext.kv_write_(got.k_cache, got.v_cache, slots, k.double(), v.double())
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
