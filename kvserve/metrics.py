@@ -258,6 +258,15 @@ class _EngineStatsCollector:
             c = CounterMetricFamily(metric_name, doc, labels=["model_name"])
             c.add_metric([name], float(value))
             yield c
+        blocks = GaugeMetricFamily(
+            "kvserve:kv_cache_blocks",
+            "The KV pool's blocks by state (sum: the pool): hot (running requests and the chunks they use), "
+            "pinned, cold (cached, reclaimable), free.",
+            labels=["model_name", "state"],
+        )
+        for state, n in s.occupancy_blocks.items():
+            blocks.add_metric([name, state], float(n))
+        yield blocks
         yield from _reuse_quality(name, s.content_reuse)
         yield from _weights(name, s.weights)
         yield from _tiers(name, s.tiers)

@@ -64,7 +64,7 @@ def _cache(s: EngineStats) -> dict[str, Any]:
         "cached_blocks": store.num_cached_blocks,
         "evictable_blocks": pool.num_evictable_blocks,
         "usage": pool.usage,
-        "occupancy_blocks": occupancy(s),
+        "occupancy_blocks": s.occupancy_blocks,
         "bytes_used": int(pool.num_used_blocks * s.bytes_per_token * pool.block_size),
         "cached_bytes": store.cached_bytes,
         "bytes_budget": store.max_cache_bytes,

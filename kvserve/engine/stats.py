@@ -139,6 +139,20 @@ class EngineStats:
     def num_evictions(self) -> int:
         return self.store.num_evicted_chunks
 
+    @property
+    def occupancy_blocks(self) -> dict[str, int]:
+        """The pool's blocks by state, summing to its size: free; cold (cached chunks eviction can
+        reclaim); pinned (warmed chunks); hot (held by running requests and the cached chunks they
+        use)."""
+        pool, store = self.pool, self.store
+        cold, pinned = pool.num_evictable_blocks, store.num_pinned_blocks
+        return {
+            "hot": pool.num_used_blocks - cold - pinned,
+            "cold": cold,
+            "pinned": pinned,
+            "free": pool.num_free_blocks,
+        }
+
     def as_dict(self) -> dict[str, Any]:
         return {**dataclasses.asdict(self), "hit_rate": self.hit_rate, "num_evictions": self.num_evictions}
 

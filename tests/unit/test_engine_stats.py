@@ -97,7 +97,6 @@ def test_a_refused_prompt_leaves_nothing_running(llm: LLM) -> None:
 def test_occupancy_by_state_and_the_top_chunks(llm: LLM) -> None:
     """The dashboard's pool states sum to the pool; each is the count it names. The chunk table ranks
     by reuse and carries hashes and counters only."""
-    from kvserve.api.stats import occupancy
     from kvserve.request import Request
 
     engine, per_chunk = llm.engine, CHUNK // llm.engine.pool.block_size
@@ -109,7 +108,7 @@ def test_occupancy_by_state_and_the_top_chunks(llm: LLM) -> None:
     engine.add_request(Request("hot", _ids(7000, 2 * CHUNK), SamplingParams(max_tokens=50, ignore_eos=True)))
     engine.step()
     s = llm.stats()
-    occ = occupancy(s)
+    occ = s.occupancy_blocks
     assert sum(occ.values()) == s.pool.num_blocks and occ["free"] == s.pool.num_free_blocks
     assert occ["pinned"] == s.store.num_pinned_blocks >= 2 * per_chunk
     assert occ["cold"] == s.pool.num_evictable_blocks >= 2 * per_chunk  # the cold document's tail
