@@ -152,8 +152,9 @@ void rope_(at::Tensor& qk, const at::Tensor& cos, const at::Tensor& sin, int64_t
 
 // DenseLayerKV.write in one call: each row of key and value [rows, kv_heads, head_dim] into the flat slot
 // it maps to in the pool [num_blocks, block_size, kv_heads, head_dim], in place; a slot below 0 (a row
-// whose KV is not kept) is skipped. key and value may be column views of the fused qkv projection (rows
-// strided, each row's heads contiguous). The pool's dtype: a copy, no conversion.
+// whose KV is not kept) is skipped, and every slot is checked before anything is written. key and value
+// may have any strides (the fused forward's are column views of the fused qkv projection: rows strided,
+// each row's heads contiguous, copied whole). The pool's dtype: a copy, no conversion.
 void kv_write_(at::Tensor& k_cache, at::Tensor& v_cache, const at::Tensor& slots, const at::Tensor& key,
                const at::Tensor& value) {
   TORCH_CHECK(k_cache.device().is_cpu() && k_cache.dim() == 4 && k_cache.is_contiguous() && v_cache.is_contiguous() &&
@@ -162,24 +163,37 @@ void kv_write_(at::Tensor& k_cache, at::Tensor& v_cache, const at::Tensor& slots
   const int64_t heads = k_cache.size(2), head_dim = k_cache.size(3), capacity = k_cache.size(0) * k_cache.size(1);
   for (const at::Tensor* t : {&key, &value}) {
     TORCH_CHECK(t->device().is_cpu() && t->dim() == 3 && t->size(1) == heads && t->size(2) == head_dim &&
-                    t->stride(2) == 1 && t->stride(1) == head_dim && t->scalar_type() == k_cache.scalar_type(),
-                "key and value must be [rows, kv_heads, head_dim] in the pool's dtype with contiguous rows");
+                    t->scalar_type() == k_cache.scalar_type(),
+                "key and value must be [rows, kv_heads, head_dim] CPU tensors in the pool's dtype");
   }
-  TORCH_CHECK(slots.device().is_cpu() && slots.scalar_type() == at::kLong && slots.dim() == 1 &&
-                  slots.is_contiguous() && slots.size(0) == key.size(0) && value.size(0) == key.size(0),
-              "slots must be int64 [rows], one per row of key and value");
-  const int64_t rows = key.size(0), elem = k_cache.element_size(), bytes = heads * head_dim * elem;
-  const int64_t* s = slots.data_ptr<int64_t>();
-  auto* kc = static_cast<char*>(k_cache.data_ptr());
-  auto* vc = static_cast<char*>(v_cache.data_ptr());
-  const auto* kp = static_cast<const char*>(key.data_ptr());
-  const auto* vp = static_cast<const char*>(value.data_ptr());
+  TORCH_CHECK(slots.device().is_cpu() && slots.dim() == 1 && slots.size(0) == key.size(0) &&
+                  value.size(0) == key.size(0),
+              "slots must be [rows], one per row of key and value");
+  const at::Tensor sl = slots.to(at::kLong).contiguous();
+  const int64_t rows = key.size(0), elem = k_cache.element_size(), row = heads * head_dim;
+  const int64_t* s = sl.data_ptr<int64_t>();
   for (int64_t r = 0; r < rows; ++r) {  // all checked before any is written
     TORCH_CHECK(s[r] < capacity, "slot ", s[r], " is past the pool's ", capacity, " rows");
   }
-  for (int64_t r = 0; r < rows; ++r) {
-    if (s[r] < 0) continue;
-    std::memcpy(kc + s[r] * bytes, kp + r * key.stride(0) * elem, bytes);
-    std::memcpy(vc + s[r] * bytes, vp + r * value.stride(0) * elem, bytes);
-  }
+  const auto copy_rows = [&](at::Tensor& pool, const at::Tensor& src) {
+    auto* dst = static_cast<char*>(pool.data_ptr());
+    const auto* base = static_cast<const char*>(src.data_ptr());
+    const bool whole = src.stride(2) == 1 && src.stride(1) == head_dim;
+    for (int64_t r = 0; r < rows; ++r) {
+      if (s[r] < 0) continue;
+      char* out = dst + s[r] * row * elem;
+      if (whole) {
+        std::memcpy(out, base + r * src.stride(0) * elem, row * elem);
+        continue;
+      }
+      for (int64_t h = 0; h < heads; ++h) {
+        for (int64_t d = 0; d < head_dim; ++d) {
+          std::memcpy(out + (h * head_dim + d) * elem,
+                      base + (r * src.stride(0) + h * src.stride(1) + d * src.stride(2)) * elem, elem);
+        }
+      }
+    }
+  };
+  copy_rows(k_cache, key);
+  copy_rows(v_cache, value);
 }

@@ -16,7 +16,7 @@ from kvserve.attention.base import AttentionBackend
 from kvserve.attention.registry import create_backend
 from kvserve.config import ServeConfig
 from kvserve.errors import ConfigError, InvalidRequestError
-from kvserve.kvcache.kv_storage import LayerKV
+from kvserve.kvcache.kv_storage import DenseLayerKV, LayerKV
 from kvserve.models.fused_llama import FusedLlamaForward, unsupported_reason
 from kvserve.models.hf_adapter import ATTN_IMPLEMENTATION, check_supported
 from kvserve.models.loader import model_fingerprint, resolve_model_path
@@ -208,6 +208,19 @@ class EngineParts:
     fused: FusedLlamaForward | None  # the fused CPU decoder forward, None: the HF modeling code
 
 
+def attach_row_writer(layers: list[LayerKV], device: torch.device) -> None:
+    """Dense CPU pools write a step's K and V with the CPU extension's kv_write_ where it is loaded
+    (kvcache does not import kernels: the builder hands the function over)."""
+    from kvserve.kernels import cpu_ext
+
+    ext = cpu_ext.loaded() if device.type == "cpu" else None
+    if ext is None:
+        return
+    for layer in layers:
+        if isinstance(layer, DenseLayerKV):
+            layer.copy_rows = ext.kv_write_
+
+
 def fused_forward(config: ServeConfig, model: torch.nn.Module) -> tuple[FusedLlamaForward | None, str]:
     """(the fused forward, "fused") where --model-forward auto and the model qualifies, else (None, "hf (why)")."""
     if config.model_forward == "hf":
@@ -257,6 +270,7 @@ def build_parts(config: ServeConfig) -> EngineParts:
         create_layer_kv(codec, num_blocks, config.block_size, num_kv_heads, head_dim, dtype, device, i)
         for i in range(num_layers)
     ]
+    attach_row_writer(layers, device)
     max_model_len = config.max_model_len or int(getattr(mc, "max_position_embeddings", 2048))
     eos = _eos_ids(model, tokenizer)
     namespace = "|".join(

@@ -40,7 +40,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kvserve.attention.base import AttentionBackend, AttentionMetadata
-from kvserve.kvcache.kv_storage import DenseLayerKV, LayerKV
+from kvserve.kvcache.kv_storage import LayerKV
 from kvserve.models.cpu_linear import RowInvariantLinear
 from kvserve.models.nested import NestedLinear, RowPrecision, concat
 
@@ -163,15 +163,6 @@ def fuse(linears: list[Any], ext: ModuleType) -> FusedLinear | NestedLinear:
     return FusedLinear(packed, bias, sum(m.out_features for m in linears), first.kernel)
 
 
-def write_kv(ext: ModuleType, kv: LayerKV, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-    """kv.write(slots, k, v); for a dense pool in k's dtype, the same copies in one extension call
-    (tests/kernels/test_fused_llama.py checks the two write the same pool)."""
-    if type(kv) is DenseLayerKV and kv.k_cache.dtype == k.dtype and kv.k_cache.device.type == "cpu":
-        ext.kv_write_(kv.k_cache, kv.v_cache, slots, k, v)
-    else:
-        kv.write(slots, k, v)
-
-
 class FusedLlamaForward:
     """decoder(input_ids) -> last hidden states [num_tokens, hidden], for one packed step."""
 
@@ -232,7 +223,7 @@ class FusedLlamaForward:
             ext.rope_(qkv, cos, sin, self.num_heads + self.num_kv_heads, self.head_dim)
             k = qkv[:, q_cols : q_cols + kv_cols].view(rows, self.num_kv_heads, self.head_dim)
             v = qkv[:, q_cols + kv_cols :].view(rows, self.num_kv_heads, self.head_dim)
-            write_kv(ext, kv_layers[i], meta.slot_mapping, k, v)
+            kv_layers[i].write(meta.slot_mapping, k, v)
             q = qkv[:, :q_cols].view(rows, self.num_heads, self.head_dim)
             attn = backend.forward(q, kv_layers[i], meta, self.scale)  # [T, heads, head_dim]
             o = layer.o.run(attn.reshape(rows, q_cols), precision)

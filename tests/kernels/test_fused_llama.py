@@ -9,7 +9,7 @@ from transformers.models.llama.modeling_llama import LlamaRMSNorm, apply_rotary_
 
 from kvserve import LLM, SamplingParams
 from kvserve.kvcache.kv_storage import DenseLayerKV
-from kvserve.models.fused_llama import fuse, write_kv
+from kvserve.models.fused_llama import fuse
 from tests.integration.helpers import corpus_token_ids, generate_with_logits
 
 DTYPES = [torch.float32, torch.bfloat16]
@@ -91,8 +91,9 @@ def test_layer_ops_reject_bad_arguments(ext):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_kv_write_is_dense_layer_kvs_write(ext, dtype):
-    """The fused forward's one-call KV write leaves the pool as DenseLayerKV.write does: strided rows
-    (column views of the fused qkv), skipped slots (-1), every other slot untouched; a slot past the
+    """DenseLayerKV.write through the extension (copy_rows = kv_write_, as the engine's builder sets it)
+    leaves the pool as its torch ops (write_torch) do: strided
+    rows (column views of the fused qkv), skipped slots (-1), every other slot untouched; a slot past the
     pool is refused before anything is written."""
     torch.manual_seed(1)
     rows, heads, dim = 13, 3, 64
@@ -106,8 +107,16 @@ def test_kv_write_is_dense_layer_kvs_write(ext, dtype):
         kv.k_cache.normal_()
         kv.v_cache.copy_(kv.k_cache * 2)
     got.k_cache.copy_(want.k_cache), got.v_cache.copy_(want.v_cache)
-    want.write(slots, k, v)
-    write_kv(ext, got, slots, k, v)
+    want.write_torch(slots, k, v)
+    calls = []
+    got.copy_rows = lambda *args: calls.append(1) or ext.kv_write_(*args)
+    got.write(slots, k, v)
+    assert calls == [1]  # the extension wrote it
+    assert torch.equal(got.k_cache, want.k_cache) and torch.equal(got.v_cache, want.v_cache)
+    # any strides (heads not contiguous) and int32 slots
+    k2 = torch.randn(rows, dim, heads).to(dtype).transpose(1, 2)
+    want.write_torch(slots, k2, v)
+    got.write(slots.to(torch.int32), k2, v)
     assert torch.equal(got.k_cache, want.k_cache) and torch.equal(got.v_cache, want.v_cache)
     before = got.k_cache.clone()
     with pytest.raises(RuntimeError, match="past the pool"):
@@ -179,3 +188,8 @@ def test_fused_forward_in_bf16_is_as_close_to_fp32_as_hf_is(ext):
         for f, llm in engines("smollm2-135m", "bfloat16").items()
     }
     assert errors["auto"] <= 1.2 * errors["hf"], errors
+
+
+def test_the_engine_hands_dense_pools_the_extensions_write(ext):
+    llm = LLM(model="tiny-random-llama", max_cache_bytes=8_000_000)
+    assert all(kv.copy_rows is ext.kv_write_ for kv in llm.engine.layers)
