@@ -7,6 +7,7 @@ Prometheus names follow vLLM's where one exists (with the `kvserve:` prefix).
 
 from __future__ import annotations
 
+import itertools
 import threading
 from collections import deque
 from collections.abc import Iterator
@@ -180,7 +181,7 @@ class Metrics:
                 for sample in family.samples
                 if sample.name.endswith("_bucket") and sample.labels.get("model_name") == self.model_name
             ]
-            counts = [b - a for a, b in zip([0, *cumulative], cumulative, strict=False)]
+            counts = [b - a for a, b in itertools.pairwise([0, *cumulative])]
             out[key] = {
                 "bounds": list(_LATENCY_BUCKETS),
                 "counts": counts or [0] * (len(_LATENCY_BUCKETS) + 1),

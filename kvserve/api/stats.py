@@ -84,16 +84,3 @@ def _chunk_row(c: ChunkRow, now: float) -> dict[str, Any]:
     row = dataclasses.asdict(c)
     row["idle_s"] = max(0.0, now - row.pop("last_used"))  # the server's monotonic clock means nothing outside
     return row
-
-
-def occupancy(s: EngineStats) -> dict[str, int]:
-    """The pool's blocks by state, summing to its size: free; cold (cached chunks eviction can
-    reclaim); pinned (warmed chunks); hot (held by running requests and the cached chunks they use)."""
-    pool, store = s.pool, s.store
-    cold, pinned = pool.num_evictable_blocks, store.num_pinned_blocks
-    return {
-        "hot": pool.num_used_blocks - cold - pinned,
-        "cold": cold,
-        "pinned": pinned,
-        "free": pool.num_free_blocks,
-    }

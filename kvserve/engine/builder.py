@@ -209,11 +209,11 @@ class EngineParts:
 
 
 def attach_row_writer(layers: list[LayerKV], device: torch.device) -> None:
-    """Dense CPU pools write a step's K and V with the CPU extension's kv_write_ where it is loaded
+    """Dense CPU pools write a step's K and V with the CPU extension's kv_write_ where it can be built
     (kvcache does not import kernels: the builder hands the function over)."""
     from kvserve.kernels import cpu_ext
 
-    ext = cpu_ext.loaded() if device.type == "cpu" else None
+    ext = cpu_ext.load_or_none() if device.type == "cpu" else None
     if ext is None:
         return
     for layer in layers:

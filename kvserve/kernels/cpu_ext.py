@@ -122,11 +122,6 @@ def load() -> ModuleType:
     return module
 
 
-def loaded() -> ModuleType | None:
-    """The extension if this process has already loaded it; never starts a build."""
-    return load() if load.cache_info().currsize else None
-
-
 @functools.cache
 def load_or_none() -> ModuleType | None:
     """The extension, or None (reason logged once) where it cannot be built."""

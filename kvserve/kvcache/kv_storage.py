@@ -129,7 +129,7 @@ class DenseLayerKV(LayerKV):
         shape = (num_blocks, block_size, num_kv_heads, head_dim)
         self.k_cache = torch.zeros(shape, dtype=dtype, device=device)  # [num_blocks, block_size, H_kv, D]
         self.v_cache = torch.zeros(shape, dtype=dtype, device=device)
-        # the CPU extension's kv_write_, handed over by the engine's builder where it is loaded (storage
+        # the CPU extension's kv_write_, handed over by the engine's builder where it can be built (storage
         # does not import kernels); None: write_torch
         self.copy_rows: Callable[..., None] | None = None
 
