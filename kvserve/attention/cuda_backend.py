@@ -2,10 +2,11 @@
 prefill, chunked prefill and decode, split-KV (flash-decoding) when the grid is too small.
 
 Pools read in place, for every step kind: dense fp16 / bf16, fp8_e4m3 and int8 (KIVI) quantized
-pools (kvserve/quant/; the kernel dequantizes while loading its K/V tiles). Any other pool format is
-first gathered into a dense copy of only the blocks the step references (`dense_copy`), so every
-codec works, at the cost of that copy. head_dim 64 or 128, compute capability >= 8.0. The extension
-is built on first use through kvserve/kernels/cuda_ext.py.
+pools (kvserve/quant/; the kernel dequantizes while loading its K/V tiles). Any other pool format
+(mxfp4 too, which only the Triton decode kernel reads in place) is first gathered into a dense copy
+of only the blocks the step references (`dense_copy`), so every codec works, at the cost of that
+copy. head_dim 64 or 128, compute capability >= 8.0. The extension is built on first use through
+kvserve/kernels/cuda_ext.py.
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ class CudaBackend(AttentionBackend):
         from kvserve.kernels import cuda_ext
 
         pool = paged_kv(kv, query.dtype)
-        if pool is not None:  # dense, fp8_e4m3 or int8: read in place
+        if pool is not None and pool.kv_format in cuda_ext.KV_FORMATS:  # dense, fp8_e4m3 or int8: in place
             return cuda_ext.paged_attention(
                 query, pool.k_cache, pool.v_cache, meta.block_tables, meta.query_start_loc, meta.seq_lens,
                 max_query_len=meta.max_query_len, max_seq_len=meta.max_seq_len, scale=scale,

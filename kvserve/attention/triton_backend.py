@@ -1,10 +1,10 @@
 """Triton paged attention: split-KV decode for pure-decode steps, the FA2 prefill kernel otherwise.
 
 Kernels live in kvserve/kernels/triton/ and are imported on first use. Dense pools are read in
-place (fp16, bf16, fp32; head_dim 64 or 128). fp8_e4m3 and int8 (KIVI, open blocks' K from their
-full-precision shadows) pools (kvserve/quant/) are read in place by the decode kernel; any other
-non-dense pool, and fp8 / int8 for prefill steps, is first gathered into a dense copy of just the
-blocks the step references. On CPU the backend runs only under
+place (fp16, bf16, fp32; head_dim 64 or 128). fp8_e4m3, mxfp4 and int8 (KIVI, open blocks' K from
+their full-precision shadows) pools (kvserve/quant/) are read in place by the decode kernel; any
+other non-dense pool, and fp8 / mxfp4 / int8 for prefill steps, is first gathered into a dense copy
+of just the blocks the step references. On CPU the backend runs only under
 TRITON_INTERPRET=1 (the parity tests).
 """
 
@@ -30,7 +30,7 @@ class TritonBackend(AttentionBackend):
             "rows at arbitrary positions: use the positional backend"
         )
         pool = paged_kv(kv, query.dtype) if meta.is_pure_decode else None
-        if pool is not None:  # dense, fp8_e4m3 or int8: the decode kernel reads the pool in place
+        if pool is not None:  # dense, fp8_e4m3, mxfp4 or int8: the decode kernel reads the pool in place
             from kvserve.kernels.triton.paged_decode import paged_decode
 
             return paged_decode(

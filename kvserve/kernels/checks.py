@@ -33,8 +33,10 @@ def check_paged_args(
     dtypes: tuple[torch.dtype, ...] = KERNEL_DTYPES,
     head_dims: tuple[int, ...] = (64, 128),
     kv_dtype: torch.dtype | None = None,  # cache dtype when it differs from query's (fp8 codes: uint8)
+    codes_per_byte: int = 1,  # channels per cache element: 2 for packed 4-bit codes (mxfp4)
 ) -> PagedShape:
-    """Shapes, dtypes, strides and devices of a paged attention call; ValueError naming the problem."""
+    """Shapes, dtypes, strides and devices of a paged attention call; ValueError naming the problem.
+    The caches' last dim is head_dim // codes_per_byte."""
     require(query.dim() == 3, f"query must be [num_tokens, num_heads, head_dim], got {tuple(query.shape)}")
     require(
         k_cache.dim() == 4,
@@ -45,7 +47,8 @@ def check_paged_args(
         f"k_cache {tuple(k_cache.shape)} and v_cache {tuple(v_cache.shape)} differ",
     )
     _, num_heads, head_dim = query.shape
-    _, block_size, num_kv_heads, kv_head_dim = k_cache.shape
+    _, block_size, num_kv_heads, kv_bytes = k_cache.shape
+    kv_head_dim = kv_bytes * codes_per_byte
     require(head_dim == kv_head_dim, f"query head_dim {head_dim} != cache head_dim {kv_head_dim}")
     require(head_dim in head_dims, f"head_dim must be one of {head_dims}, got {head_dim}")
     require(block_size & (block_size - 1) == 0, f"block_size must be a power of two, got {block_size}")
@@ -81,18 +84,24 @@ def check_paged_args(
     return PagedShape(num_seqs, num_heads, num_kv_heads, head_dim, block_size)
 
 
-def check_scales(k_scale: torch.Tensor | None, v_scale: torch.Tensor | None, k_cache: torch.Tensor) -> None:
-    """Per-(slot, kv head) fp32 scales of an 8-bit pool: [num_blocks, block_size, H_kv], slot-major."""
+def check_scales(
+    k_scale: torch.Tensor | None,
+    v_scale: torch.Tensor | None,
+    k_cache: torch.Tensor,
+    dtype: torch.dtype = torch.float32,
+    groups: int = 0,
+) -> None:
+    """Per-slot scales of a pool of codes, slot-major. fp8_e4m3: one fp32 per (slot, kv head),
+    [num_blocks, block_size, H_kv]. mxfp4 (dtype uint8, groups = head_dim // 32): one UE8M0 exponent
+    per (slot, kv head, group of 32 channels), [num_blocks, block_size, H_kv, groups]."""
+    shape = (*k_cache.shape[:3], groups) if groups else tuple(k_cache.shape[:3])
     for name, t in (("k_scale", k_scale), ("v_scale", v_scale)):
-        require(t is not None, f"{name} is required with 8-bit caches")
+        require(t is not None, f"{name} is required with quantized caches")
         assert t is not None
-        require(t.dtype == torch.float32, f"{name} must be float32, got {t.dtype}")
+        require(t.dtype == dtype, f"{name} must be {str(dtype).removeprefix('torch.')}, got {t.dtype}")
+        require(tuple(t.shape) == shape, f"{name} must be {shape}, got {tuple(t.shape)}")
         require(
-            tuple(t.shape) == tuple(k_cache.shape[:3]),
-            f"{name} must be {tuple(k_cache.shape[:3])}, got {tuple(t.shape)}",
-        )
-        require(
-            t.stride(2) == 1 and t.device == k_cache.device,
+            t.stride(-1) == 1 and t.device == k_cache.device,
             f"{name} must be contiguous per slot, on {k_cache.device}",
         )
     assert k_scale is not None and v_scale is not None

@@ -134,12 +134,14 @@ def load_or_none() -> ModuleType | None:
 
 
 HEAD_DIMS = (16, 32, 64, 128, 256)  # run_for_head_dim in csrc/cpu/paged_attention_cpu.cpp
+KV_FORMATS = ("dense", "fp8_e4m3", "int8")  # PagedKV.kv_format values with an entry point (attention)
 
 
 def readable_pool(kv: LayerKV) -> PagedKV | None:
     """`kv` as the extension reads it in place (any dense or stored-as-is float pool, e.g. bf16 KV under
-    fp32 compute; fp8_e4m3; int8 KIVI), or None for other formats and head dims."""
-    return paged_kv(kv) if kv.head_dim in HEAD_DIMS else None
+    fp32 compute; fp8_e4m3; int8 KIVI), or None for other formats (mxfp4 among them) and head dims."""
+    pool = paged_kv(kv) if kv.head_dim in HEAD_DIMS else None
+    return pool if pool is not None and pool.kv_format in KV_FORMATS else None
 
 
 NO_POSITIONS = torch.empty(0, dtype=torch.int32)

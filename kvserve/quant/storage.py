@@ -235,15 +235,15 @@ class QuantizedLayerKV(LayerKV):
                 self.open_k.open(dst, init=self.open_k.get(src), written=self.open_k.written[src])
 
     def kernel_view(self, dtype: torch.dtype | None = None) -> PagedKV | None:
-        """Stored-as-is formats (in `dtype`, if given), fp8_e4m3 and int8 KIVI (its open-K shadows in
-        `dtype`, if given) are read in place; other codecs are not."""
+        """Stored-as-is formats (in `dtype`, if given), fp8_e4m3, mxfp4 and int8 KIVI (its open-K
+        shadows in `dtype`, if given) are read in place; other codecs are not."""
         k, v = self.k_blocks.fields, self.v_blocks.fields
         codec = self.codec
         if codec.passthrough_dtype is not None:
             same = dtype is None or codec.passthrough_dtype == dtype
             return PagedKV("dense", k["x"], v["x"]) if same else None
-        if codec.name == "fp8_e4m3":
-            return PagedKV("fp8_e4m3", k["codes"], v["codes"], k_scale=k["scale"], v_scale=v["scale"])
+        if codec.name in ("fp8_e4m3", "mxfp4"):
+            return PagedKV(codec.name, k["codes"], v["codes"], k_scale=k["scale"], v_scale=v["scale"])
         if codec.name != "int8" or (dtype is not None and self.open_k.pool.dtype != dtype):
             return None
         return PagedKV(

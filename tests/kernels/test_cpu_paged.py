@@ -77,11 +77,11 @@ def test_plan_spans_views_and_gathers(monkeypatch):
     ]
 
 
-@pytest.mark.parametrize("codec", ["int8", "fp8_e4m3", "int4", "turbo4"])
+@pytest.mark.parametrize("codec", ["int8", "fp8_e4m3", "int4", "turbo4", "mxfp4"])
 @pytest.mark.parametrize("use_extension", [True, False], ids=["ext", "torch"])
 def test_quantized_pool_matches_reference(codec, use_extension):
-    """Quantized pools: read in place (ext: int8, fp8), through a dense copy (ext: int4, turbo4) or
-    LayerKV.gather (torch); the reference reads the same dequantized values."""
+    """Quantized pools: read in place (ext: int8, fp8), through a dense copy (ext: int4, turbo4,
+    mxfp4) or LayerKV.gather (torch); the reference reads the same dequantized values."""
     quant_storage = pytest.importorskip("kvserve.quant.storage")
     lens = [(1, 70), (9, 40), (1, 5)]
     query, dense, meta = make_batch(lens, 6, 2, 64, 16, torch.float32, "shuffled")

@@ -308,11 +308,12 @@ def emulated_kernel(meta_of_call):
     return fake
 
 
-@pytest.mark.parametrize("codec", ["fp8_e4m3", "int8", "turbo4", "int4", "fp16"])
+@pytest.mark.parametrize("codec", ["fp8_e4m3", "int8", "turbo4", "int4", "mxfp4", "fp16"])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_backend_routes_pools_on_cpu(codec, dtype, monkeypatch):
-    """CudaBackend hands fp8 / int8 pools to the kernel in place and any other codec as a dense copy
-    of the referenced blocks; an emulation of the kernel's format reading matches the reference."""
+    """CudaBackend hands fp8 / int8 pools to the kernel in place and any other codec (mxfp4, which
+    paged_kv describes for Triton, included) as a dense copy of the referenced blocks; an emulation
+    of the kernel's format reading matches the reference."""
     from kvserve.attention.cuda_backend import CudaBackend
     from kvserve.kernels import cuda_ext
 

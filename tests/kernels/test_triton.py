@@ -20,7 +20,12 @@ tl = pytest.importorskip("triton.language")
 from kvserve.attention.reference import ReferenceBackend  # noqa: E402
 from kvserve.attention.testing import make_batch  # noqa: E402
 from kvserve.attention.triton_backend import TritonBackend  # noqa: E402
-from kvserve.kernels.triton.paged_decode import e4m3_to_fp16  # noqa: E402
+from kvserve.kernels.triton.paged_decode import (  # noqa: E402
+    e2m1_to_fp16,
+    e4m3_to_fp16,
+    e8m0_to_fp32,
+    mxfp4_tile,
+)
 
 pytestmark = pytest.mark.triton
 DEVICE = "cuda" if ON_GPU else "cpu"
@@ -110,15 +115,15 @@ def test_compiles_for_sm90_and_sm80_without_gpu():
     if "GPUTarget" in proc.stderr and "ImportError" in proc.stderr:
         pytest.skip(f"this triton cannot compile for a target without a GPU: {proc.stderr[-300:]}")
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    for arch in (90, 80):  # prefill, decode, decode-fp8kv, decode-int8kv, merge, nested-fp8, nested-fp16
-        assert proc.stdout.count(f"ok   sm_{arch}") == 7, proc.stdout
-    assert "decode-int8kv" in proc.stdout
+    for arch in (90, 80):  # prefill, decode, decode-{fp8,int8,mxfp4}kv, merge, nested-fp8, nested-fp16
+        assert proc.stdout.count(f"ok   sm_{arch}") == 8, proc.stdout
+    assert "decode-int8kv" in proc.stdout and "decode-mxfp4kv" in proc.stdout
 
 
-@pytest.mark.parametrize("codec", ["fp8_e4m3", "int8"])
+@pytest.mark.parametrize("codec", ["fp8_e4m3", "int8", "mxfp4"])
 @pytest.mark.parametrize("kind", ["decode", "mixed"])
 def test_quantized_pool(codec, kind):
-    """fp8 and int8 decode read codes and scales in place; prefill steps use a dense copy."""
+    """fp8, int8 and mxfp4 decode read codes and scales in place; prefill steps use a dense copy."""
     quant_storage = pytest.importorskip("kvserve.quant.storage")
     lens = [(1, 40), (1, 9)] if kind == "decode" else [(1, 30), (6, 20)]
     query, dense, meta = make_batch(lens, 8, 2, 64, 16, torch.float16, "shuffled")
@@ -151,8 +156,9 @@ def _int8_pool(lens, h, h_kv, d, bs, dtype, layout="shuffled", seed=0):
     return query, kv, meta
 
 
-def _int8_forward(query, kv, meta, scale, **launch):
-    """TritonBackend on the pool (or paged_decode with launch options); on a GPU, a device copy."""
+def _quantized_forward(query, kv, meta, scale, **launch):
+    """TritonBackend on a QuantizedLayerKV (or paged_decode with launch options, the operands from
+    paged_kv); on a GPU, a device copy."""
     if ON_GPU:
         for blocks in (kv.k_blocks, kv.v_blocks):
             blocks.fields = {name: t.cuda() for name, t in blocks.fields.items()}
@@ -186,7 +192,7 @@ def test_int8_decode_in_place_parity(h, h_kv, d, bs):
     open_blocks, closed = set(kv.open_k.slots), kv.closed
     assert open_blocks and closed and not open_blocks & closed  # both kinds are read
     ref = ReferenceBackend().forward(query, kv, meta, d**-0.5)
-    out = _int8_forward(query, kv, meta, d**-0.5)
+    out = _quantized_forward(query, kv, meta, d**-0.5)
     assert out.dtype == torch.float16
     torch.testing.assert_close(out.float(), ref.float(), atol=TOL[torch.float16], rtol=0)
 
@@ -195,7 +201,7 @@ def test_int8_decode_in_place_parity(h, h_kv, d, bs):
 def test_int8_decode_in_place_bf16(d, bs):
     query, kv, meta = _int8_pool(INT8_LENS, 6, 2, d, bs, torch.bfloat16, layout="mixed")
     ref = ReferenceBackend().forward(query, kv, meta, d**-0.5)
-    out = _int8_forward(query, kv, meta, d**-0.5)
+    out = _quantized_forward(query, kv, meta, d**-0.5)
     torch.testing.assert_close(out.float(), ref.float(), atol=TOL[torch.bfloat16], rtol=0)
 
 
@@ -205,7 +211,7 @@ def test_int8_decode_tile_shapes_and_splits(block_n, bs):
     one block, with many splits (some empty for the short sequences)."""
     query, kv, meta = _int8_pool([(1, 3), (1, 150), (1, 64)], 4, 2, 64, bs, torch.float16)
     ref = ReferenceBackend().forward(query, kv, meta, 0.125)
-    out = _int8_forward(query, kv, meta, 0.125, block_n=block_n, target_programs=64, num_warps=4)
+    out = _quantized_forward(query, kv, meta, 0.125, block_n=block_n, target_programs=64, num_warps=4)
     torch.testing.assert_close(out.float(), ref.float(), atol=2e-3, rtol=0)
 
 
@@ -234,7 +240,7 @@ def test_int8_decode_reads_codes_in_place(monkeypatch):
     monkeypatch.setattr(QuantizedLayerKV, "gather", boom)
     monkeypatch.setattr(PackedBlocks, "read", boom)
     monkeypatch.setattr(triton_backend, "dense_copy", boom)
-    out = _int8_forward(query, kv, meta, 0.125)
+    out = _quantized_forward(query, kv, meta, 0.125)
     torch.testing.assert_close(out.float(), ref.float(), atol=2e-3, rtol=0)
 
 
@@ -244,7 +250,7 @@ def test_int8_decode_without_open_blocks():
     assert not kv.open_k.slots and bool((kv.open_k.slot_of_block == -1).all())
     kv.open_k.pool = kv.open_k.pool[:0]
     ref = ReferenceBackend().forward(query, kv, meta, 0.125)
-    out = _int8_forward(query, kv, meta, 0.125)
+    out = _quantized_forward(query, kv, meta, 0.125)
     torch.testing.assert_close(out.float(), ref.float(), atol=2e-3, rtol=0)
 
 
@@ -284,6 +290,158 @@ def test_e4m3_bit_trick_is_exact():
     out = torch.empty(256, dtype=torch.float16, device=DEVICE)
     _convert_e4m3_kernel[(1,)](codes.to(DEVICE), out, 256)
     assert torch.equal(out.cpu().float(), codes.view(torch.float8_e4m3fn).float())
+
+
+def _mxfp4_pool(lens, h, h_kv, d, bs, dtype, layout="shuffled", seed=0):
+    """make_batch's KV, each group of 32 channels scaled by 2^k (k in [-6, 0]) so that the groups get
+    different UE8M0 exponents, written into an mxfp4 pool slot by slot, the garbage past each
+    sequence's end included (a kernel reading past seq_len shows up). -> query, QuantizedLayerKV,
+    meta (all on the CPU)."""
+    from kvserve.quant.storage import create_layer_kv
+
+    query, dense, meta = make_batch(lens, h, h_kv, d, bs, dtype, layout, seed)
+    gen = torch.Generator().manual_seed(seed + 1)
+    group_scale = torch.exp2(torch.randint(-6, 1, (2, h_kv, d // 32, 1), generator=gen).float())
+    group_scale = group_scale.expand(-1, -1, -1, 32).reshape(2, h_kv, d)
+    kv = create_layer_kv("mxfp4", dense.num_blocks, bs, h_kv, d, dtype)
+    k_src, v_src = dense.k_cache.view(-1, h_kv, d).float(), dense.v_cache.view(-1, h_kv, d).float()
+    kv.write(torch.arange(dense.num_blocks * bs), k_src * group_scale[0], v_src * group_scale[1])
+    return query, kv, meta
+
+
+MXFP4_LENS = [(1, 1), (1, 77), (1, 150)]  # one token; ends mid-block; several splits' worth
+
+
+@pytest.mark.parametrize("bs", [16, 32])
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_mxfp4_decode_in_place_parity(dtype, d, bs):
+    query, kv, meta = _mxfp4_pool(MXFP4_LENS, 8, 2, d, bs, dtype)
+    assert len(set(kv.k_blocks.fields["scale"].flatten().tolist())) > 4  # many exponents are read
+    ref = ReferenceBackend().forward(query, kv, meta, d**-0.5)  # reads the same dequantized values
+    out = _quantized_forward(query, kv, meta, d**-0.5)
+    assert out.dtype == dtype
+    torch.testing.assert_close(out.float(), ref.float(), atol=TOL[dtype], rtol=0)
+
+
+@pytest.mark.parametrize("h,h_kv", [(4, 4), (6, 2), (8, 1)])  # GQA 1, 3, 8
+def test_mxfp4_decode_gqa(h, h_kv):
+    query, kv, meta = _mxfp4_pool(MXFP4_LENS, h, h_kv, 64, 16, torch.float16, layout="mixed")
+    ref = ReferenceBackend().forward(query, kv, meta, 0.125)
+    out = _quantized_forward(query, kv, meta, 0.125)
+    torch.testing.assert_close(out.float(), ref.float(), atol=TOL[torch.float16], rtol=0)
+
+
+@pytest.mark.parametrize("block_n,bs", [(64, 16), (64, 32)])  # 4 and 2 blocks per tile
+def test_mxfp4_decode_tile_shapes_and_splits(block_n, bs):
+    """Many splits (some empty for the short sequences), tiles spanning several blocks."""
+    query, kv, meta = _mxfp4_pool([(1, 3), (1, 150), (1, 64)], 4, 2, 128, bs, torch.bfloat16)
+    ref = ReferenceBackend().forward(query, kv, meta, 0.125)
+    out = _quantized_forward(query, kv, meta, 0.125, block_n=block_n, target_programs=64, num_warps=4)
+    torch.testing.assert_close(out.float(), ref.float(), atol=TOL[torch.bfloat16], rtol=0)
+
+
+def test_mxfp4_decode_takes_the_gpu_checked_tile_only():
+    """block_n 16 gave wrong tiles on an H200 (Triton 3.6) though right here: the launcher refuses it."""
+    query, kv, meta = _mxfp4_pool([(1, 40)], 4, 2, 128, 32, torch.bfloat16)
+    with pytest.raises(ValueError, match="block_n 64 only"):
+        _quantized_forward(query, kv, meta, 0.125, block_n=16, target_programs=64, num_warps=4)
+
+
+def test_mxfp4_decode_reads_codes_in_place(monkeypatch):
+    """paged_kv hands the kernel the pool's own code and exponent tensors, and the decode path
+    never dequantizes through the pool's Python API: gather, the packed-block read and the dense
+    copy all raise."""
+    from kvserve.attention import triton_backend
+    from kvserve.kernels.paged_kv import paged_kv
+    from kvserve.quant.storage import PackedBlocks, QuantizedLayerKV
+
+    query, kv, meta = _mxfp4_pool([(1, 40), (1, 33)], 6, 2, 64, 16, torch.float16)
+    view = paged_kv(kv, torch.float16)
+    assert view is not None and view.kv_format == "mxfp4"
+    k, v = kv.k_blocks.fields, kv.v_blocks.fields
+    assert view.k_cache is k["codes"] and view.v_cache is v["codes"]
+    assert view.k_scale is k["scale"] and view.v_scale is v["scale"]
+    assert view.k_cache.shape == (kv.num_blocks, 16, 2, 32)  # [.., D / 2]: two codes a byte
+    assert view.k_scale.shape == (kv.num_blocks, 16, 2, 2)  # [.., D / 32]: one exponent a group
+    ref = ReferenceBackend().forward(query, kv, meta, 0.125)
+
+    def boom(*args, **kwargs):
+        raise AssertionError("mxfp4 decode must read the pool in place")
+
+    monkeypatch.setattr(kv, "gather", boom)
+    monkeypatch.setattr(QuantizedLayerKV, "gather", boom)
+    monkeypatch.setattr(PackedBlocks, "read", boom)
+    monkeypatch.setattr(triton_backend, "dense_copy", boom)
+    out = _quantized_forward(query, kv, meta, 0.125)
+    torch.testing.assert_close(out.float(), ref.float(), atol=2e-3, rtol=0)
+
+
+def test_mxfp4_launcher_rejects_bad_scales():
+    from kvserve.kernels.paged_kv import paged_kv
+    from kvserve.kernels.triton.paged_decode import paged_decode
+
+    query, kv, meta = _mxfp4_pool([(1, 20)], 4, 2, 64, 16, torch.float16)
+    f = paged_kv(kv)
+    assert f is not None
+    args = (query, f.k_cache, f.v_cache, meta.block_tables, meta.query_start_loc, meta.seq_lens)
+    with pytest.raises(ValueError, match=r"v_scale must be \(3, 16, 2, 2\)"):
+        paged_decode(*args, max_seq_len=20, scale=1.0, k_scale=f.k_scale, v_scale=f.v_scale[..., :1])
+    with pytest.raises(ValueError, match="v_scale is required"):
+        paged_decode(*args, max_seq_len=20, scale=1.0, k_scale=f.k_scale)
+    with pytest.raises(ValueError, match="query head_dim 64 != cache head_dim 32"):  # codes read as fp8
+        paged_decode(*args, max_seq_len=20, scale=1.0, k_scale=f.k_scale.float(), v_scale=f.v_scale.float())
+
+
+@triton.jit
+def _convert_mxfp4_kernel(codes_ptr, exponents_ptr, out_ptr, N: tl.constexpr):
+    offs = tl.arange(0, N)
+    x = e2m1_to_fp16(tl.load(codes_ptr + offs)).to(tl.float32) * e8m0_to_fp32(tl.load(exponents_ptr + offs))
+    tl.store(out_ptr + offs, x)
+
+
+@pytest.mark.filterwarnings("ignore:overflow encountered in multiply:RuntimeWarning")  # 6 * 2^127: inf
+def test_e2m1_and_e8m0_bit_tricks_are_exact():
+    """Every 4-bit code times every exponent the codec writes (0..254), against its decoder."""
+    from kvserve.quant.fp4 import UE8M0_BIAS, decode_e2m1
+
+    codes = torch.arange(16, dtype=torch.uint8).repeat(255)
+    exponents = torch.arange(255, dtype=torch.uint8).repeat_interleave(16)
+    codes, exponents = torch.cat([codes, codes[:16]]), torch.cat([exponents, exponents[:16]])  # 4096 lanes
+    out = torch.empty(4096, dtype=torch.float32, device=DEVICE)
+    _convert_mxfp4_kernel[(1,)](codes.to(DEVICE), exponents.to(DEVICE), out, 4096)
+    expected = decode_e2m1(codes) * torch.exp2(exponents.float() - UE8M0_BIAS)
+    assert torch.equal(out.cpu(), expected)
+
+
+@triton.jit
+def _mxfp4_tile_kernel(codes_ptr, scale_ptr, out_ptr, N: tl.constexpr, HEAD_DIM: tl.constexpr):
+    offs_n = tl.arange(0, N)
+    ok = offs_n < N
+    rows, scale_rows = offs_n * (HEAD_DIM // 2), offs_n * (HEAD_DIM // 32)  # (block, token, head) rows
+    x = mxfp4_tile(codes_ptr, scale_ptr, rows, scale_rows, ok, out_ptr.dtype.element_ty, N, HEAD_DIM)
+    tl.store(out_ptr + offs_n[:, None] * HEAD_DIM + tl.arange(0, HEAD_DIM)[None, :], x)
+
+
+@pytest.mark.filterwarnings("ignore:overflow encountered in cast:RuntimeWarning")  # fp16 infinities
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("d", [64, 128])
+def test_mxfp4_tile_is_gather_bit_for_bit(dtype, d):
+    """The kernel's dequantized tile equals what QuantizedLayerKV.gather hands the reference, bit for
+    bit, over groups from 2^-30 to 2^15 (fp16 subnormals and infinities included)."""
+    from kvserve.quant.storage import create_layer_kv
+
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(64, 2, d // 32, 32, generator=gen)  # 4 blocks of 16 tokens, 2 KV heads: 128 rows
+    group_scale = torch.exp2(torch.randint(-30, 16, (64, 2, d // 32, 1), generator=gen).float())
+    x = (x * group_scale).flatten(-2)
+    kv = create_layer_kv("mxfp4", 4, 16, 2, d, dtype)
+    kv.write(torch.arange(64), x, x)
+    expected, _ = kv.gather(torch.arange(4))
+    out = torch.empty(128, d, dtype=dtype, device=DEVICE)
+    fields = kv.k_blocks.fields
+    _mxfp4_tile_kernel[(1,)](fields["codes"].to(DEVICE), fields["scale"].to(DEVICE), out, 128, d)
+    assert torch.equal(out.cpu(), expected.reshape(128, d))
 
 
 ORDER_SCRIPT = """

@@ -25,8 +25,8 @@ def _expected(codec: str, compute: torch.dtype, query: torch.dtype | None) -> st
         return "dense"  # DenseLayerKV, in the compute dtype
     if codec in PASSTHROUGH_DTYPES:
         return "dense" if query in (None, PASSTHROUGH_DTYPES[codec]) else None
-    if codec == "fp8_e4m3":
-        return "fp8_e4m3"
+    if codec in ("fp8_e4m3", "mxfp4"):
+        return codec
     if codec == "int8":
         return "int8" if query in (None, compute) else None  # its open-K shadows are in compute
     return None

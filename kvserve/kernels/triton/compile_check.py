@@ -33,15 +33,16 @@ TRITON_TYPES = {"fp16": "*fp16", "bf16": "*bf16"}
 INT32_POINTERS = {"block_tables_ptr", "query_start_loc_ptr", "seq_lens_ptr", "k_open_slot_ptr"}
 FP32_POINTERS = {"o_part_ptr", "lse_part_ptr", "scale_ptr"}
 U8_POINTERS = {"hi_ptr", "lo_ptr"}  # NestedFP planes
-CODE_POINTERS = {"k_cache_ptr", "v_cache_ptr"}  # uint8 with FP8_KV / INT8_KV
+CODE_POINTERS = {"k_cache_ptr", "v_cache_ptr"}  # uint8 with FP8_KV / INT8_KV / MXFP4_KV
 SCALE_POINTERS = {"k_scale_ptr", "v_scale_ptr", "k_zero_ptr", "v_zero_ptr"}  # fp32 (fp8), fp16 (int8)
+E8M0_POINTERS = {"k_scale_ptr", "v_scale_ptr"}  # uint8 exponents with MXFP4_KV
 FP32_SCALARS = {"qk_scale"}
 OPTIONS = {"num_warps"}  # compile options, not constexprs
 
 
 def signature(kernel, dtype: str, constexprs: dict) -> dict[str, str]:
     """Triton signature for `kernel`: data pointers in `dtype`, metadata int32, scalars i32/fp32."""
-    quantized = bool(constexprs.get("FP8_KV") or constexprs.get("INT8_KV"))
+    quantized = bool(constexprs.get("FP8_KV") or constexprs.get("INT8_KV") or constexprs.get("MXFP4_KV"))
     sig = {}
     for name in kernel.arg_names:
         if name in constexprs:
@@ -50,7 +51,7 @@ def signature(kernel, dtype: str, constexprs: dict) -> dict[str, str]:
             sig[name] = "*i32"
         elif name in FP32_POINTERS:
             sig[name] = "*fp32"
-        elif name in U8_POINTERS:
+        elif name in U8_POINTERS or (name in E8M0_POINTERS and constexprs.get("MXFP4_KV")):
             sig[name] = "*u8"
         elif name in SCALE_POINTERS:
             sig[name] = "*fp16" if constexprs.get("INT8_KV") else "*fp32"
@@ -76,12 +77,13 @@ def variants(quick: bool) -> list[tuple[str, object, str, dict]]:
                 ("prefill", paged_prefill_kernel, dtype, dict(common, GROUP=4, BLOCK_M=64, BLOCK_N=64))
             )
             decode = dict(common, GROUP=8, GROUP_PAD=16, BLOCK_N=64)
-            for label, fp8, int8 in (
-                ("decode", False, False),
-                ("decode-fp8kv", True, False),
-                ("decode-int8kv", False, True),
+            for label, fp8, int8, mxfp4 in (
+                ("decode", False, False, False),
+                ("decode-fp8kv", True, False, False),
+                ("decode-int8kv", False, True, False),
+                ("decode-mxfp4kv", False, False, True),
             ):
-                flags = dict(FP8_KV=fp8, INT8_KV=int8, V_GROUP=64, TILE_BLOCKS=4)
+                flags = dict(FP8_KV=fp8, INT8_KV=int8, MXFP4_KV=mxfp4, V_GROUP=64, TILE_BLOCKS=4)
                 if int8:  # the launcher's int8 defaults
                     flags.update(
                         BLOCK_N=INT8_BLOCK_N, TILE_BLOCKS=INT8_BLOCK_N // 16, num_warps=INT8_NUM_WARPS

@@ -20,6 +20,16 @@ what QuantizedLayerKV.gather hands the reference. The K of an open block (not ye
 quantized) is read from its full-precision shadow, k_open[slot_of_block[block]] (OpenKeyShadows),
 chosen per token: slot >= 0 reads the shadow, -1 the codes; both loads are masked, so each token
 costs only the bytes it uses.
+
+MXFP4_KV reads the mxfp4 pool of kvserve/quant/fp4.py (OCP MX, QuantizedLayerKV) directly: codes
+uint8 [num_blocks, BLOCK_SIZE, H_kv, D // 2], byte b of a row holding channel 2b in its low nibble
+and 2b + 1 in its high one (bitpack.pack_bits), each code E2M1 (sign << 3 | exponent << 1 |
+mantissa); scales uint8 [num_blocks, BLOCK_SIZE, H_kv, D // 32], one UE8M0 exponent e per token and
+group of 32 channels, worth 2^(e - 127). Like int8's, the scale varies along the channels of a row,
+so both tiles are dequantized in registers: codes to fp16 and exponents to fp32 with integer bit
+operations, their product in fp32 (exact) rounded once to the compute dtype, bit for bit what
+QuantizedLayerKV.gather hands the reference. A token costs D / 2 + D / 32 bytes per KV head for K
+and again for V, 0.27x the bytes of fp16 / bf16.
 """
 
 from __future__ import annotations
@@ -41,6 +51,50 @@ def e4m3_to_fp16(codes):
     c = codes.to(tl.uint16)
     bits = ((c & 0x80) << 8) | ((c & 0x7F) << 7)
     return bits.to(tl.float16, bitcast=True) * 256.0
+
+
+MXFP4_BLOCK_N = 64  # the only mxfp4 tile height checked on a GPU (mxfp4_tile's docstring)
+
+
+@triton.jit
+def e2m1_to_fp16(codes):
+    """4-bit E2M1 codes (low nibble of uint8) -> exact fp16 with integer ops: sign to bit 15,
+    exponent|mantissa to bits 9..11, then x 2^14 for the bias 1 -> 15. The subnormal code 1 (0.5)
+    lands on the fp16 subnormal 2^-15, so it comes out exact too."""
+    c = codes.to(tl.uint16)
+    bits = ((c & 0x8) << 12) | ((c & 0x7) << 9)
+    return bits.to(tl.float16, bitcast=True) * 16384.0
+
+
+@triton.jit
+def e8m0_to_fp32(exponents):
+    """UE8M0 scales (uint8 e) -> 2^(e - 127) in fp32 with integer ops: e is the fp32 exponent field,
+    except e = 0, whose 2^-127 is the fp32 subnormal with mantissa bit 22 set. e = 255 (NaN in OCP MX)
+    is never written (Mxfp4Codec clamps e to [0, 254])."""
+    e = exponents.to(tl.uint32)
+    bits = tl.where(e == 0, 0x400000, e << 23)
+    return bits.to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def mxfp4_tile(
+    codes_ptr, scale_ptr, rows, scale_rows, n_ok, OUT_DTYPE: tl.constexpr, BLOCK_N: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+):  # fmt: skip
+    """K or V tile [BLOCK_N, D] of an mxfp4 pool in OUT_DTYPE: each byte split into its two channels
+    (low nibble first), E2M1 value * 2^(e - 127) of the channel's group of 32 in fp32, rounded once.
+    Masked tokens load code 0 and read as 0. On an H200 (Triton 3.6) the decode kernel matched the
+    reference with 64-token tiles (over 16- and 32-token blocks), but 16-token tiles over 32-token
+    blocks gave wrong results there, though right in the interpreter; so the launcher takes
+    MXFP4_BLOCK_N only."""
+    GROUPS: tl.constexpr = HEAD_DIM // 32
+    offs_b = tl.arange(0, HEAD_DIM // 2)
+    packed = tl.load(codes_ptr + rows[:, None] + offs_b[None, :], mask=n_ok[:, None], other=0)
+    codes = tl.reshape(tl.join(packed & 0xF, packed >> 4), [BLOCK_N, HEAD_DIM])  # channel 2b, 2b + 1
+    groups = scale_rows[:, None] + tl.arange(0, GROUPS)[None, :]  # [BLOCK_N, GROUPS]
+    scale = e8m0_to_fp32(tl.load(scale_ptr + groups, mask=n_ok[:, None], other=0))
+    x = tl.reshape(e2m1_to_fp16(codes).to(tl.float32), [BLOCK_N, GROUPS, 32]) * scale[:, :, None]
+    return tl.reshape(x, [BLOCK_N, HEAD_DIM]).to(OUT_DTYPE)
 
 
 @triton.jit
@@ -95,10 +149,11 @@ def int8_kivi_v(
 @triton.jit
 def paged_decode_split_kernel(
     q_ptr,  # [T, H, D], row query_start_loc[seq] is the sequence's query
-    k_cache_ptr,  # [num_blocks, BLOCK_SIZE, H_kv, D], query dtype, or uint8 codes (FP8_KV, INT8_KV)
-    v_cache_ptr,
-    k_scale_ptr,  # FP8_KV: [num_blocks, BLOCK_SIZE, H_kv] fp32; INT8_KV: [num_blocks, H_kv, D] fp16
-    v_scale_ptr,  # FP8_KV: like k_scale; INT8_KV: [num_blocks, BLOCK_SIZE, H_kv, D // V_GROUP] fp16
+    k_cache_ptr,  # [num_blocks, BLOCK_SIZE, H_kv, D], query dtype, or uint8 codes (FP8_KV, INT8_KV;
+    v_cache_ptr,  # MXFP4_KV: [num_blocks, BLOCK_SIZE, H_kv, D // 2], two codes a byte)
+    k_scale_ptr,  # FP8_KV: [num_blocks, BLOCK_SIZE, H_kv] fp32; INT8_KV: [num_blocks, H_kv, D] fp16;
+    # MXFP4_KV: [num_blocks, BLOCK_SIZE, H_kv, D // 32] uint8 UE8M0 exponents
+    v_scale_ptr,  # FP8_KV, MXFP4_KV: like k_scale; INT8_KV: [num_blocks, BLOCK_SIZE, H_kv, D // V_GROUP] fp16
     k_zero_ptr,  # INT8_KV only: like k_scale
     v_zero_ptr,  # INT8_KV only: like v_scale
     k_open_ptr,  # INT8_KV only: [capacity, BLOCK_SIZE, H_kv, D] query dtype, K of the open blocks
@@ -119,7 +174,7 @@ def paged_decode_split_kernel(
     stride_vt,
     stride_vh,
     stride_bt,
-    stride_sb,  # per-token scale strides (FP8_KV: both scales; INT8_KV: v_scale and v_zero)
+    stride_sb,  # per-token scale strides (FP8_KV, MXFP4_KV: both scales; INT8_KV: v_scale and v_zero)
     stride_st,
     stride_sh,
     stride_ksb,  # INT8_KV: k_scale and k_zero strides (channels contiguous)
@@ -137,6 +192,7 @@ def paged_decode_split_kernel(
     DOT_FP32: tl.constexpr,
     FP8_KV: tl.constexpr,
     INT8_KV: tl.constexpr,
+    MXFP4_KV: tl.constexpr,
     V_GROUP: tl.constexpr,  # INT8_KV: channels per V scale / zero
     TILE_BLOCKS: tl.constexpr,  # INT8_KV: blocks a BLOCK_N tile touches, max(1, BLOCK_N // BLOCK_SIZE)
 ):
@@ -178,6 +234,10 @@ def paged_decode_split_kernel(
                 block_ids, in_block, kv_head, k_rows, n_ok, offs_d, stride_ksb, stride_ksh, stride_ob,
                 stride_ot, stride_oh, BLOCK_SIZE, BLOCK_N, TILE_BLOCKS, HEAD_DIM,
             )  # fmt: skip
+        elif MXFP4_KV:  # V likewise after the softmax
+            k = mxfp4_tile(
+                k_cache_ptr, k_scale_ptr, k_rows, scale_rows, n_ok, q_ptr.dtype.element_ty, BLOCK_N, HEAD_DIM
+            )
         else:
             k = tl.load(k_cache_ptr + k_rows[:, None] + offs_d[None, :], mask=n_ok[:, None], other=0.0)
             v = tl.load(v_cache_ptr + v_rows[:, None] + offs_d[None, :], mask=n_ok[:, None], other=0.0)
@@ -201,6 +261,10 @@ def paged_decode_split_kernel(
                 v_cache_ptr, v_scale_ptr, v_zero_ptr, v_rows, scale_rows, n_ok, offs_d,
                 q_ptr.dtype.element_ty, BLOCK_N, HEAD_DIM, V_GROUP,
             )  # fmt: skip
+        if MXFP4_KV:
+            v = mxfp4_tile(
+                v_cache_ptr, v_scale_ptr, v_rows, scale_rows, n_ok, q_ptr.dtype.element_ty, BLOCK_N, HEAD_DIM
+            )
         if DOT_FP32:
             v = v.to(tl.float32)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
@@ -255,33 +319,37 @@ def plan_splits(
 
 def paged_decode(
     query: torch.Tensor,  # [T, H, D], one row per sequence
-    k_cache: torch.Tensor,  # [num_blocks, block_size, H_kv, D]: query dtype, or uint8 fp8 / int8 codes
+    k_cache: torch.Tensor,  # [num_blocks, block_size, H_kv, D]: query dtype, or uint8 fp8 / int8 codes;
+    # mxfp4: [num_blocks, block_size, H_kv, D // 2] uint8, two 4-bit codes a byte
     v_cache: torch.Tensor,
     block_tables: torch.Tensor,  # [num_seqs, max_blocks] int32
     query_start_loc: torch.Tensor,  # [num_seqs + 1] int32
     seq_lens: torch.Tensor,  # [num_seqs] int32
     max_seq_len: int,
     scale: float,
-    k_scale: torch.Tensor | None = None,  # fp8: [num_blocks, block_size, H_kv] fp32; int8: see k_zero
+    k_scale: torch.Tensor | None = None,  # fp8: [num_blocks, block_size, H_kv] fp32; int8: see k_zero;
+    # mxfp4: [num_blocks, block_size, H_kv, D // 32] uint8
     v_scale: torch.Tensor | None = None,
     k_zero: torch.Tensor | None = None,  # given: int8 KIVI pool, fields as in check_int8_fields
     v_zero: torch.Tensor | None = None,
     k_open: torch.Tensor | None = None,  # int8: OpenKeyShadows.pool (may have 0 rows)
     k_open_slot: torch.Tensor | None = None,  # int8: OpenKeyShadows.slot_of_block
-    block_n: int | None = None,  # KV tokens per tile, a power of two >= 16: 64 (int8: 32)
+    block_n: int | None = None,  # KV tokens per tile, a power of two >= 16: 64 (int8: 32; mxfp4: 64 only)
     target_programs: int = 264,
     num_warps: int | None = None,  # 4 (int8: 8)
 ) -> torch.Tensor:  # [T, H, D], dtype of query
     """Launches the split pass and the merge pass on the current stream after checking arguments.
 
     Every sequence must have exactly one query row (pure decode); use paged_prefill otherwise.
-    Dense caches need no scales; fp8_e4m3 caches k_scale / v_scale; int8 KIVI caches (k_zero given)
-    all six of k_scale, v_scale, k_zero, v_zero, k_open, k_open_slot.
+    Dense caches need no scales; fp8_e4m3 caches k_scale / v_scale (fp32); mxfp4 caches k_scale /
+    v_scale as uint8 exponents (their dtype selects the format); int8 KIVI caches (k_zero given) all six
+    of k_scale, v_scale, k_zero, v_zero, k_open, k_open_slot.
     int8 defaults to 32-token tiles on 8 warps: the smallest-footprint configuration in which ptxas
     (sm_80, sm_90) reports no register spills for head_dim 64 and 128; 64 tokens on 4 warps spill.
     """
     int8 = k_zero is not None
-    fp8 = k_scale is not None and not int8
+    mxfp4 = k_scale is not None and k_scale.dtype == torch.uint8 and not int8
+    fp8 = k_scale is not None and not int8 and not mxfp4
     shape = check_paged_args(
         query,
         k_cache,
@@ -289,7 +357,8 @@ def paged_decode(
         block_tables,
         query_start_loc,
         seq_lens,
-        kv_dtype=torch.uint8 if fp8 or int8 else None,
+        kv_dtype=torch.uint8 if fp8 or int8 or mxfp4 else None,
+        codes_per_byte=2 if mxfp4 else 1,
     )
     if query.shape[0] != shape.num_seqs:
         raise ValueError(
@@ -298,6 +367,13 @@ def paged_decode(
     v_group = 1
     if fp8:
         check_scales(k_scale, v_scale, k_cache)
+    if mxfp4:
+        check_scales(k_scale, v_scale, k_cache, dtype=torch.uint8, groups=shape.head_dim // 32)
+        if block_n not in (None, MXFP4_BLOCK_N):
+            raise ValueError(
+                f"mxfp4 decode takes block_n {MXFP4_BLOCK_N} only (the tile height checked on a GPU), "
+                f"got {block_n}"
+            )
     if int8:
         v_group = check_int8_fields(query, k_cache, k_scale, v_scale, k_zero, v_zero, k_open, k_open_slot)
     if block_n is None:
@@ -326,6 +402,10 @@ def paged_decode(
         assert k_scale is not None and v_scale is not None
         k_scale_arg, v_scale_arg = k_scale, v_scale
         v_strides = (*k_scale.stride()[:2], 1)  # [num_blocks, block_size, H_kv], shared by K and V
+    if mxfp4:
+        assert k_scale is not None and v_scale is not None
+        k_scale_arg, v_scale_arg = k_scale, v_scale
+        v_strides = k_scale.stride()[:3]  # [num_blocks, block_size, H_kv, D // 32], shared by K and V
     if int8:
         assert k_scale is not None and v_scale is not None and k_zero is not None and v_zero is not None
         assert k_open is not None and k_open_slot is not None
@@ -343,7 +423,7 @@ def paged_decode(
         block_tables.stride(0), *v_strides, *k_strides, *k_open_strides, shape.num_heads, num_splits,
         GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), HEAD_DIM=shape.head_dim,
         BLOCK_SIZE=shape.block_size, BLOCK_N=block_n, DOT_FP32=dot_fp32(query), FP8_KV=fp8, INT8_KV=int8,
-        V_GROUP=v_group, TILE_BLOCKS=max(1, block_n // shape.block_size), num_warps=num_warps,
+        MXFP4_KV=mxfp4, V_GROUP=v_group, TILE_BLOCKS=max(1, block_n // shape.block_size), num_warps=num_warps,
     )  # fmt: skip
     merge_splits_kernel[(shape.num_seqs, shape.num_heads)](
         o_part, lse_part, out, query_start_loc, out.stride(0), out.stride(1), shape.num_heads, num_splits,
