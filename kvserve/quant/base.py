@@ -91,6 +91,14 @@ class KVCodec:
         return 8 * self.bytes_per_block(block_size) / (2 * block_size * self.num_kv_heads * self.head_dim)
 
 
+def divide(x: torch.Tensor, divisor: float) -> torch.Tensor:
+    """x / divisor as IEEE division on every device. CUDA computes a division by a Python scalar as a
+    multiplication by its reciprocal, one ulp off at times, so codes and scales written on a GPU
+    would differ from the CPU's and from the Triton writers (div_rn); a 0-dim tensor on x's device
+    takes the true division everywhere."""
+    return x / torch.tensor(divisor, dtype=x.dtype, device=x.device)
+
+
 def safe_scale(scale: torch.Tensor) -> torch.Tensor:
     """Zero (all-zero group) scales become 1 so division is exact and decodes to zeros."""
     return torch.where(scale > 0, scale, torch.ones_like(scale))

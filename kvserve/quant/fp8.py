@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from kvserve.quant.base import FieldSpecs, Packed, PerTokenCodec, safe_scale
+from kvserve.quant.base import FieldSpecs, Packed, PerTokenCodec, divide, safe_scale
 
 E4M3_MAX = 448.0
 
@@ -27,7 +27,7 @@ class Fp8Codec(PerTokenCodec):
         return {"codes": ((h, d), torch.uint8), "scale": ((h,), torch.float32)}
 
     def encode(self, x: torch.Tensor) -> Packed:
-        scale = finite_amax(x, (-1,)) / E4M3_MAX  # [..., H] fp32
+        scale = divide(finite_amax(x, (-1,)), E4M3_MAX)  # [..., H] fp32
         codes = cast_e4m3(x.float() / safe_scale(scale).unsqueeze(-1))  # [..., H, D] e4m3
         return {"codes": codes.view(torch.uint8), "scale": scale}
 

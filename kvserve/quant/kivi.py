@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from kvserve.quant.base import FieldSpecs, Packed, PerTokenCodec, TensorCodec, safe_scale
+from kvserve.quant.base import FieldSpecs, Packed, PerTokenCodec, TensorCodec, divide, safe_scale
 from kvserve.quant.bitpack import pack_bits, unpack_bits
 
 
@@ -19,7 +19,7 @@ def quantize_asym(x: torch.Tensor, dim: int, bits: int) -> tuple[torch.Tensor, t
     lo, hi = x.amin(dim, keepdim=True), x.amax(dim, keepdim=True)
     qmax = (1 << bits) - 1
     zero = lo.half()
-    scale = ((hi - zero.float()) / qmax).half()
+    scale = divide(hi - zero.float(), qmax).half()
     # Quantize against the fp16-rounded scale and zero that decode will use.
     codes = torch.round((x - zero.float()) / safe_scale(scale.float())).clamp_(0, qmax).to(torch.uint8)
     return codes, scale, zero
