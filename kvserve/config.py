@@ -21,7 +21,7 @@ class ServeConfig:
     model: str = field(
         default="smollm2-135m",
         metadata={
-            "help": "builtin name (smollm2-135m, tiny-random-llama), a local HF directory or a .gguf file"
+            "help": "builtin name (smollm2-135m, tiny-random-llama, random:llama-3.1-8b), a local HF directory or a .gguf file"
         },
     )
     device: str = field(default="auto", metadata={"help": "auto, cpu or cuda"})

@@ -21,6 +21,7 @@ from kvserve.models.fused_llama import FusedLlamaForward, unsupported_reason
 from kvserve.models.hf_adapter import ATTN_IMPLEMENTATION, check_supported
 from kvserve.models.loader import model_fingerprint, resolve_model_path
 from kvserve.models.nested import weight_bytes as model_weight_bytes
+from kvserve.models.random_weights import is_random_model, load_random_model
 from kvserve.quant.storage import create_layer_kv
 from kvserve.request import REUSE_OPTION_NAMES, ReuseOptions
 from kvserve.tokenizer import Tokenizer
@@ -153,9 +154,12 @@ def load_model(config: ServeConfig, device: torch.device, dtype: torch.dtype) ->
     from transformers import AutoModelForCausalLM
 
     path = resolve_model_path(config.model)
-    model = AutoModelForCausalLM.from_pretrained(
-        str(path), dtype=dtype, attn_implementation=ATTN_IMPLEMENTATION
-    )
+    if is_random_model(path):  # built on the device, weights from a seed (models/random_weights.py)
+        model = load_random_model(path, device, dtype, attn_implementation=ATTN_IMPLEMENTATION)
+    else:
+        model = AutoModelForCausalLM.from_pretrained(
+            str(path), dtype=dtype, attn_implementation=ATTN_IMPLEMENTATION
+        )
     check_supported(model)
     model.to(device).eval()  # type: ignore[arg-type]
     if config.weight_precision != "dense":

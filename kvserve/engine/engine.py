@@ -85,10 +85,12 @@ class Engine:
         )
         tiers = build_tiers(config, self.store, self.layers, self.info)
         self.tiers = EngineTiers(tiers, self.scheduler, config.demote_after_s) if tiers else None
-        self.runner = ModelRunner(self.model, self.layers, parts.backend, device, parts.fused)
+        self.runner = ModelRunner(
+            self.model, self.layers, parts.backend, device, parts.fused, vocab_size=self.info.vocab_size
+        )
         self.precision = PrecisionPolicy(config)
         self.outputs = OutputProcessor(self.info.eos_token_ids, self.info.max_model_len)
-        self.grammars = GrammarCompiler(self.tokenizer.hf, self.info.logits_size, self.info.eos_token_ids)
+        self.grammars = GrammarCompiler(self.tokenizer.hf, self.info.vocab_size, self.info.eos_token_ids)
         self._seqs: dict[str, Sequence] = {}
         self.auditor = Auditor(config.audit_rate, config.audit_max_kl, config.seed)
         self._background: dict[str, Sequence] = {}  # audits' full recomputes (no client sees them)
@@ -360,7 +362,10 @@ class Engine:
         return touched
 
     def _update(self, items: list[ScheduledSeq], logits: torch.Tensor) -> list[Sequence]:
-        """logits [num_sampled, vocab]: one row per item with item.sample, in order."""
+        """logits [num_sampled, vocab]: one row per item with item.sample, in order. Sampling runs on
+        the CPU (each request's seeded CPU generator, grammar masks, penalties): on a GPU the step's
+        logits come over in one transfer."""
+        logits = logits.cpu()
         to_sample: list[tuple[Sequence, torch.Tensor]] = []
         row = 0
         for item in items:

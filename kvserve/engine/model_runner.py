@@ -58,6 +58,7 @@ class ModelRunner:
         backend: AttentionBackend,
         device: torch.device,
         fused: FusedLlamaForward | None = None,
+        vocab_size: int | None = None,
     ):
         self.model = model
         self.fused = fused  # the decoder forward when set; else HF's modeling code (the reference)
@@ -70,6 +71,9 @@ class ModelRunner:
         self.block_size = layers[0].block_size
         self.num_layers = len(layers)
         self.softcap = getattr(model.config, "final_logit_softcapping", None)
+        # the tokenizer's ids (RuntimeInfo.vocab_size): an lm_head may have more rows (padding, or a
+        # random-weight model's full vocabulary), which nothing may sample or count in a logprob
+        self.vocab_size = vocab_size
 
     def _rows(self, item: ScheduledSeq) -> tuple[list[int], SeqRows]:
         seq = item.seq
@@ -166,13 +170,16 @@ class ModelRunner:
         return StepOutput(self._logits(hidden.index_select(0, inputs.logits_indices)), prompt_logprobs)
 
     def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden [rows, hidden] -> float32 logits [rows, vocab]. A NestedFP LM head computes in FP16
+        """hidden [rows, hidden] -> float32 logits [rows, vocab], only the tokenizer's ids (vocab_size)
+        where the lm_head has more rows. A NestedFP LM head computes in FP16
         mode at every precision: in FP8 it carried most of FP8 mode's perplexity cost on SmolLM2 (+6.0 %
         with it, +1.6 % without; docs/weights.md), for 28 MB more read a step (162 MB instead of 134)."""
         if isinstance(self.lm_head, NestedLinear):
             logits = self.lm_head.run(hidden.contiguous(), RowPrecision("fp16"))
         else:
             logits = self.lm_head(hidden).float()
+        if self.vocab_size is not None and logits.shape[-1] > self.vocab_size:
+            logits = logits[:, : self.vocab_size]
         if self.softcap:
             logits = torch.tanh(logits / self.softcap) * self.softcap
         return logits

@@ -129,17 +129,37 @@ def convert_gguf(gguf_path: Path, name: str | None = None) -> Path:
     return _save_atomically(target, write)
 
 
+# "random:llama-3.1-8b": a random-weight model of that shape (models/random_weights.py)
+RANDOM_PREFIX = "random:"
+
+
+def _build_random(shape: str) -> Path:
+    from kvserve.models.random_weights import SHAPES, write_random_model
+
+    if shape not in SHAPES:
+        raise ModelNotFoundError(
+            f"no random-weight shape {shape!r}: use {', '.join(RANDOM_PREFIX + s for s in SHAPES)}",
+            param="model",
+        )
+    target = cache_dir() / "models" / f"random-{shape}-v1"
+    if (target / "config.json").exists():
+        return target
+    return _save_atomically(target, lambda tmp: write_random_model(shape, tmp, _build_smollm2()))
+
+
 def resolve_model_path(model: str) -> Path:
     """A builtin name, a local HF directory or a .gguf file -> a local HF directory."""
     if model in BUILTINS:
         return BUILTINS[model]()
+    if model.startswith(RANDOM_PREFIX):
+        return _build_random(model[len(RANDOM_PREFIX) :])
     path = Path(model).expanduser()
     if path.suffix == ".gguf" and path.is_file():
         return convert_gguf(path)
     if path.is_dir() and (path / "config.json").exists():
         return path
     raise ModelNotFoundError(
-        f"model {model!r} not found: use a builtin ({', '.join(BUILTINS)}), "
+        f"model {model!r} not found: use a builtin ({', '.join(BUILTINS)}, random:<shape>), "
         "a local Hugging Face directory with config.json, or a .gguf file",
         param="model",
     )
@@ -148,6 +168,8 @@ def resolve_model_path(model: str) -> Path:
 def model_fingerprint(path: Path) -> str:
     """Identifies the weights and config (not the location) for cache namespacing."""
     h = hashlib.sha256((path / "config.json").read_bytes())
+    for marker in sorted(path.glob("random_weights.json")):  # the seed of a random-weight model
+        h.update(marker.read_bytes())
     for weights in sorted(path.glob("*.safetensors")):
         h.update(weights.name.encode() + str(weights.stat().st_size).encode())
         with open(weights, "rb") as f:
