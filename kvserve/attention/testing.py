@@ -47,23 +47,24 @@ def make_batch(
     device: str = "cpu",
 ) -> tuple[torch.Tensor, DenseLayerKV, AttentionMetadata]:
     """query [sum q_len, H, D], a pool holding every sequence's KV (block 0 unused), metadata."""
-    gen = torch.Generator().manual_seed(seed)
+    # drawn where they live: the same values as before on CPU, and no CPU round trip for GPU benchmarks
+    gen = torch.Generator(device=device).manual_seed(seed)
     blocks_per_seq = [-(-s // block_size) for _, s in lens]
     tables = allocate_blocks(blocks_per_seq, layout, seed)
     num_blocks = sum(blocks_per_seq) + 1
     kv = DenseLayerKV(num_blocks, block_size, num_kv_heads, head_dim, dtype, device)
     # unwritten slots hold garbage on purpose: a kernel reading past seq_len shows up
-    kv.k_cache.copy_(torch.randn(kv.k_cache.shape, generator=gen) * 100)
-    kv.v_cache.copy_(torch.randn(kv.v_cache.shape, generator=gen) * 100)
+    kv.k_cache.copy_(torch.randn(kv.k_cache.shape, generator=gen, device=device) * 100)
+    kv.v_cache.copy_(torch.randn(kv.v_cache.shape, generator=gen, device=device) * 100)
     for table, (_, seq_len) in zip(tables, lens, strict=True):
         slots = slot_mapping(torch.tensor(table), torch.arange(seq_len), block_size)
-        k = torch.randn(seq_len, num_kv_heads, head_dim, generator=gen)
-        v = torch.randn(seq_len, num_kv_heads, head_dim, generator=gen)
-        kv.write(slots.to(device), k.to(device), v.to(device))
+        k = torch.randn(seq_len, num_kv_heads, head_dim, generator=gen, device=device)
+        v = torch.randn(seq_len, num_kv_heads, head_dim, generator=gen, device=device)
+        kv.write(slots.to(device), k, v)
     rows = [SeqRows(t, torch.arange(s - q, s), s) for t, (q, s) in zip(tables, lens, strict=True)]
     meta = AttentionMetadata.build(rows, block_size, device, write=False)
     q_lens = meta.query_lens_list
-    query = torch.randn(sum(q_lens), num_heads, head_dim, generator=gen).to(device=device, dtype=dtype)
+    query = torch.randn(sum(q_lens), num_heads, head_dim, generator=gen, device=device).to(dtype)
     return query, kv, meta
 
 

@@ -75,9 +75,12 @@ def nested_linear(
     block_m: int = 16,
     block_n: int = 64,
     block_k: int = 64,
+    num_warps: int = 4,
+    num_stages: int = 3,
 ) -> torch.Tensor:
     """x [M, K] (fp16, bf16 or fp32) times the NestedFP weight [N, K]^T, times scale [N]: [M, N] in x's
-    dtype. FP8 mode (fp16=False) reads `hi` only; `lo` may be any tensor then."""
+    dtype. FP8 mode (fp16=False) reads `hi` only; `lo` may be any tensor then. The block shape, warps
+    and pipeline stages are the Triton launch's (scripts/gpu/bench_nested.py measures them)."""
     if x.dim() != 2 or hi.dim() != 2 or x.shape[1] != hi.shape[1] or lo.shape != hi.shape:
         raise ValueError(f"x [M, K] and planes [N, K] needed (got {tuple(x.shape)}, {tuple(hi.shape)})")
     if hi.dtype != torch.uint8 or lo.dtype != torch.uint8:
@@ -89,5 +92,6 @@ def nested_linear(
     nested_linear_kernel[grid](
         x.contiguous(), hi.contiguous(), lo.contiguous(), scale.float().contiguous(), y, m, n, k,
         FP16=fp16, X_FP32=x.dtype == torch.float32, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
+        num_warps=num_warps, num_stages=num_stages,
     )  # fmt: skip
     return y
