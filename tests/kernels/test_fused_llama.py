@@ -139,8 +139,9 @@ def test_fused_projection_is_the_separate_ones_sharing_their_memory(ext, dtype):
     assert all(m.packed.data_ptr() >= fused.packed.data_ptr() for m in linears)
     assert sum(m.packed.numel() for m in linears) == fused.packed.numel()
     assert torch.equal(torch.cat([m(x) for m in linears], dim=1), want)  # the modules still work
+    # 20 is a multiple of no panel width (8 lanes with AVX2, 16 with AVX-512: 24 passed on AVX2 CPUs)
     with pytest.raises(ValueError, match="not multiples"):
-        fuse([RowInvariantLinear(torch.nn.Linear(96, n).to(dtype), ext) for n in (64, 24)], ext)
+        fuse([RowInvariantLinear(torch.nn.Linear(96, n).to(dtype), ext) for n in (64, 20)], ext)
 
 
 def engines(model: str, dtype: str) -> dict[str, LLM]:
