@@ -54,6 +54,11 @@ test-slow: setup
 bench: setup
 	$(PY) scripts/bench_prefix_reuse.py
 
+# What the GPU run carries (docs/gpu.md): the wheels the GPU machine lacks and the random-weight model dirs
+.PHONY: gpu-bundle
+gpu-bundle: setup
+	PYTHON=$(PY) scripts/gpu/bundle.sh
+
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache
 
