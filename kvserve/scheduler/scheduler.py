@@ -267,7 +267,9 @@ class Scheduler:
         if adm.hits:
             # KV after the first hit is approximate: never registered, so never marked in flight
             seq.cache.register_limit = adm.hits[0].dst_start // self.chunk_size
-        if self.enable_prefix_caching:
+        if self.enable_prefix_caching and not seq.request.background:
+            # a background sequence (an audit) runs only in idle steps: a request deferred on chunks it
+            # holds in flight would keep every step busy and so wait forever; it computes them itself
             self.chunks.mark_in_flight(
                 seq, seq.cache.prefix_hashes[len(adm.matched) : seq.cache.register_limit]
             )

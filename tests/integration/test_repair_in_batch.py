@@ -216,3 +216,30 @@ def test_a_decode_slowdown_limit_keeps_prefill_pieces_small_beside_decodes_and_c
     assert free_tokens == lim_tokens
     for rid in free_logits:
         assert torch.equal(torch.stack(free_logits[rid]), torch.stack(lim_logits[rid])), rid
+
+
+@pytest.mark.timeout(120)
+def test_a_request_never_waits_on_an_audit_computing_its_chunks():
+    """Issue 32: B (documents reordered) is served from a content hit and its audit is queued; the
+    audit, admitted in an idle step, holds B's chunks in flight; B again then waited on them while
+    the audit waited for an idle step: a livelock. Background work never holds chunks in flight."""
+    llm = make(audit_rate=1.0)
+    engine = llm.engine
+    docs = warmed(llm, num_docs=2)
+    params = SamplingParams(max_tokens=3, temperature=0, ignore_eos=True)
+    llm.generate([rag_prompt(llm, docs, [0, 1], seed=1)], params)
+    prompt_b = rag_prompt(llm, docs, [1, 0], seed=1)
+    (b,) = llm.generate([prompt_b], params, reuse=NONE)
+    assert b.num_approx_cached_tokens > 0 and engine.auditor.pending
+    engine.step()  # idle: the audit is admitted and computes its first piece
+    assert any(s.request.background for s in engine.scheduler.running)
+    engine.add_request(Request("b-again", prompt_b, params, reuse=NONE))
+    for _ in range(200):
+        if any(o.request_id == "b-again" and o.finished for o in engine.step()):
+            break
+    else:
+        pytest.fail("the repeat never finished: it waits on the audit, which waits for an idle step")
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert len(engine.auditor.results) >= 1
+    engine.check_integrity()
