@@ -10,6 +10,7 @@ from kvserve.config import ServeConfig
 from kvserve.engine.async_engine import QueueCounters
 from kvserve.engine.stats import ChunkRow, EngineStats
 from kvserve.metrics import Metrics
+from kvserve.redact import public_config
 
 
 def stats_body(
@@ -21,9 +22,7 @@ def stats_body(
     info: Any,
     model_name: str,
 ) -> dict[str, Any]:
-    snapshot = dataclasses.asdict(config)
-    snapshot["api_key"] = "***" if config.api_key else ""
-    snapshot["warm"] = [f"<{len(t)} chars>" for t in config.warm]  # prompts are not echoed
+    snapshot = public_config(config)
     return {
         "queue": {
             "waiting": s.num_waiting,

@@ -12,6 +12,7 @@ from typing import Any
 from kvserve.cluster.config import ClusterConfig
 from kvserve.config import ServeConfig
 from kvserve.errors import ConfigError
+from kvserve.redact import redact_url
 
 APP_NAME = "kvserve"
 ENGINE_DEPLOYMENT = "kvserve-engine"
@@ -136,7 +137,7 @@ def run(config: ServeConfig, cluster: ClusterConfig) -> None:
     print(
         f"kvserve cluster: {cluster.replicas} replicas of {config.served_model_name or config.model} "
         f"behind http://{config.host}:{config.port} ({cluster.routing} routing, KV shared through "
-        f"{config.kv_redis_url})",
+        f"{redact_url(config.kv_redis_url)})",
         flush=True,
     )
     done.wait()

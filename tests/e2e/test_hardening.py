@@ -351,3 +351,22 @@ def test_405_names_the_allowed_methods_in_an_envelope(tiny_server: Server) -> No
             assert r.status_code == 405, (method, path)
             assert {m.strip() for m in r.headers["allow"].split(",")} >= allowed, r.headers
             assert r.json()["error"]["type"] == "invalid_request_error"
+
+
+def test_a_redis_url_password_is_in_no_response_and_no_log(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """Issue 32.4: /v1/stats showed kv_redis_url with its password (the dashboard and cluster stats
+    show the same config). The Redis here is unreachable: the tier is down, the server serves."""
+    from tests.e2e.conftest import TINY_FLAGS, launch, stop
+
+    server = launch(tmp_path, *TINY_FLAGS, "--kv-redis-url", "redis://:S3CRETPW@127.0.0.1:1/0", api_key="K3Y")
+    try:
+        with server.http() as h:
+            r = h.post("/v1/completions", json={"model": TINY, "prompt": "hello there", "max_tokens": 2})
+            assert r.status_code == 200
+            stats = h.get("/v1/stats")
+            metrics = h.get("/metrics")
+        assert stats.status_code == 200 and "redis://:***@127.0.0.1:1/0" in stats.text
+        for text in (stats.text, metrics.text, server.log()):
+            assert "S3CRETPW" not in text and "K3Y" not in text
+    finally:
+        stop(server)

@@ -422,3 +422,16 @@ def test_a_missing_redis_server_binary_fails_with_how_to_install(monkeypatch, tm
     monkeypatch.setenv("PATH", str(tmp_path))
     with pytest.raises(RuntimeError, match="redis-server not found: run `make setup`"):
         RedisServer()
+
+
+def test_the_public_config_never_shows_a_secret():
+    """Issue 32.4: /v1/stats reported kv_redis_url with its password while it masked api_key (the
+    dashboard and cluster stats show that same config). tests/e2e/test_hardening.py checks a server."""
+    from kvserve.config import ServeConfig
+    from kvserve.redact import public_config
+
+    config = ServeConfig(kv_redis_url="redis://:PASSWORD@10.0.0.5:6379/0", api_key="KEY", warm=("some text",))
+    shown = public_config(config)
+    assert "PASSWORD" not in repr(shown) and "KEY" not in repr(shown) and "some text" not in repr(shown)
+    assert shown["kv_redis_url"] == "redis://:***@10.0.0.5:6379/0" and shown["api_key"] == "***"
+    assert shown["model"] == config.model  # everything else as it is

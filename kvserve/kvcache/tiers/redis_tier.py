@@ -26,7 +26,6 @@ Rules:
 from __future__ import annotations
 
 import logging
-import re
 import socket
 import threading
 import time
@@ -48,6 +47,7 @@ from kvserve.kvcache.tiers.entry import (
     encode_entry,
     entry_buffer,
 )
+from kvserve.redact import redact_url
 
 log = logging.getLogger("kvserve.tiers")
 
@@ -59,21 +59,6 @@ _UNREACHABLE = (redis.ConnectionError, redis.TimeoutError, OSError)
 def redis_key(key: TierKey) -> bytes:
     """The Redis key under which `key`'s entry is stored."""
     return KEY_PREFIX + key.name.encode("ascii")
-
-
-def redact_url(url: str) -> str:
-    """`url` with its secrets replaced by ***: `password=` query values and, when there is an @,
-    the password of the user part (all of it when it has no colon). Works on the raw string, so a
-    malformed URL (an unescaped @ or / in the password) is redacted too, never leaked."""
-    url = re.sub(r"([?&]password=)[^&#]*", r"\1***", url)
-    head, sep, rest = url.partition("://")
-    if not sep:
-        head, rest = "", url
-    userinfo, at, host_part = rest.rpartition("@")
-    if not at:
-        return url
-    user = f"{userinfo.split(':', 1)[0]}:***" if ":" in userinfo else "***"
-    return f"{head}{sep}{user}@{host_part}"
 
 
 @dataclass
