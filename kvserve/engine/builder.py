@@ -287,6 +287,8 @@ def build_parts(config: ServeConfig) -> EngineParts:
             f"chunk={config.chunk_size}",
             f"block={config.block_size}",
             *(["weights=nestedfp"] if nested else []),  # each request adds its precision (Engine.root)
+            # a random-weight model's values come from its device's generator: CPU and CUDA differ
+            *([f"random@{device.type}"] if is_random_model(path) else []),
         ]
     )
     info = RuntimeInfo(

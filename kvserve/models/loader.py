@@ -166,12 +166,43 @@ def resolve_model_path(model: str) -> Path:
 
 
 def model_fingerprint(path: Path) -> str:
-    """Identifies the weights and config (not the location) for cache namespacing."""
+    """Identifies the weights and config (not the location) for cache namespacing: every byte of
+    every weight file counts, so a checkpoint changed in place (same name, same size) gets another
+    namespace and never meets KV that its predecessor stored in a disk or Redis tier."""
     h = hashlib.sha256((path / "config.json").read_bytes())
     for marker in sorted(path.glob("random_weights.json")):  # the seed of a random-weight model
         h.update(marker.read_bytes())
-    for weights in sorted(path.glob("*.safetensors")):
-        h.update(weights.name.encode() + str(weights.stat().st_size).encode())
-        with open(weights, "rb") as f:
-            h.update(f.read(1 << 20))
+    for weights in sorted([*path.glob("*.safetensors"), *path.glob("*.bin")]):
+        h.update(weights.name.encode() + b"\0" + _content_hash(weights).encode())
     return h.hexdigest()[:16]
+
+
+FINGERPRINTS_FILE = "weight-hashes.json"  # under cache_dir(): content hashes by file identity
+
+
+def _content_hash(weights: Path) -> str:
+    """xxh3-128 of the file's bytes (a few GB/s), remembered under cache_dir() by path, size, mtime and
+    inode, so a start hashes each checkpoint once, again only after the file changes."""
+    import json
+
+    import xxhash
+
+    st = weights.stat()
+    identity = f"{weights.resolve()}:{st.st_size}:{st.st_mtime_ns}:{st.st_ino}"
+    store = cache_dir() / FINGERPRINTS_FILE
+    try:
+        known = json.loads(store.read_text())
+    except (OSError, ValueError):
+        known = {}
+    if identity in known:
+        return str(known[identity])
+    digest = xxhash.xxh3_128()
+    with open(weights, "rb") as f:
+        while block := f.read(1 << 24):
+            digest.update(block)
+    known[identity] = digest.hexdigest()
+    store.parent.mkdir(parents=True, exist_ok=True)
+    tmp = store.with_name(f".{store.name}.{os.getpid()}")
+    tmp.write_text(json.dumps(known))
+    os.replace(tmp, store)  # atomic: concurrent starts each leave a whole file
+    return str(known[identity])

@@ -287,3 +287,31 @@ def test_a_chain_loaded_into_a_full_pool_does_not_evict_itself(tmp_path, referen
     assert llm.engine.stats().num_hit_tokens - hits == 4 * CHUNK
     llm.engine.check_integrity()
     llm.engine.close()
+
+
+def test_weights_changed_in_the_same_directory_never_meet_their_old_kv(tmp_path, reference):
+    """Issue 32.6: the namespace fingerprinted config.json, file names and sizes and the first MiB of
+    each weight file, so a checkpoint updated in place (same directory, same name, same size) read the
+    KV its predecessor left on disk. Every byte counts now."""
+    import shutil
+
+    from kvserve.models.loader import resolve_model_path
+
+    model = tmp_path / "model"
+    shutil.copytree(resolve_model_path("tiny-random-llama"), model)
+    disk = tmp_path / "disk"
+    prompt = corpus_token_ids(reference, 4 * CHUNK + 5, seed=31)
+    setup = dict(model=str(model), kv_disk_write="all")
+    with make(disk, **setup) as first:
+        run(first, prompt)
+    with make(disk, **setup) as same:  # control: unchanged weights find their KV
+        assert same.generate([prompt], GREEDY)[0].num_cached_tokens == 4 * CHUNK
+    weights = next(model.glob("*.safetensors"))
+    data = bytearray(weights.read_bytes())
+    assert len(data) > 2 << 20
+    data[-64:] = bytes(255 - b for b in data[-64:])  # past the first MiB; same size
+    weights.write_bytes(data)
+    with make(disk, **setup) as updated:
+        out = updated.generate([prompt], GREEDY)[0]
+        assert out.num_cached_tokens == 0
+        assert tier(updated, "disk").hits == 0
