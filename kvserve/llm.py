@@ -84,7 +84,11 @@ class LLM:
         else:
             params_list = list(sampling_params)
         requests: list[Request] = []
-        for prompt, params in zip(prompt_list, params_list):
+        if len(params_list) != len(prompt_list):
+            raise InvalidRequestError(
+                f"{len(prompt_list)} prompts but {len(params_list)} sampling params: give one, or one per prompt"
+            )
+        for prompt, params in zip(prompt_list, params_list, strict=True):
             token_ids = self.to_token_ids(prompt)
             requests += sample_requests(f"gen-{next(self._ids)}", token_ids, params, cache_salt, reuse)
         done = run_to_completion(self.engine, requests)

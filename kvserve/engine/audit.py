@@ -15,6 +15,7 @@ dropped and counted.
 
 from __future__ import annotations
 
+import itertools
 import random
 from collections import deque
 from dataclasses import dataclass, field
@@ -65,6 +66,7 @@ class Auditor:
         self.max_kl = max_kl
         self._rng = random.Random(seed)
         self.pending: dict[str, AuditJob] = {}  # background request id -> job
+        self._ids = itertools.count()
         self.by_strategy: dict[str, StrategyAudit] = {}
         self.num_dropped = 0
         self.num_guard_fired = 0  # audits whose KL put their documents under the guard
@@ -83,7 +85,8 @@ class Auditor:
         if len(self.pending) >= MAX_PENDING:
             self.num_dropped += 1
             return None
-        request_id = f"audit:{seq.request_id}"
+        # numbered: a client may reuse a request id while the audit of its first use still waits
+        request_id = f"audit:{next(self._ids)}:{seq.request_id}"
         self.pending[request_id] = AuditJob(
             seq.request_id,
             seq.reuse.strategy or "",

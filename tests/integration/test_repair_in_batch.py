@@ -243,3 +243,24 @@ def test_a_request_never_waits_on_an_audit_computing_its_chunks():
         engine.step()
     assert len(engine.auditor.results) >= 1
     engine.check_integrity()
+
+
+@pytest.mark.timeout(120)
+def test_a_request_id_reused_while_its_audit_waits_audits_both():
+    """Issue 32.7: the audit's id was `audit:<request id>`, so a reused request id overwrote the pending
+    audit; the first audit to finish then took the second's job and the second's KeyError failed the
+    whole step."""
+    llm = make(audit_rate=1.0)
+    engine = llm.engine
+    docs = warmed(llm, num_docs=2)
+    params = SamplingParams(max_tokens=2, temperature=0, ignore_eos=True)
+    for seed in (1, 2):  # the same id twice, the first's audit still pending when the second is served
+        engine.add_request(Request("same-id", rag_prompt(llm, docs, [1, 0], seed=seed), params, reuse=NONE))
+        while "same-id" in engine._seqs:
+            engine.step()
+    assert len(engine.auditor.pending) == 2
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert [r[0] for r in engine.auditor.results] == ["same-id", "same-id"]
+    assert engine.auditor.num_dropped == 0
+    engine.check_integrity()

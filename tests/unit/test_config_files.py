@@ -50,3 +50,16 @@ def test_unknown_yaml_key_is_an_error(tmp_path: Path) -> None:
     path.write_text("model: tiny-random-llama\nmax_cache_byte: 10\n")
     with pytest.raises(ConfigError, match="max_cache_byte"):
         make_config(path)
+
+
+def test_optional_extras_pull_only_what_their_feature_needs():
+    """Issue 32.7: the redis and cluster extras pulled in selenium (the dashboard's browser test)."""
+    import tomllib
+    from pathlib import Path
+
+    extras = tomllib.loads((Path(__file__).resolve().parents[2] / "pyproject.toml").read_text())["project"][
+        "optional-dependencies"
+    ]
+    for name in ("redis", "cluster", "triton", "bench"):
+        assert not any(dep.startswith("selenium") for dep in extras[name]), name
+    assert any(dep.startswith("selenium") for dep in extras["test"])

@@ -114,3 +114,15 @@ def test_warm_request() -> None:
     r = warm_request("w", [1, 2, 3], pin=False, cache_salt="s")
     assert (r.warm_only, r.pin, r.cache_salt, r.prompt_token_ids) == (True, False, "s", [1, 2, 3])
     assert r.sampling_params.max_tokens == 1
+
+
+def test_generate_refuses_a_params_list_that_does_not_match_the_prompts():
+    """Issue 32.7: zip without strict silently dropped the extra prompts."""
+    from kvserve import LLM, SamplingParams
+    from kvserve.errors import InvalidRequestError
+
+    llm = LLM(model="tiny-random-llama", max_cache_bytes=20_000_000)
+    one = SamplingParams(max_tokens=1)
+    with pytest.raises(InvalidRequestError, match="3 prompts but 2 sampling params"):
+        llm.generate([[5, 6], [7, 8], [9, 10]], [one, one])
+    assert len(llm.generate([[5, 6], [7, 8]], [one, one])) == 2
