@@ -54,8 +54,9 @@ def test_unknown_yaml_key_is_an_error(tmp_path: Path) -> None:
 
 def test_optional_extras_pull_only_what_their_feature_needs():
     """Issue 32.7: the redis and cluster extras pulled in selenium (the dashboard's browser test)."""
-    import tomllib
     from pathlib import Path
+
+    import tomllib
 
     extras = tomllib.loads((Path(__file__).resolve().parents[2] / "pyproject.toml").read_text())["project"][
         "optional-dependencies"
