@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import re
+import threading
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -34,12 +35,20 @@ For each function call, return a json object with function name and arguments wi
 
 
 class Tokenizer:
+    """The model's Hugging Face tokenizer behind one lock. Three threads use it: the engine thread
+    detokenizes, the server's tokenizer thread encodes and renders chat templates, the event loop asks
+    for token strings (logprobs). Every call into `hf` takes the lock, so the rule holds whatever a
+    tokenizers release does with the GIL (today a fast tokenizer's encode holds it anyway, so the lock
+    adds no waiting: a long encode already paused the engine's decodes); llguidance gets its own copy
+    of the vocabulary at start-up and never calls back."""
+
     def __init__(self, path: str | Path):
         from transformers import AutoTokenizer
 
         self.hf = AutoTokenizer.from_pretrained(str(path))
         self.eos_token_id: int | None = self.hf.eos_token_id
         self.vocab_size = len(self.hf)
+        self._lock = threading.Lock()
 
     @property
     def renders_tools(self) -> bool:
@@ -47,13 +56,16 @@ class Tokenizer:
         return _template_uses_tools(self.hf.chat_template)
 
     def encode(self, text: str) -> list[int]:
-        return list(self.hf.encode(text, add_special_tokens=False))
+        with self._lock:
+            return list(self.hf.encode(text, add_special_tokens=False))
 
     def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = True) -> str:
-        return str(self.hf.decode(list(token_ids), skip_special_tokens=skip_special_tokens))
+        with self._lock:
+            return str(self.hf.decode(list(token_ids), skip_special_tokens=skip_special_tokens))
 
     def token_str(self, token_id: int) -> str:
-        return str(self.hf.decode([token_id]))
+        with self._lock:
+            return str(self.hf.decode([token_id]))
 
     def apply_chat_template(
         self,
@@ -74,9 +86,10 @@ class Tokenizer:
             text = "".join(f"{m['role']}: {m['content']}\n" for m in rendered)
             return self.encode(text + ("assistant: " if add_generation_prompt else ""))
         with_tools: dict[str, Any] = {"tools": tools} if tools else {}
-        ids = self.hf.apply_chat_template(
-            rendered, add_generation_prompt=add_generation_prompt, tokenize=True, **with_tools
-        )
+        with self._lock:
+            ids = self.hf.apply_chat_template(
+                rendered, add_generation_prompt=add_generation_prompt, tokenize=True, **with_tools
+            )
         if isinstance(ids, dict) or hasattr(ids, "input_ids"):
             ids = ids["input_ids"]
         return list(ids)

@@ -78,7 +78,7 @@ class ServerState:
     backend: Backend
     model_name: str
     started: int
-    # one thread: Hugging Face tokenizers are not safe to call from several threads at once
+    # keeps encoding and chat templating off the event loop (the Tokenizer itself is safe from any thread)
     tokenizer_thread: ThreadPoolExecutor = field(
         default_factory=lambda: ThreadPoolExecutor(1, thread_name_prefix="kvserve-tokenizer")
     )
