@@ -22,7 +22,7 @@ from kvserve.cluster.stats import cluster_stats, merge_metrics
 from kvserve.config import ServeConfig
 from kvserve.errors import KVServeError, UnavailableError
 from kvserve.metrics import Metrics
-from kvserve.request import Request, RequestOutput
+from kvserve.request import FinishReason, Request, RequestOutput
 
 SUBMIT_ATTEMPTS = 3  # a replica that dies before it admitted the requests: try another
 REPLICA_HEADER = "x-kvserve-replica"
@@ -105,8 +105,16 @@ class ClusterStream:
         return out
 
     def abort(self, reason: str = "aborted") -> None:
-        """Cancel the replica's generator: its `finally` aborts the unfinished requests."""
+        """Cancel the replica's generator: its `finally` aborts the unfinished requests. Their final
+        outputs never come back over the cancelled generator, so the metrics are told here (else they
+        keep each cancelled request id for good)."""
         if self._unfinished:
+            now = time.monotonic()
+            for rid in sorted(self._unfinished):
+                self._metrics.observe(
+                    RequestOutput(rid, [], [], "", [], "", finished=True, finish_reason=FinishReason.ABORT),
+                    now,
+                )
             self._unfinished.clear()
             self._outputs.cancel()
 

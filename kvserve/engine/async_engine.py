@@ -315,11 +315,15 @@ class AsyncEngine:
         del self._routes[rid]
         self.counters.errored += 1
         self._release(1)
-        stream.put_threadsafe(
-            RequestOutput(
-                rid, [], [], "", [], "", finished=True, finish_reason=FinishReason.ERROR, error=reason
-            )
+        out = RequestOutput(
+            rid, [], [], "", [], "", finished=True, finish_reason=FinishReason.ERROR, error=reason
         )
+        if self._observer is not None:  # the metrics see every request end (else they keep its id)
+            try:
+                self._observer(out, time.monotonic())
+            except Exception:
+                log.exception("metrics observer failed")
+        stream.put_threadsafe(out)
 
 
 def _call_soon(loop: asyncio.AbstractEventLoop, fn: Callable[..., Any], *args: Any) -> None:

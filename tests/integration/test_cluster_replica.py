@@ -16,7 +16,7 @@ from kvserve.cluster.stats import cluster_stats, merge_metrics
 from kvserve.config import ServeConfig
 from kvserve.errors import InvalidRequestError, OverloadedError
 from kvserve.metrics import Metrics
-from kvserve.request import Request, SamplingParams
+from kvserve.request import FinishReason, Request, SamplingParams
 
 TINY = ServeConfig(model="tiny-random-llama", max_cache_bytes=16 << 20, chunk_size=16, max_queue_size=2)
 
@@ -93,3 +93,64 @@ def test_stats_sum_the_replicas_and_metrics_carry_their_label(replica: EngineRep
     for label in ('replica="local"', 'replica="other"'):
         assert label in exposition
     assert exposition.count("# TYPE kvserve:request_success_total counter") == 1
+
+
+def test_an_aborted_stream_leaves_nothing_in_the_ingress_metrics(replica: EngineReplica) -> None:
+    """Issue 32.7: ClusterStream.abort cancelled the generator, whose final outputs then never came,
+    so the metrics kept every cancelled request id (`_last_token_time`) for good."""
+
+    async def run() -> None:
+        gen = replica.generate(
+            [Request("long-0", list(range(20)), SamplingParams(max_tokens=200, ignore_eos=True))]
+        )
+        assert isinstance(await gen.__anext__(), Accepted)
+        cancelled = []
+
+        class Outputs:
+            async def __anext__(self) -> Any:
+                return await gen.__anext__()
+
+            def cancel(self) -> None:
+                cancelled.append(True)
+
+        metrics = Metrics("m")
+        stream = ClusterStream(Outputs(), ["long-0"], metrics)
+        async for out in stream:
+            if out.new_token_ids:
+                break
+        assert metrics._last_token_time  # a token seen: the id is tracked
+        stream.abort()
+        await gen.aclose()
+        assert cancelled and stream.finished and not metrics._last_token_time
+
+    asyncio.run(run())
+
+
+def test_requests_failed_at_shutdown_leave_nothing_in_the_metrics() -> None:
+    """Issue 32.7: the local AsyncEngine's _fail_all (a drain past its grace) finished streams without
+    telling the metrics observer, which then kept those request ids."""
+    from kvserve.config import ServeConfig
+    from kvserve.engine.async_engine import AsyncEngine
+    from kvserve.engine.engine import Engine
+
+    config = ServeConfig(model="tiny-random-llama", max_cache_bytes=16_000_000)
+    metrics = Metrics("m")
+    engine = AsyncEngine(Engine(config), config.max_queue_size, observer=metrics.observe)
+    engine.start()
+
+    async def run() -> None:
+        params = SamplingParams(max_tokens=100_000, ignore_eos=True)
+        stream = await engine.submit([Request("forever", list(range(30)), params)])
+        async for out in stream:
+            if out.new_token_ids:
+                break
+        assert metrics._last_token_time
+        await engine.drain(grace_s=0.0)  # past the grace: every routed request fails
+        finals = [out async for out in stream if out.finished]
+        assert finals and finals[-1].finish_reason == FinishReason.ERROR
+        assert not metrics._last_token_time
+
+    try:
+        asyncio.run(run())
+    finally:
+        engine.shutdown()
