@@ -29,9 +29,24 @@ def _serve() -> Any:
     return serve
 
 
+def replica_config(config: ServeConfig) -> ServeConfig:
+    """`config` with `--dtype auto` decided once, here, for CPU replicas: each would otherwise time
+    its own bf16 and fp32 linears and they could disagree, and then answers would depend on the
+    replica, the shared tier would split by namespace and the ingress would report replica 0's.
+    On GPUs auto is a rule of the device's capability (builder.resolve_dtype), the same everywhere."""
+    from kvserve.engine.builder import resolve_device, resolve_dtype
+
+    if config.dtype != "auto" or resolve_device(config.device).type != "cpu":
+        return config
+    dtype = resolve_dtype("auto", resolve_device(config.device))
+    return config.replace(dtype=str(dtype).replace("torch.", ""))
+
+
 def build_app(config: ServeConfig, cluster: ClusterConfig) -> Any:
-    """The Serve application: bind it with serve.run."""
+    """The Serve application: bind it with serve.run. Every replica gets the same config, its
+    `--dtype auto` decided once (replica_config)."""
     serve = _serve()
+    config = replica_config(config)
     from kvserve.cluster.ingress import Ingress
     from kvserve.cluster.replica import EngineReplica
     from kvserve.cluster.router import PrefixAffinityRouter

@@ -43,3 +43,23 @@ def test_the_cluster_needs_the_shared_tier() -> None:
     with pytest.raises(ConfigError, match="enable_prefix_caching"):
         check(ServeConfig(enable_prefix_caching=False))
     check(ServeConfig(kv_redis_url="redis://127.0.0.1:6379/0"))
+
+
+def test_dtype_auto_is_decided_once_for_every_replica(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Issue 32.7: each replica timed its own bf16 / fp32 linears for --dtype auto and could choose
+    differently; the driver now decides once and hands every replica the same explicit dtype."""
+    from kvserve.cluster.app import replica_config
+    from kvserve.config import ServeConfig
+    from kvserve.engine import builder
+
+    calls = []
+
+    def decide(name: str, device):  # type: ignore[no-untyped-def]
+        calls.append(name)
+        return builder.DTYPES["bfloat16"]
+
+    monkeypatch.setattr(builder, "resolve_dtype", decide)
+    chosen = replica_config(ServeConfig(device="cpu"))
+    assert chosen.dtype == "bfloat16" and calls == ["auto"]
+    assert replica_config(ServeConfig(device="cpu", dtype="float32")).dtype == "float32"
+    assert calls == ["auto"]  # an explicit dtype is left alone
