@@ -69,6 +69,7 @@ KINDS: dict[str, Kind] = {
     "completion": Kind(10, GOOD),
     "completion_stream": Kind(8, GOOD),
     "rag_any": Kind(10, GOOD),
+    "rag_repeat": Kind(6, GOOD),  # a RAG prompt in a new order, then the same one again at once
     "warm_pin": Kind(4, GOOD),
     "unwarm": Kind(0, frozenset({"200"})),  # sent by warm_pin after holding its pin
     "cut_stream": Kind(5, GOOD | {"disconnected"}),
@@ -273,6 +274,17 @@ async def rag_any(ctx: Ctx, rng: random.Random) -> None:
                   messages=rag_messages(ctx.texts, rng), stream=rng.random() < 0.5, **kw)  # fmt: skip
 
 
+async def rag_repeat(ctx: Ctx, rng: random.Random) -> None:
+    """Issue 32's livelock: a prompt served from a content hit queues its audit (with --audit-rate),
+    and the same prompt sent again at once used to wait on the audit's chunks forever."""
+    kw = _sampling(rng)
+    kw["extra_body"].update(reuse="any", recompute_strategy=rng.choice(["none", "selective", "cacheblend"]))
+    messages, stream = rag_messages(ctx.texts, rng), rng.random() < 0.5
+    for _ in range(2):
+        await _openai(ctx, "rag_repeat", ctx.client.chat.completions.create, 1,
+                      messages=messages, stream=stream, **kw)  # fmt: skip
+
+
 async def _http(ctx: Ctx, kind: str, method: str, path: str, **kw: Any) -> Any:
     import httpx
 
@@ -378,6 +390,7 @@ ACTIONS: dict[str, Any] = {
     "completion": completion,
     "completion_stream": completion_stream,
     "rag_any": rag_any,
+    "rag_repeat": rag_repeat,
     "warm_pin": warm_pin,
     "cut_stream": cut_stream,
     "cut_nonstream": cut_nonstream,
@@ -527,6 +540,7 @@ async def soak(args: argparse.Namespace, base_url: str, pid: int | None) -> dict
     return {
         "records": ctx.records, "failures": ctx.failures, "samples": ctx.samples,
         "start": start, "idle": idle, "end": end, "load_s": load_s, "server_config": config,
+        "timeout_s": ctx.timeout_s,
     }  # fmt: skip
 
 
@@ -552,6 +566,9 @@ def judge(run: dict) -> dict:
     pinned_idle, pinned_end = idle.get("pinned"), end.get("pinned")
     cuts = Counter(r["kind"] for r in records if r["outcome"] in CLIENT_CUTS)
     aborted = [(s.get("counters") or {}).get("aborted") for s in (idle, end)]
+    timeout_s = run.get("timeout_s", math.inf)
+    answered = [r["latency_s"] for r in records if r["outcome"] not in CLIENT_CUTS]
+    slowest = max(answered, default=0.0)
     targets = [
         ("unexpected responses", str(unexpected), "0", unexpected == 0),
         ("RSS growth after warm-up", "-" if growth is None else f"{growth * 100:+.2f} %", "< 5 %",
@@ -561,6 +578,8 @@ def judge(run: dict) -> dict:
          f"= after warm-up ({held_idle})", held_end is not None and held_end == held_idle),
         ("pinned chunks at idle", str(pinned_end), f"= after warm-up ({pinned_idle})",
          pinned_end is not None and pinned_end == pinned_idle),
+        ("slowest answered request", f"{slowest:.1f} s", f"< half the {timeout_s:.0f} s timeout",
+         slowest < timeout_s / 2),
     ]  # fmt: skip
     return {
         "outcomes": [
@@ -730,6 +749,7 @@ def server_argv(args: argparse.Namespace) -> tuple[str, ...]:
         "--reuse", args.reuse, "--max-cache-bytes", str(args.max_cache_bytes),
         "--max-queue-size", str(args.max_queue_size), "--request-timeout-s", str(args.server_timeout_s),
         "--max-num-batched-tokens", str(args.max_num_batched_tokens),
+        "--audit-rate", str(args.audit_rate),
         "--log-level", "warning",
     )  # fmt: skip
 
@@ -787,6 +807,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--reuse", default="prefix", choices=["prefix", "any"],
                    help="server default; RAG requests always ask for reuse=any")  # fmt: skip
     p.add_argument("--max-cache-bytes", type=int, default=32_000_000, help="small: eviction, preemption")
+    p.add_argument("--audit-rate", type=float, default=0.0, help="the online audit of content reuse (0-1)")
     p.add_argument("--max-queue-size", type=int, default=6, help="small: bursts get 503")
     p.add_argument("--max-num-batched-tokens", type=int, default=256,
                    help="small: prompts are prefilled in pieces, admitted with part of their blocks, "

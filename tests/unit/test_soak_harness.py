@@ -224,3 +224,16 @@ def test_half_minute_soak_of_the_whole_mix_has_no_unexpected_outcome(half_minute
     rc, result = half_minute_soak
     assert result["judged"]["unexpected"] == 0, result["run"]["failures"]
     assert rc == 0
+
+
+def test_a_request_near_its_timeout_fails_the_run() -> None:
+    """Issue 32: the audit livelock showed as requests that waited until the client gave up; a soak
+    now also fails when any answered request took half its timeout or more."""
+    run = clean_run()
+    run["timeout_s"] = 60.0
+    assert soak.judge(run)["passed"]
+    run["records"].append(
+        {"t": 9.0, "kind": "rag_repeat", "outcome": "200", "expected": True, "latency_s": 31.0}
+    )
+    judged = soak.judge(run)
+    assert not judged["passed"] and _met(judged)["slowest answered request"] is False
