@@ -40,6 +40,11 @@ class EvictionPolicy(ABC):
     def candidates(self) -> set[bytes]:
         """The chunks the policy holds as evictable (for integrity checks)."""
 
+    @abstractmethod
+    def value(self, chunk_hash: bytes) -> tuple[float, int]:
+        """How much the policy wants to keep a chunk it has seen used (evictable or not): among
+        evictable chunks, `pop_victim` takes the lowest value first. Comparable across chunks."""
+
 
 class _HeapPolicy(EvictionPolicy):
     """Min-heap of (priority, tie-breakers) over evictable chunks with lazy invalidation."""
@@ -92,6 +97,9 @@ class _HeapPolicy(EvictionPolicy):
 
     def candidates(self) -> set[bytes]:
         return set(self._live)
+
+    def value(self, chunk_hash: bytes) -> tuple[float, int]:
+        return self._stats.get(chunk_hash, (float("-inf"), 0))  # (priority, last_tick): the heap's order
 
     def __len__(self) -> int:
         return len(self._live)

@@ -232,6 +232,24 @@ def test_lru_bound_evicts_least_recently_used(tmp_path):
     assert tier.stats().rejected_too_large == 1
 
 
+def test_touch_makes_an_entry_the_last_to_go_and_survives_a_restart(tmp_path):
+    """The shutdown write touches the hot chunks already on disk so that its own writes evict others."""
+    size = entry_bytes(1000)
+    tier = DiskTier(tmp_path, max_bytes=3 * size)
+    for i in range(3):
+        tier.put(make_key(i), ids_hash(i), payload_of(i))
+    old_s = time.time() - 100
+    for i in range(3):
+        os.utime(tmp_path / (make_key(i).name + ".kv"), (old_s + i, old_s + i))
+    assert tier.touch(make_key(0)) == size and tier.touch(make_key(7)) == 0
+    assert (tmp_path / (make_key(0).name + ".kv")).stat().st_mtime > old_s + 50  # the restart's order
+    tier.put(make_key(3), ids_hash(3), payload_of(3))
+    assert make_key(0) in tier and make_key(1) not in tier
+    tier.check_integrity()
+    restarted = DiskTier(tmp_path, max_bytes=2 * size)  # a smaller bound: the least recently used go
+    assert make_key(0) in restarted and make_key(3) in restarted and make_key(2) not in restarted
+
+
 def test_restart_finds_entries_in_last_use_order(tmp_path):
     size = entry_bytes(1000)
     first = DiskTier(tmp_path, max_bytes=3 * size)

@@ -239,6 +239,21 @@ class DiskTier:
         with self._lock:
             return key.name in self._lru
 
+    def touch(self, key: TierKey) -> int:
+        """Mark `key`'s entry as just used (the index's order and the file's mtime, which orders the
+        index after a restart): the last entries `put` would evict. Its size in bytes; 0 when this
+        instance does not index it."""
+        with self._lock:
+            size = self._lru.get(key.name, 0)
+            if size:
+                self._lru.move_to_end(key.name)
+        if size:
+            try:
+                os.utime(self._path(key.name))
+            except OSError:
+                pass  # removed meanwhile (another process): a later get misses, never a wrong answer
+        return size
+
     def may_hold(self, key: TierKey) -> bool:
         """Whether `get` could find `key`: it is indexed, or a file of its name exists (another
         process sharing the directory wrote it). One stat at most; `get` may still miss."""
