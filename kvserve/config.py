@@ -120,6 +120,14 @@ class ServeConfig:
             "or all (every chunk as it is computed)"
         },
     )
+    kv_disk_shutdown_write_s: float = field(
+        default=5.0,
+        metadata={
+            "help": "on a graceful shutdown, at most this many seconds writing the hot pool's exact "
+            "chunks that the disk tier lacks, most valuable first, within kv_disk_bytes, so that a "
+            "restart finds them (0 = off)"
+        },
+    )
     kv_redis_url: str = field(
         default="",
         metadata={
@@ -306,6 +314,10 @@ def validate(cfg: ServeConfig) -> None:
         raise ConfigError("kv_cold_bytes and demote_after_s must be >= 0")
     if cfg.demote_after_s > 0 and not cfg.kv_cold_bytes:
         raise ConfigError("demote_after_s needs a cold area: set kv_cold_bytes (e.g. 500000000)")
+    if cfg.kv_disk_shutdown_write_s < 0:
+        raise ConfigError(
+            f"kv_disk_shutdown_write_s must be >= 0 (got {cfg.kv_disk_shutdown_write_s}); 0 turns it off"
+        )
     if cfg.kv_disk_bytes <= 0:
         raise ConfigError(f"kv_disk_bytes must be positive (got {cfg.kv_disk_bytes})")
     tiers = cfg.kv_cold_bytes or cfg.kv_disk_dir or cfg.kv_redis_url

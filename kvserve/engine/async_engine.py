@@ -112,7 +112,8 @@ class AsyncEngine:
         self._wake.set()
         if self._thread is not None:
             self._thread.join(timeout_s)
-        self.engine.close()
+        # the shutdown write reads the pool: only once no step can change it
+        self.engine.close(write_hot=self._thread is None or not self._thread.is_alive())
 
     async def drain(self, grace_s: float) -> None:
         """Refuse new requests (503), give the ones in flight `grace_s` to finish, then finish the

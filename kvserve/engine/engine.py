@@ -262,10 +262,11 @@ class Engine:
         """Wait until the KV tiers' writes queued so far are stored (any thread); False on timeout."""
         return self.tiers is None or self.tiers.tiers.flush(timeout_s)
 
-    def close(self) -> None:
-        """Store the KV tiers' queued writes and stop their threads."""
+    def close(self, write_hot: bool = True) -> None:
+        """Store the KV tiers' queued writes and, with `write_hot`, the hot chunks the disk tier lacks
+        (--kv-disk-shutdown-write-s; it reads the pool: only while no step runs); stop their threads."""
         if self.tiers is not None:
-            self.tiers.tiers.close()
+            self.tiers.tiers.close(write_hot=write_hot)
 
     def run_background(self) -> None:
         """Step until the background work (audits) is done: for callers that drive the engine

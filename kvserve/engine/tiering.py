@@ -63,6 +63,7 @@ def build_tiers(
         disk=disk,
         redis=redis,
         disk_write_all=config.kv_disk_write == "all",
+        shutdown_write_s=config.kv_disk_shutdown_write_s,
     )
 
 

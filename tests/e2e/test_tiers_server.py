@@ -161,3 +161,69 @@ def test_two_servers_share_one_disk_tier(tmp_path: Path, reference):
     finally:
         stop(a)
         stop(b)
+
+
+# --- the shutdown write: a graceful stop writes the hot chunks the disk lacks (docs/tiers.md) ---------
+
+
+def complete_cached(server: Server, prompt: list[int]) -> tuple[str, int]:
+    """The greedy answer and the prompt's cached tokens."""
+    with server.http() as h:
+        r = h.post(
+            "/v1/completions",
+            json={"model": "tiny-random-llama", "prompt": prompt, "max_tokens": 6, "temperature": 0},
+        )
+        assert r.status_code == 200, r.text
+    body = r.json()
+    return body["choices"][0]["text"], body["usage"]["prompt_tokens_details"]["cached_tokens"]
+
+
+def test_a_served_prompt_survives_a_graceful_restart(tmp_path: Path, reference):
+    disk = tmp_path / "kv"
+    flags = (*TINY_FLAGS, "--kv-disk-dir", str(disk))  # --kv-disk-write evicted: nothing is evicted
+    prompt = reference["_prompts"]["p0"]
+    first = launch(tmp_path, *flags)
+    assert complete_cached(first, prompt) == (reference["p0"], 0)
+    stop(first)  # SIGTERM
+    assert len(list(disk.glob("*.kv"))) == 2
+    assert "shutdown write done" in first.log() and "2 chunks written" in first.log()
+
+    second = launch(tmp_path, *flags)
+    try:
+        assert complete_cached(second, prompt) == (reference["p0"], 2 * CHUNK)
+        assert tiers(second)["disk"]["loads"] == 2 and tiers(second)["disk"]["corruptions"] == 0
+    finally:
+        stop(second)
+
+
+def test_the_shutdown_write_keeps_the_most_valuable_chunks_within_kv_disk_bytes(tmp_path: Path, reference):
+    disk = tmp_path / "kv"
+    cap = 330_000  # two entries of tiny-random-llama (128 KiB of KV a chunk), not three
+    flags = (*TINY_FLAGS, "--kv-disk-dir", str(disk), "--kv-disk-bytes", str(cap))
+    prompts = reference["_prompts"]
+    first = launch(tmp_path, *flags)
+    for _ in range(3):
+        complete_cached(first, prompts["p1"])  # three uses: worth more than p2's one (lru_freq)
+    complete_cached(first, prompts["p2"])
+    stop(first)
+    sizes = [p.stat().st_size for p in disk.glob("*.kv")]
+    assert len(sizes) == 2 and 2 * sizes[0] <= cap < 3 * sizes[0], sizes
+    assert "2 over kv_disk_bytes" in first.log()
+
+    second = launch(tmp_path, *flags)
+    try:
+        assert complete_cached(second, prompts["p2"]) == (reference["p2"], 0)
+        assert complete_cached(second, prompts["p1"]) == (reference["p1"], 2 * CHUNK)
+    finally:
+        stop(second)
+
+
+def test_the_shutdown_write_stops_at_its_time_cap(tmp_path: Path, reference):
+    disk = tmp_path / "kv"
+    server = launch(tmp_path, *TINY_FLAGS, "--kv-disk-dir", str(disk), "--kv-disk-shutdown-write-s", "1e-9")
+    assert complete_cached(server, reference["_prompts"]["p3"]) == (reference["p3"], 0)
+    stop(server)
+    assert not list(disk.glob("*.kv"))
+    log = server.log()
+    assert "shutdown write of up to 2 hot chunks" in log
+    assert "2 left at the time cap (kv_disk_shutdown_write_s)" in log, log[-2000:]

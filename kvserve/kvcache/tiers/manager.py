@@ -13,6 +13,10 @@ atomic file each; a K/V snapshot for the demoter thread, which encodes it into t
 the item (counted): the engine never waits for a tier. A chunk whose demotion is still queued is
 not in the cold area yet: a lookup misses it and computes it.
 
+On a graceful shutdown (`close(write_hot=True)`, after the queued writes): the hot pool's exact
+chunks that the disk tier lacks are written to it, most valuable first, within its bytes and
+`--kv-disk-shutdown-write-s` (shutdown_write.py), so that a restart finds what was served.
+
 Where chunks come from (`lookup` for a waiting sequence, before it is admitted): the chunks after the
 longest run the hot store holds are looked for in order, stopping at the first miss. Cold chunks are
 promoted at once (RAM, milliseconds). The rest are fetched by the loader thread, disk first, then
@@ -40,6 +44,7 @@ from kvserve.kvcache.chunk_payload import ChunkLayout, ChunkPayloadError, export
 from kvserve.kvcache.chunk_store import CachedChunk, ChunkStore
 from kvserve.kvcache.kv_storage import LayerKV
 from kvserve.kvcache.tiers.entry import TierKey
+from kvserve.kvcache.tiers.shutdown_write import ShutdownWrite, shutdown_order, write_hot_chunks
 from kvserve.kvcache.tiers.worker import BackgroundQueue
 
 if TYPE_CHECKING:  # redis is an optional dependency: imported where a Redis tier is configured
@@ -119,11 +124,13 @@ class KVTiers:
         disk: DiskTier | None = None,
         redis: RedisTier | None = None,
         disk_write_all: bool = False,
+        shutdown_write_s: float = 0.0,
     ):
         self.store, self.pool, self.layers = store, store.pool, layers
         self.key_fields = key_fields
         self.cold, self.disk, self.redis = cold, disk, redis
         self.disk_write_all = disk_write_all
+        self.shutdown_write_s = shutdown_write_s
         self.bpc = store.blocks_per_chunk
         store.on_evict.append(self._on_evict)
         tiers = ("cold", "disk", "redis")
@@ -182,14 +189,19 @@ class KVTiers:
 
     def _queue_write(self, chunk: CachedChunk, to_disk: bool, to_redis: bool) -> None:
         assert chunk.token_hash is not None and self._writer is not None
-        try:
-            payload = export_chunk(self.layers, chunk.block_ids, self.layout)
-        except Exception:  # a storage that cannot export: the tier only loses this chunk
-            log.exception("exporting chunk %s for the KV tiers failed", chunk.prefix_hash.hex()[:12])
-            self.num_export_errors += 1
+        payload = self._export(chunk)
+        if payload is None:
             return
         write = (self.key(chunk.prefix_hash), chunk.token_hash, payload, to_disk, to_redis)
         self._writer.put(write, len(payload))
+
+    def _export(self, chunk: CachedChunk) -> bytes | None:
+        try:
+            return export_chunk(self.layers, chunk.block_ids, self.layout)
+        except Exception:  # a storage that cannot export: the tier only loses this chunk
+            log.exception("exporting chunk %s for the KV tiers failed", chunk.prefix_hash.hex()[:12])
+            self.num_export_errors += 1
+            return None
 
     def _write_batch(self, batch: list[_Write]) -> None:
         if self.disk is not None:
@@ -409,13 +421,29 @@ class KVTiers:
             write_errors,
         )
 
-    def close(self) -> None:
-        """Finish the queued writes and demotions, stop the threads. The engine keeps serving from
-        its pool alone."""
+    def write_hot(self) -> ShutdownWrite | None:
+        """The shutdown write (shutdown_write.py): the hot pool's exact full chunks that the disk tier
+        lacks, most valuable first, within its bytes and `shutdown_write_s`. Reads the pool: only
+        while no engine step runs. None when there is no disk tier or the write is off."""
+        if self.disk is None or self.shutdown_write_s <= 0:
+            return None
+        ordered = shutdown_order(self.store.chunks(), self.store.chunk_size, self.store.policy.value)
+        return write_hot_chunks(
+            ordered, self.disk, self.key, self._export, self.disk.max_bytes, self.shutdown_write_s
+        )
+
+    def close(self, write_hot: bool = False) -> None:
+        """Finish the queued writes and demotions, with `write_hot` do the shutdown write (only while
+        no engine step runs), stop the threads. The engine keeps serving from its pool alone."""
         self.closed = True
         for q in (self._writer, self._demoter):
             if q is not None:
                 q.close()
+        if write_hot:
+            try:
+                self.write_hot()
+            except Exception:  # a tier bug must not stop the shutdown: the restart recomputes
+                log.exception("disk tier: the shutdown write failed")
         if self._loader is not None:
             self._jobs.put(None)
             self._loader.join(timeout=10.0)
