@@ -315,3 +315,29 @@ def test_weights_changed_in_the_same_directory_never_meet_their_old_kv(tmp_path,
         out = updated.generate([prompt], GREEDY)[0]
         assert out.num_cached_tokens == 0
         assert tier(updated, "disk").hits == 0
+
+
+def test_stats_never_wait_on_a_slow_redis(redis_server, reference):
+    """Issue 32.7: building the stats (the engine's thread, after its steps) asked Redis for INFO and
+    DBSIZE every second, a round trip that a slow Redis stretches to its socket timeout; the ask now
+    runs on a thread of its own and the stats show the last answer."""
+    llm = make(kv_redis_url=redis_server.url)
+    run(llm, corpus_token_ids(reference, 2 * CHUNK + 3, seed=91))
+    tiers = llm.engine.tiers.tiers
+    real_stats = tiers.redis.stats
+
+    def slow_stats(with_sizes: bool = True):  # type: ignore[no-untyped-def]
+        if with_sizes:
+            time.sleep(1.0)
+        return real_stats(with_sizes)
+
+    tiers.redis.stats = slow_stats
+    for _ in range(3):
+        t0 = time.perf_counter()
+        llm.engine.stats()
+        assert time.perf_counter() - t0 < 0.5
+    deadline = time.monotonic() + 5
+    while tier(llm, "redis").chunks == 0 and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert tier(llm, "redis").chunks > 0  # the answer arrived from the asking thread
+    llm.engine.close()

@@ -142,6 +142,7 @@ class KVTiers:
         self.layout = ChunkLayout(layers, self.bpc)
         self.num_export_errors = 0
         self._redis_sizes_at, self._redis_sizes_cached = -REDIS_SIZES_S, (0, 0)
+        self._redis_sizes_asking = False  # a thread is asking Redis for them (_redis_sizes)
         self.closed = False  # after close(): no lookups, writes or demotions (the threads are gone)
         self._jobs: queue.Queue[LoadJob | None] = queue.Queue()
         self._done: queue.Queue[_Loaded] = queue.Queue()
@@ -394,14 +395,31 @@ class KVTiers:
         return rows
 
     def _redis_sizes(self) -> tuple[int, int]:
-        """Redis's memory and key count, asked at most every REDIS_SIZES_S: the engine's thread
-        builds these stats after its steps, and each ask is a network round trip."""
+        """Redis's memory and key count as last asked. The engine's thread builds these stats after
+        its steps, and asking is a network round trip (up to the socket timeout on a slow Redis), so
+        the ask runs on a short-lived thread of its own, at most one at a time and at most every
+        REDIS_SIZES_S; the stats show the previous answer meanwhile."""
         assert self.redis is not None
         now = time.monotonic()
-        if now - self._redis_sizes_at >= REDIS_SIZES_S:
-            r = self.redis.stats()
-            self._redis_sizes_at, self._redis_sizes_cached = now, (r.stored_bytes or 0, r.num_entries or 0)
-        return self._redis_sizes_cached
+        with self._count_lock:
+            due = now - self._redis_sizes_at >= REDIS_SIZES_S and not self._redis_sizes_asking
+            if due:
+                self._redis_sizes_at, self._redis_sizes_asking = now, True
+            cached = self._redis_sizes_cached
+        if due:
+            threading.Thread(target=self._ask_redis_sizes, name="kvserve-redis-sizes", daemon=True).start()
+        return cached
+
+    def _ask_redis_sizes(self) -> None:
+        assert self.redis is not None
+        try:
+            r = self.redis.stats()  # never raises; Nones while Redis is down
+            sizes = (r.stored_bytes or 0, r.num_entries or 0)
+        finally:
+            with self._count_lock:
+                self._redis_sizes_asking = False
+        with self._count_lock:
+            self._redis_sizes_cached = sizes
 
     def _row(self, tier: str, *numbers: int) -> TierStats:
         """A TierStats of (bytes, chunks, hits, corruptions, fallbacks, writes, write errors) and this
