@@ -341,3 +341,16 @@ def test_stats_never_wait_on_a_slow_redis(redis_server, reference):
         time.sleep(0.1)
     assert tier(llm, "redis").chunks > 0  # the answer arrived from the asking thread
     llm.engine.close()
+
+
+@pytest.mark.parametrize(
+    "change", [{"dtype": "bfloat16"}, {"kv_cache_dtype": "fp8_e4m3"}], ids=["dtype", "codec"]
+)
+def test_kv_from_another_dtype_or_codec_is_never_served_from_disk(tmp_path, reference, change):
+    """Issue 32.6: the namespace (so every tier key) names the dtype and the codec beside the weights."""
+    prompt = corpus_token_ids(reference, 3 * CHUNK + 4, seed=33)
+    with make(tmp_path, kv_disk_write="all") as first:
+        run(first, prompt)
+    with make(tmp_path, kv_disk_write="all", **change) as other:
+        assert other.generate([prompt], GREEDY)[0].num_cached_tokens == 0
+        assert tier(other, "disk").hits == 0
