@@ -9,6 +9,7 @@ the vocabulary by the routes (kvserve.request.check_token_ids)."""
 from __future__ import annotations
 
 import dataclasses
+import json
 import re
 from typing import Annotated, Any, ClassVar, Literal
 
@@ -58,6 +59,8 @@ def _first_surrogate(value: Any) -> int | None:
     if isinstance(value, str):
         match = _SURROGATE.search(value)
         return match.start() if match else None
+    if isinstance(value, (dict, list)) and value and _surrogate_free(value):
+        return None  # the usual case, found at C speed: walking a 400 KB schema in Python takes 0.1 s
     if isinstance(value, dict):
         value = [*value.keys(), *value.values()]
     if isinstance(value, list) and value and not isinstance(value[0], int):  # token ids: skip
@@ -68,10 +71,25 @@ def _first_surrogate(value: Any) -> int | None:
     return None
 
 
+def _surrogate_free(value: dict[Any, Any] | list[Any]) -> bool:
+    """True when no string inside holds a surrogate: ASCII JSON escapes every surrogate as "\\udXXX"
+    (False also for a paired one, an emoji, or a literal backslash before "ud": then walk it)."""
+    try:
+        return "\\ud" not in json.dumps(value)
+    except (TypeError, ValueError):  # not JSON data: walk it
+        return False
+
+
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
     # what a body of this kind must hold, for the message when it is missing
     expects: ClassVar[str] = "a JSON object"
+
+
+class _Body(_Strict):
+    """A request body. Its fields are checked for lone surrogates here, each once with what it
+    holds: the models inside a body are only ever validated as part of it (checked at every level,
+    a 600 KB json_schema cost 35 ms of event loop)."""
 
     @field_validator("*", mode="before")
     @classmethod
@@ -181,7 +199,7 @@ class ResponseFormat(_Strict):
         return StructuredOutput.of_schema(schema)
 
 
-class _Sampling(_Strict):
+class _Sampling(_Body):
     """Parameters shared by /v1/completions and /v1/chat/completions."""
 
     model: str | None = None
@@ -347,7 +365,7 @@ class ChatCompletionRequest(_Sampling):
         return [m.as_dict() for m in self.messages]
 
 
-class WarmRequest(_Strict):
+class WarmRequest(_Body):
     """Exactly one of text, prompt_token_ids or messages (rendered as a chat prefix)."""
 
     expects: ClassVar[str] = "a JSON object with exactly one of text, prompt_token_ids or messages"
@@ -368,7 +386,7 @@ class WarmRequest(_Strict):
             )
 
 
-class TokenizeRequest(_Strict):
+class TokenizeRequest(_Body):
     expects: ClassVar[str] = "a JSON object with exactly one of prompt or messages"
 
     model: str | None = None
@@ -381,7 +399,7 @@ class TokenizeRequest(_Strict):
             raise InvalidRequestError("give exactly one of prompt or messages", param="prompt")
 
 
-class DetokenizeRequest(_Strict):
+class DetokenizeRequest(_Body):
     expects: ClassVar[str] = "a JSON object with tokens (a list of token ids)"
 
     model: str | None = None

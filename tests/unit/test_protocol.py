@@ -173,6 +173,20 @@ def test_lone_surrogates_are_named() -> None:
     assert CompletionRequest.model_validate({"prompt": "caf\u00e9 \U0001f600"}).prompt  # paired: fine
 
 
+def test_lone_surrogates_deep_in_a_schema_are_found_and_paired_ones_pass() -> None:
+    def body(text: str) -> dict:
+        schema = {"type": "object", "properties": {"a": {"description": ["x", {"y": text}]}}}
+        return {
+            "prompt": "x",
+            "response_format": {"type": "json_schema", "json_schema": {"name": "s", "schema": schema}},
+        }
+
+    param, message = _rejected(CompletionRequest, body("\U0001f600 \udfff"))
+    assert param == "response_format" and "character 2" in message
+    for text in ("a \\ud800 b", "\U0001f600 caf\u00e9"):  # a backslash then text; a paired surrogate
+        assert CompletionRequest.model_validate(body(text)).response_format
+
+
 def test_a_missing_or_wrong_body_says_what_to_send() -> None:
     missing = RequestValidationError([{"type": "missing", "loc": ("body",), "msg": "Field required"}])
     assert validation_param_and_message(missing, WarmRequest.expects) == (
