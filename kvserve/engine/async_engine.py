@@ -19,6 +19,7 @@ import queue
 import threading
 import time
 from collections.abc import Callable
+from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
 
@@ -26,11 +27,15 @@ from kvserve.engine.engine import Engine
 from kvserve.engine.stats import EngineStats
 from kvserve.errors import InvalidRequestError, OverloadedError
 from kvserve.request import FinishReason, Request, RequestOutput
+from kvserve.structured import GrammarWorker
 
 log = logging.getLogger("kvserve.async_engine")
 
 SHUTTING_DOWN = "server shutting down"  # RequestOutput.error of requests failed by drain()
 PUBLISH_EVERY_COST = 20  # a busy worker spends at most 1/20 of its time publishing stats
+# structured outputs' grammars compile on GrammarWorker's threads; past this many distinct grammars
+# waiting, a request with a new one is refused (503 grammar_queue_full)
+MAX_PENDING_GRAMMARS = 32
 
 Command = Callable[[Engine], Any]
 OutputObserver = Callable[[RequestOutput, float], None]
@@ -101,15 +106,18 @@ class AsyncEngine:
         self.snapshot = EngineStats.of(engine)
         self._published_at = 0.0
         self._publish_cost_s = 0.0
+        self.grammars = GrammarWorker(engine.grammars, max_pending=MAX_PENDING_GRAMMARS)
 
     # --- lifecycle ---------------------------------------------------------------------------------
     def start(self) -> None:
+        self.engine.grammars.prepare()  # the llguidance tokenizer: not while a request waits
         self._thread = threading.Thread(target=self._run, name="kvserve-engine", daemon=True)
         self._thread.start()
 
     def shutdown(self, timeout_s: float = 10.0) -> None:
         self._stopping = True
         self._wake.set()
+        self.grammars.shutdown()
         if self._thread is not None:
             self._thread.join(timeout_s)
         # the shutdown write reads the pool: only once no step can change it
@@ -136,9 +144,12 @@ class AsyncEngine:
     async def submit(self, requests: list[Request]) -> RequestStream:
         """Admit and queue `requests` together. Raises OverloadedError when the system is full and
         InvalidRequestError when the engine refuses one (then none of them runs). A request that could
-        never run is a 400 even when the system is full."""
+        never run is a 400 even when the system is full. A structured output's grammar is compiled
+        first, on GrammarWorker's threads: only this submission waits for it, and the engine thread
+        finds it compiled."""
         for request in requests:
             self.engine.check_request(request)
+        await self._compile_grammars(requests)
         self._reserve(len(requests))
         stream = RequestStream([r.request_id for r in requests], asyncio.get_running_loop(), self)
         try:
@@ -171,6 +182,21 @@ class AsyncEngine:
         return result
 
     # --- admission ---------------------------------------------------------------------------------
+    async def _compile_grammars(self, requests: list[Request]) -> None:
+        """Wait until every distinct grammar of `requests` is compiled. A client that leaves stops
+        waiting but never cancels a compile (other requests may share it; the cache keeps it)."""
+        loop = asyncio.get_running_loop()
+        structured = {r.sampling_params.structured for r in requests if not r.warm_only}
+        try:
+            compiles = [self.grammars.submit(s) for s in structured if s is not None]
+        except OverloadedError:
+            with self._lock:
+                self.counters.rejected += 1
+            raise
+        for compiled in compiles:
+            if compiled is not None:  # None: cached
+                await _settled(compiled, loop)
+
     def _reserve(self, n: int) -> None:
         if n > self.max_queue_size:  # could never be admitted: not an overload
             raise InvalidRequestError(
@@ -341,6 +367,21 @@ def _settle(future: asyncio.Future[Any], result: Any, error: BaseException | Non
         future.set_exception(error)
     else:
         future.set_result(result)
+
+
+def _settled(compiled: Future[None], loop: asyncio.AbstractEventLoop) -> asyncio.Future[None]:
+    """An asyncio future that settles as `compiled` does (cancelled: the server is shutting down);
+    cancelling it leaves `compiled` alone."""
+    waiter: asyncio.Future[None] = loop.create_future()
+
+    def done(f: Future[None]) -> None:
+        shutting_down = OverloadedError(
+            "the server is shutting down; retry on another instance", code="shutting_down"
+        )
+        _call_soon(loop, _settle, waiter, None, shutting_down if f.cancelled() else f.exception())
+
+    compiled.add_done_callback(done)
+    return waiter
 
 
 def _ignore(result: Any, error: BaseException | None) -> None:

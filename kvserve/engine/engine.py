@@ -184,7 +184,6 @@ class Engine:
                     "when its document is complete; drop ignore_eos",
                     param="ignore_eos",
                 )
-            self.grammars.check(structured)  # compiled (and cached) here: an invalid schema is a 400
         need_tokens = n if request.warm_only else min(n + request.sampling_params.max_tokens, limit)
         if -(-need_tokens // self.config.block_size) > self.pool.num_blocks:
             raise InvalidRequestError(
@@ -195,6 +194,10 @@ class Engine:
 
     def _validate(self, request: Request) -> None:
         self.check_request(request)
+        structured = request.sampling_params.structured
+        if structured is not None and not request.warm_only:
+            # an invalid schema is a 400; AsyncEngine compiled it on GrammarWorker's threads, LLM here
+            self.grammars.check(structured)
         rid = request.request_id
         if rid in self._seqs or any(out.request_id == rid for out in self._pending):
             raise InvalidRequestError(f"request id {rid!r} is already in use")

@@ -2,6 +2,8 @@
 
   GrammarCompiler  built once per engine from its tokenizer; compiles a StructuredOutput into a
                    grammar (cached per (kind, schema), bounded LRU) and hands out per-sequence matchers
+  GrammarWorker    the server's compiles, on threads of their own (shortest schema first, bounded):
+                   a large schema stalls neither the event loop nor the engine thread
   GrammarMatcher   one sequence's position in its grammar: accept a token, complete or not
   allowed_tokens   the next-token masks of a step's constrained rows, filled in one batched call
 
@@ -14,5 +16,13 @@ mask about 3.5x faster and compiles a schema in under a millisecond where xgramm
 from kvserve.structured.compiler import GrammarCompiler
 from kvserve.structured.items import ArrayItems, RepeatedItems
 from kvserve.structured.matcher import GrammarMatcher, allowed_tokens
+from kvserve.structured.worker import GrammarWorker
 
-__all__ = ["ArrayItems", "GrammarCompiler", "GrammarMatcher", "RepeatedItems", "allowed_tokens"]
+__all__ = [
+    "ArrayItems",
+    "GrammarCompiler",
+    "GrammarMatcher",
+    "GrammarWorker",
+    "RepeatedItems",
+    "allowed_tokens",
+]

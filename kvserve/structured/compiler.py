@@ -67,18 +67,25 @@ def _closed_inside(schema: Any) -> Any:
     return out
 
 
+def grammar_key(structured: StructuredOutput) -> tuple[str, str]:
+    """What a compiled grammar is cached (and shared) under: equal keys compile to equal grammars."""
+    return (structured.kind, structured.schema or "")
+
+
 class GrammarCompiler:
     """Compiles structured outputs for one tokenizer and hands out per-sequence matchers.
 
     `vocab_size` is the width of the model's logits (its lm_head rows), which may exceed the
     tokenizer's: masks are that wide and the rows past the tokenizer are never allowed.
     `eos_token_ids` are the tokens that end a sequence; the grammar allows them exactly when the
-    document is complete. The llguidance tokenizer is built on first use (about 0.3 s for a
-    49k vocabulary), so engines that never see a structured request never pay for it.
+    document is complete. The llguidance tokenizer (about 0.3 s for a 49k vocabulary) is built by
+    `prepare` (the server calls it at start-up) or else on first use, so engines that never see a
+    structured request never pay for it.
 
-    Compiled grammars are cached per (kind, schema), the least recently used dropped past
-    `max_cached`. Safe to call from several threads (the server checks requests on its thread,
-    the engine makes matchers on its own).
+    Compiled grammars are cached per grammar_key, the least recently used dropped past `max_cached`.
+    Safe to call from several threads; a compile holds no lock, so a thread that finds its grammar
+    cached never waits for another thread's compile (the server compiles on GrammarWorker's threads,
+    the engine thread then makes matchers from the cache).
     """
 
     def __init__(
@@ -91,18 +98,25 @@ class GrammarCompiler:
         self.num_compiles = 0  # grammars built (cache misses), for stats and tests
         self._ll_tokenizer: llguidance.LLTokenizer | None = None
         self._cache: OrderedDict[tuple[str, str], llguidance.LLMatcher] = OrderedDict()
-        self._lock = threading.Lock()
+        self._lock = threading.Lock()  # the cache and num_compiles, held for dict operations only
+        self._tokenizer_lock = threading.Lock()
+
+    def prepare(self) -> None:
+        """Build the llguidance tokenizer now, so that no request waits for it."""
+        self._tokenizer()
 
     def check(self, structured: StructuredOutput) -> None:
         """Compile (or find cached) the grammar; InvalidRequestError naming the problem if it is invalid."""
+        self._compiled(structured)
+
+    def is_cached(self, structured: StructuredOutput) -> bool:
         with self._lock:
-            self._compiled(structured)
+            return grammar_key(structured) in self._cache
 
     def matcher(self, structured: StructuredOutput) -> GrammarMatcher:
         """A fresh matcher at the start of the grammar (one per sequence: n > 1 samples get n)."""
-        with self._lock:
-            template = self._compiled(structured)
-            return GrammarMatcher(template.deep_copy(), self.eos_token_ids, structured.stop_on_repeated_item)
+        template = self._compiled(structured)
+        return GrammarMatcher(template.deep_copy(), self.eos_token_ids, structured.stop_on_repeated_item)
 
     def allowed_tokens(self, matchers: list[GrammarMatcher]) -> torch.Tensor:
         """bool [len(matchers), vocab_size]: each row's allowed next tokens, filled in one call.
@@ -114,16 +128,19 @@ class GrammarCompiler:
         return len(self._cache)
 
     def _compiled(self, structured: StructuredOutput) -> llguidance.LLMatcher:
-        key = (structured.kind, structured.schema or "")
-        template = self._cache.get(key)
-        if template is not None:
+        key = grammar_key(structured)
+        with self._lock:
+            template = self._cache.get(key)
+            if template is not None:
+                self._cache.move_to_end(key)
+                return template
+        template = self._compile(structured)  # unlocked: up to seconds for a schema of thousands of keys
+        with self._lock:
+            self.num_compiles += 1
+            self._cache[key] = template
             self._cache.move_to_end(key)
-            return template
-        template = self._compile(structured)
-        self.num_compiles += 1
-        self._cache[key] = template
-        if len(self._cache) > self.max_cached:
-            self._cache.popitem(last=False)
+            if len(self._cache) > self.max_cached:
+                self._cache.popitem(last=False)
         return template
 
     def _compile(self, structured: StructuredOutput) -> llguidance.LLMatcher:
@@ -139,8 +156,11 @@ class GrammarCompiler:
                 param=param,
             )
         try:
-            schema = json.dumps(closed_objects(json.loads(schema)), separators=(",", ":"))
-            grammar = llguidance.LLMatcher.grammar_from_json_schema(schema, overrides=JSON_OPTIONS)  # type: ignore[arg-type]
+            parsed = closed_objects(json.loads(schema))
+            grammar = llguidance.LLMatcher.grammar_from_json_schema(
+                json.dumps(parsed, separators=(",", ":")),
+                overrides=JSON_OPTIONS,  # type: ignore[arg-type]
+            )
         except ValueError as e:
             raise InvalidRequestError(f"{param}: the JSON schema is invalid: {e}", param=param) from e
         template = llguidance.LLMatcher(self._tokenizer(), grammar, log_level=0)
@@ -150,11 +170,15 @@ class GrammarCompiler:
                 "fix the schema (JSON Schema draft 2020-12 keywords) and retry",
                 param=param,
             )
+        # the first mask builds the start's lexer states (50 ms for 2,000 optional properties): here,
+        # not in an engine step, and copies of the template start from them
+        template.compute_bitmask()
         return template
 
     def _tokenizer(self) -> llguidance.LLTokenizer:
-        if self._ll_tokenizer is None:
-            self._ll_tokenizer = llguidance.hf.from_tokenizer(
-                self.hf_tokenizer, n_vocab=self.vocab_size, eos_token=self.eos_token_ids
-            )
-        return self._ll_tokenizer
+        with self._tokenizer_lock:
+            if self._ll_tokenizer is None:
+                self._ll_tokenizer = llguidance.hf.from_tokenizer(
+                    self.hf_tokenizer, n_vocab=self.vocab_size, eos_token=self.eos_token_ids
+                )
+            return self._ll_tokenizer
