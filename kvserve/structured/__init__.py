@@ -1,7 +1,8 @@
 """Grammar-constrained decoding (structured outputs) through llguidance.
 
   GrammarCompiler  built once per engine from its tokenizer; compiles a StructuredOutput into a
-                   grammar (cached per (kind, schema), bounded LRU) and hands out per-sequence matchers
+                   grammar (cached per (kind, schema), bounded LRU) and hands out per-sequence matchers;
+                   refuses a schema no finite document satisfies (finite.no_finite_document)
   GrammarWorker    the server's compiles, on threads of their own (shortest schema first, bounded):
                    a large schema stalls neither the event loop nor the engine thread
   GrammarMatcher   one sequence's position in its grammar: accept a token, complete or not

@@ -14,6 +14,7 @@ import torch
 
 from kvserve.errors import InvalidRequestError
 from kvserve.request import StructuredOutput
+from kvserve.structured.finite import no_finite_document
 from kvserve.structured.matcher import GrammarMatcher, allowed_tokens
 
 # JSON as models write it (json.dumps' separators) and nothing else between tokens: with flexible
@@ -157,12 +158,21 @@ class GrammarCompiler:
             )
         try:
             parsed = closed_objects(json.loads(schema))
+            never_ends = no_finite_document(parsed)
             grammar = llguidance.LLMatcher.grammar_from_json_schema(
                 json.dumps(parsed, separators=(",", ":")),
                 overrides=JSON_OPTIONS,  # type: ignore[arg-type]
             )
         except ValueError as e:
             raise InvalidRequestError(f"{param}: the JSON schema is invalid: {e}", param=param) from e
+        except RecursionError as e:
+            raise InvalidRequestError(
+                f"{param}: the JSON schema nests too deeply to compile; flatten it with $defs", param=param
+            ) from e
+        if never_ends is not None:
+            raise InvalidRequestError(
+                f"{param}: no finite JSON document satisfies the schema: {never_ends}", param=param
+            )
         template = llguidance.LLMatcher(self._tokenizer(), grammar, log_level=0)
         if template.is_error():
             raise InvalidRequestError(
@@ -173,6 +183,13 @@ class GrammarCompiler:
         # the first mask builds the start's lexer states (50 ms for 2,000 optional properties): here,
         # not in an engine step, and copies of the template start from them
         template.compute_bitmask()
+        if template.is_error() or (template.is_stopped() and not template.is_accepting()):
+            reason = template.get_error().splitlines()[0] if template.is_error() else template.stop_reason()
+            raise InvalidRequestError(
+                f"{param}: the schema's grammar cannot start a document (llguidance: {reason}): no "
+                "JSON document satisfies it, or it is too complex; fix the schema and retry",
+                param=param,
+            )
         return template
 
     def _tokenizer(self) -> llguidance.LLTokenizer:

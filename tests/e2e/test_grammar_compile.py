@@ -1,4 +1,5 @@
-"""Grammar compiles never stall the server (issue 32.2).
+"""Grammar compiles never stall the server (issue 32.2), and a schema no finite document satisfies is
+a 400 (issue 32.3).
 
 While five distinct large json_schema requests compile, a running stream keeps getting its chunks
 and /health answers: compiles run on the GrammarWorker's thread, the llguidance tokenizer was built
@@ -149,3 +150,37 @@ def test_streams_and_health_flow_while_large_schemas_compile(server: Server) -> 
         assert r["stream_outlived_window"] and r["chunks_in_window"] > 5, r
     assert compiling["max_gap_s"] < MAX_GAP_S, f"the stream stalled {compiling['max_gap_s']:.3f} s"
     assert compiling["max_health_s"] < MAX_GAP_S, f"/health took {compiling['max_health_s']:.3f} s"
+
+
+# every document would contain itself: no finite one exists
+CYCLE = {"$defs": {"a": {"$ref": "#/$defs/b"}, "b": {"$ref": "#/$defs/a"}}, "$ref": "#/$defs/a"}
+ENDLESS = {"type": "object", "properties": {"next": {"$ref": "#"}}, "required": ["next"]}
+
+
+@pytest.mark.parametrize(
+    "schema, chain",
+    [
+        (CYCLE, "# -> #/$defs/a -> #/$defs/b -> #/$defs/a"),
+        (ENDLESS, "# -> #/properties/next -> #"),
+    ],
+    ids=["ref-cycle", "required-recursion"],
+)
+@pytest.mark.parametrize("endpoint", ["/v1/chat/completions", "/v1/completions"])
+def test_a_schema_no_finite_document_satisfies_is_a_400(
+    server: Server, schema: dict[str, Any], chain: str, endpoint: str
+) -> None:
+    body: dict[str, Any] = {
+        "model": TINY,
+        "max_tokens": 20,
+        "response_format": {"type": "json_schema", "json_schema": {"name": "loop", "schema": schema}},
+    }
+    if endpoint == "/v1/chat/completions":
+        body["messages"] = [{"role": "user", "content": "hi"}]
+    else:
+        body["prompt"] = "hi"
+    with server.http() as h:
+        r = h.post(endpoint, json=body)
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert error["type"] == "invalid_request_error" and error["param"] == "response_format"
+    assert "no finite JSON document satisfies the schema" in error["message"] and chain in error["message"]

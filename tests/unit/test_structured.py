@@ -200,6 +200,10 @@ def test_grammars_are_compiled_once_per_schema_and_the_cache_is_bounded(hf):
         ('{"properties":{"a":{"$ref":"#/$defs/missing"}},"type":"object"}', "missing"),
         ('{"minLength":5,"maxLength":2,"type":"string"}', ""),
         ("[1, 2]", ""),
+        (
+            '{"type":"array","items":' * 1500 + '{"type":"string"}' + "}" * 1500,
+            "nests too deeply",
+        ),  # was a 500
     ],
 )
 def test_invalid_schemas_are_400s_naming_the_parameter_and_the_problem(compiler, schema, detail):
@@ -207,6 +211,30 @@ def test_invalid_schemas_are_400s_naming_the_parameter_and_the_problem(compiler,
         compiler.check(StructuredOutput("json_schema", schema, source="tools"))
     assert err.value.param == "tools"
     assert "schema" in str(err.value) and detail in str(err.value)
+
+
+@pytest.mark.parametrize(
+    ("schema", "detail"),
+    [
+        (  # issue 32.3: was a 200 with content "" and finish reason stop
+            '{"$defs":{"a":{"$ref":"#/$defs/b"},"b":{"$ref":"#/$defs/a"}},"$ref":"#/$defs/a"}',
+            "no finite JSON document satisfies the schema: # -> #/$defs/a -> #/$defs/b -> #/$defs/a",
+        ),
+        (  # issue 32.3: ran to max_tokens
+            '{"type":"object","properties":{"next":{"$ref":"#"}},"required":["next"]}',
+            "no finite JSON document satisfies the schema: # -> #/properties/next -> #",
+        ),
+        (  # a cycle the analysis leaves alone (a nested $id): llguidance's grammar cannot start
+            '{"$defs":{"a":{"$id":"http://x/inner","$ref":"#"}},"$ref":"#/$defs/a"}',
+            "grammar cannot start a document",
+        ),
+    ],
+)
+def test_schemas_no_finite_document_satisfies_are_400s_that_say_why(compiler, schema, detail):
+    with pytest.raises(InvalidRequestError) as err:
+        compiler.check(StructuredOutput("json_schema", schema))
+    assert err.value.param == "response_format" and detail in str(err.value)
+    assert not compiler.is_cached(StructuredOutput("json_schema", schema))
 
 
 # --- response_format -------------------------------------------------------------------------------
