@@ -2,9 +2,9 @@
 
 Kernels live in kvserve/kernels/triton/ and are imported on first use. Dense pools are read in
 place (fp16, bf16, fp32; head_dim 64 or 128). fp8_e4m3, mxfp4 and int8 (KIVI, open blocks' K from
-their full-precision shadows) pools (kvserve/quant/) are read in place by the decode kernel; any
-other non-dense pool, and fp8 / mxfp4 / int8 for prefill steps, is first gathered into a dense copy
-of just the blocks the step references. On CPU the backend runs only under
+their full-precision shadows) pools (kvserve/quant/) are read in place by the decode kernel, and
+fp8_e4m3 by the prefill kernel too; any other non-dense pool, and mxfp4 / int8 for prefill steps, is
+first gathered into a dense copy of just the blocks the step references. On CPU the backend runs only under
 TRITON_INTERPRET=1 (the parity tests).
 """
 
@@ -29,13 +29,20 @@ class TritonBackend(AttentionBackend):
         assert getattr(meta, "query_positions", None) is None, (
             "rows at arbitrary positions: use the positional backend"
         )
-        pool = paged_kv(kv, query.dtype) if meta.is_pure_decode else None
-        if pool is not None:  # dense, fp8_e4m3, mxfp4 or int8: the decode kernel reads the pool in place
+        pool = paged_kv(kv, query.dtype)
+        if pool is not None and meta.is_pure_decode:  # dense, fp8_e4m3, mxfp4 or int8: read in place
             from kvserve.kernels.triton.paged_decode import paged_decode
 
             return paged_decode(
                 query, pool.k_cache, pool.v_cache, meta.block_tables, meta.query_start_loc, meta.seq_lens,
                 max_seq_len=meta.max_seq_len, scale=scale, **pool.extras(),
+            )  # fmt: skip
+        if pool is not None and pool.kv_format == "fp8_e4m3":  # the prefill kernel reads fp8 in place too
+            from kvserve.kernels.triton.paged_prefill import paged_prefill
+
+            return paged_prefill(
+                query, pool.k_cache, pool.v_cache, meta.block_tables, meta.query_start_loc, meta.seq_lens,
+                max_query_len=meta.max_query_len, scale=scale, k_scale=pool.k_scale, v_scale=pool.v_scale,
             )  # fmt: skip
         if isinstance(kv, DenseLayerKV):
             k, v, block_tables = kv.k_cache, kv.v_cache, meta.block_tables

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import importlib.util
 import logging
 import os
 import time
@@ -22,7 +23,7 @@ from kvserve.models.hf_adapter import ATTN_IMPLEMENTATION, check_supported
 from kvserve.models.loader import model_fingerprint, resolve_model_path
 from kvserve.models.nested import weight_bytes as model_weight_bytes
 from kvserve.models.random_weights import is_random_model, load_random_model
-from kvserve.quant.storage import create_layer_kv
+from kvserve.quant.storage import QuantizedLayerKV, create_layer_kv
 from kvserve.request import REUSE_OPTION_NAMES, ReuseOptions
 from kvserve.tokenizer import Tokenizer
 
@@ -213,8 +214,18 @@ class EngineParts:
 
 
 def attach_row_writer(layers: list[LayerKV], device: torch.device) -> None:
-    """Dense CPU pools write a step's K and V with the CPU extension's kv_write_ where it can be built
-    (kvcache does not import kernels: the builder hands the function over)."""
+    """Dense CPU pools write a step's K and V with the CPU extension's kv_write_ where it can be built;
+    quantized CUDA pools with the fused Triton quantize-and-scatter kernels where the codec has one
+    (kvcache and quant do not import kernels: the builder hands the functions over). On a GPU the torch
+    codec launches about a dozen small kernels per layer for each of K and V, and drops unwritten
+    rows with a host sync; the fused path is one launch each and no sync."""
+    if device.type == "cuda" and importlib.util.find_spec("triton") is not None:
+        from kvserve.kernels.triton.quant_write import fused_writer
+
+        for layer in layers:
+            if isinstance(layer, QuantizedLayerKV):
+                layer.attach_fused_writes(fused_writer)
+        return
     from kvserve.kernels import cpu_ext
 
     ext = cpu_ext.load_or_none() if device.type == "cpu" else None

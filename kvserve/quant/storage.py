@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from kvserve.kvcache.kernel_view import PagedKV
@@ -13,15 +15,27 @@ from kvserve.quant.registry import make_codec
 class PackedBlocks:
     """One codec's fields for every block: field name -> [num_blocks, *block_shape]."""
 
-    def __init__(self, codec: TensorCodec, num_blocks: int, block_size: int, device: torch.device | str):
+    def __init__(
+        self,
+        codec: TensorCodec,
+        num_blocks: int,
+        block_size: int,
+        device: torch.device | str,
+    ):
         self.codec, self.block_size = codec, block_size
         self.fields = {
             name: torch.zeros((num_blocks, *shape), dtype=dtype, device=device)
             for name, (shape, dtype) in codec.field_specs(block_size).items()
         }
+        # fn(fields, slots, x): a fused quantize-and-scatter kernel that skips slot -1 itself and writes
+        # what the codec would, bit for bit (QuantizedLayerKV.attach_fused_writes); None: the torch codec
+        self.fused: Callable | None = None
 
     def write_tokens(self, slots: torch.Tensor, x: torch.Tensor) -> None:
-        """Per-token codecs: encode x [T, H, D] and scatter it to pool slots [T]."""
+        """Per-token codecs: encode x [T, H, D] and scatter it to pool slots [T] (-1: skipped only by
+        a fused writer; the torch path needs them dropped first)."""
+        if self.fused is not None:
+            return self.fused(self.fields, slots, x if x.stride(-1) == 1 else x.contiguous())
         for name, packed in self.codec.encode(x).items():
             field = self.fields[name]
             field.view(-1, *field.shape[2:]).index_copy_(0, slots, packed)
@@ -152,7 +166,19 @@ class QuantizedLayerKV(LayerKV):
         self.held: set[int] = set()  # blocks under hold_exact
         self.exact_k: dict[int, torch.Tensor] = {}  # held closed block -> its K rows [bs, H, D]
 
+    def attach_fused_writes(self, writer_for: Callable) -> None:
+        """Write K and V through fused kernels where `writer_for(codec)` has one for the codec (the
+        engine builder hands kvserve.kernels.triton.quant_write.fused_writer over on CUDA: storage does
+        not import kernels). A block codec's K (KIVI) keeps its own path."""
+        for blocks in (self.k_blocks, self.v_blocks):
+            blocks.fused = writer_for(blocks.codec) if blocks.codec.per_token else None
+
     def write(self, slot_mapping: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> None:
+        if self.k_blocks.fused is not None and self.v_blocks.fused is not None:
+            # both kernels skip slot -1 themselves: no mask, no host sync
+            self.v_blocks.write_tokens(slot_mapping, value)
+            self.k_blocks.write_tokens(slot_mapping, key)
+            return
         keep = slot_mapping >= 0
         if not bool(keep.all()):
             slot_mapping, key, value = slot_mapping[keep], key[keep], value[keep]

@@ -119,24 +119,41 @@ def gpu_busy(llm: LLM, prompts: list[list[int]], tokens: int) -> dict:
 
 
 def _gpu_busy(llm: LLM, prompts: list[list[int]], tokens: int) -> dict:
+    return {"batch": len(prompts), **profiled(lambda: decode_rate(llm, prompts, tokens))}
+
+
+def profiled(fn, top: int = 3) -> dict:
+    """fn() under torch.profiler: wall time, the GPU's busy share of it, the `top` kernels by device
+    time, and the `top` host operators by self CPU time with their call counts (where a host-bound
+    step spends its time)."""
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         started = time.perf_counter()
-        decode_rate(llm, prompts, tokens)
+        fn()
         torch.cuda.synchronize()
         wall = time.perf_counter() - started
-    events = [
-        e for e in prof.key_averages() if getattr(e, "device_type", None) == torch.autograd.DeviceType.CUDA
-    ]
+    averages = prof.key_averages()
+    events = [e for e in averages if getattr(e, "device_type", None) == torch.autograd.DeviceType.CUDA]
+    host = [e for e in averages if getattr(e, "device_type", None) == torch.autograd.DeviceType.CPU]
     device_us = sum(e.self_device_time_total for e in events)
-    top = sorted(events, key=lambda e: -e.self_device_time_total)[:3]
+    kernels = sorted(events, key=lambda e: -e.self_device_time_total)[:top]
+    ops = sorted(host, key=lambda e: -e.self_cpu_time_total)[:top]
     return {
-        "batch": len(prompts),
         "wall_s": wall,
         "gpu_busy": device_us / 1e6 / wall,
-        "top_kernels": [(e.key[:60], round(e.self_device_time_total / 1e3, 2)) for e in top],
+        "top_kernels": [(e.key[:60], round(e.self_device_time_total / 1e3, 2)) for e in kernels],
+        "top_host_ops": [(e.key[:60], round(e.self_cpu_time_total / 1e3, 2), e.count) for e in ops],
     }
+
+
+def prefill_profile(llm: LLM, prompt: list[int]) -> dict:
+    """One cold request of `prompt` (one token out) under the profiler: where its TTFT goes."""
+    one = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True)
+    try:
+        return profiled(lambda: llm.generate([prompt], one), top=6)
+    except Exception as exc:  # noqa: BLE001 - a diagnostic: report it and keep the benchmark's figures
+        return {"error": repr(exc)[:200]}
 
 
 def main() -> None:
@@ -180,17 +197,22 @@ def main() -> None:
                 parity_runs[backend] = parity_run(llm, parity_prompts)
             llm.generate(random_prompts(1, args.prompt_len, vocab, seed=99), SamplingParams(max_tokens=2))
             cold, warm, cached = ttft(llm, random_prompts(args.ttft_reps, args.prompt_len, vocab, seed=1))
+            profile_ttft = (
+                prefill_profile(llm, random_prompts(1, args.prompt_len, vocab, seed=7)[0])
+                if args.profile and backend == args.backends[0]
+                else None
+            )
             row = dict(
                 backend=backend, kv=kv, attention_backend=info.attention_backend, kv_codec=info.kv_codec,
                 pool_tokens=info.pool_tokens, bytes_per_token=info.bytes_per_token, build_s=build_s,
-                ttft_cold_s=cold, ttft_warm_s=warm, warm_cached_tokens=cached,
+                ttft_cold_s=cold, ttft_warm_s=warm, warm_cached_tokens=cached, profile_ttft=profile_ttft,
             )  # fmt: skip
             for i, batch in enumerate(args.decode_batches):
                 prompts = random_prompts(batch, args.decode_prompt_len, vocab, seed=1000 + i)
                 decode_rate(llm, prompts[:1], 2)  # compiles this batch's kernels outside the timing
                 rate, itl = decode_rate(llm, prompts, args.decode_tokens)
                 row[f"decode_tok_s_b{batch}"], row[f"itl_ms_b{batch}"] = rate, itl * 1e3
-                if args.profile and not rows:  # the first backend and KV format only: it takes seconds
+                if args.profile and backend == args.backends[0] and batch == args.decode_batches[0]:
                     row[f"profile_b{batch}"] = gpu_busy(llm, prompts, args.decode_tokens // 2)
             rows.append(row)
             print(json.dumps(row), flush=True)
@@ -215,13 +237,17 @@ def main() -> None:
         line += "".join(f" {r[f'decode_tok_s_b{b}']:>10.1f}" for b in args.decode_batches)
         print(line)
     for r in rows:
-        for batch in args.decode_batches:
-            p = r.get(f"profile_b{batch}")
-            if p:
+        for what, p in [(f"decode b{b}", r.get(f"profile_b{b}")) for b in args.decode_batches] + [
+            ("cold prefill", r.get("profile_ttft"))
+        ]:
+            if p and "error" not in p:
                 print(
-                    f"# decode b{batch} ({r['backend']}, {r['kv']}): GPU busy {p['gpu_busy']:.0%} of the wall "
-                    f"time; top kernels (name, ms): {p['top_kernels']}"
+                    f"# {what} ({r['backend']}, {r['kv']}): {p['wall_s'] * 1e3:.1f} ms, GPU busy {p['gpu_busy']:.0%} "
+                    f"of it; top kernels (name, ms): {p['top_kernels']}; top host ops (name, ms, calls): "
+                    f"{p.get('top_host_ops')}"
                 )
+            elif p:
+                print(f"# {what} ({r['backend']}, {r['kv']}): profiler failed: {p['error']}")
     print(
         f"\n# parity against the reference backend (bf16, prompts of {args.parity_lens} tokens + 16 greedy)"
     )

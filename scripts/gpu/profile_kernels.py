@@ -18,8 +18,11 @@ from kvserve.attention.testing import make_batch, quantized_copy
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--backend", choices=["cuda", "triton"], required=True)
-    ap.add_argument("--case", choices=["decode", "prompt"], required=True)
+    ap.add_argument("--backend", choices=["cuda", "triton", "nested"], required=True)
+    ap.add_argument(
+        "--case", choices=["decode", "prompt", "fp16", "fp8"], required=True,
+        help="attention: decode or prompt; nested (the NestedFP Triton linear, 4096 rows of gate/up): fp16 or fp8 mode",
+    )  # fmt: skip
     ap.add_argument("--kv", default="dense", help="dense or a kv_cache_dtype (fp8_e4m3, int8, mxfp4)")
     ap.add_argument("--batch", type=int, default=0, help="default: 64 for decode, 4 for prompt")
     ap.add_argument("--ctx", type=int, default=0, help="default: 8192 for decode, 4096 for prompt")
@@ -28,6 +31,8 @@ def main() -> None:
     args = ap.parse_args()
     if args.check_args:
         return print("arguments ok")
+    if args.backend == "nested":
+        return profile_nested(args.case == "fp16")
     batch = args.batch or (64 if args.case == "decode" else 4)
     ctx = args.ctx or (8192 if args.case == "decode" else 4096)
     q_len = 1 if args.case == "decode" else ctx
@@ -45,6 +50,26 @@ def main() -> None:
     torch.cuda.synchronize()
     torch.cuda.cudart().cudaProfilerStop()
     print(f"profiled {args.backend} {args.case} {args.kv}: batch {batch}, context {ctx}")
+
+
+def profile_nested(fp16: bool) -> None:
+    """The NestedFP linear at 4096 rows of Llama-8B's gate/up projection (4096 -> 28672), with the
+    fastest launch of the first GPU run (docs/kernels.md)."""
+    from kvserve.kernels.triton.nested_linear import nested_linear
+    from kvserve.quant.nestedfp import NestedWeight
+
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    w = NestedWeight.from_float((torch.randn(28672, 4096, device="cuda", generator=gen) * 0.05).float())
+    x = torch.randn(4096, 4096, device="cuda", generator=gen).half()
+    launch = (128, 256, 64, 8, 3)
+    for _ in range(3):
+        nested_linear(x, w.hi, w.lo, w.scale, fp16, *launch)
+    torch.cuda.synchronize()
+    torch.cuda.cudart().cudaProfilerStart()
+    nested_linear(x, w.hi, w.lo, w.scale, fp16, *launch)
+    torch.cuda.synchronize()
+    torch.cuda.cudart().cudaProfilerStop()
+    print(f"profiled nested {'fp16' if fp16 else 'fp8'} mode: 4096 x 4096 -> 28672, launch {launch}")
 
 
 if __name__ == "__main__":

@@ -21,7 +21,7 @@ cd "$(dirname "$0")/../.."
 REPO=$(pwd)
 RESULTS=${1:?usage: scripts/gpu/run.sh RESULTS_DIR [--stages a,b,...]}
 shift
-STAGES="env,wheels,build,tests,kernels,nested,engine,server,profile"
+STAGES="env,wheels,build,tests,kernels,nested,engine,server,profile,sweep,debug"
 PACK=""
 while [[ $# -gt 0 ]]; do
   case "$1" in
@@ -44,9 +44,11 @@ export KVSERVE_CACHE_DIR=${KVSERVE_CACHE_DIR:-/tmp/kvserve-cache}
 export BUNDLE RESULTS PYTHON SITE CHECK=""
 
 # stage caps in seconds (the first full run must end within 8 minutes on an H100: docs/gpu.md)
-declare -A CAP=([env]=45 [wheels]=40 [build]=150 [tests]=180 [kernels]=120 [nested]=60 [engine]=180 [server]=90 [profile]=150)
+declare -A CAP=([env]=45 [wheels]=40 [build]=150 [tests]=180 [kernels]=120 [nested]=60 [engine]=180 [server]=90 [profile]=150
+  [sweep]=150 [debug]=60)
 # what a stage needs: cuda = a CUDA device; bench = a CUDA device to measure, none to check its arguments
-declare -A NEEDS=([env]="" [wheels]="" [build]=cuda [tests]=cuda [kernels]=bench [nested]=bench [engine]=bench [server]=bench [profile]=bench)
+declare -A NEEDS=([env]="" [wheels]="" [build]=cuda [tests]=cuda [kernels]=bench [nested]=bench [engine]=bench [server]=bench [profile]=bench
+  [sweep]=bench [debug]=cuda)
 
 for stage in ${STAGES//,/ }; do
   [[ -n "${CAP[$stage]:-}" ]] || { echo "unknown stage $stage (known: ${!CAP[*]})" >&2; exit 2; }
@@ -118,9 +120,10 @@ stage_profile() {
   local sections=(--section SpeedOfLight --section MemoryWorkloadAnalysis --section Occupancy --section LaunchStats
     --section WarpStateStats --section SchedulerStats)
   local status=0
-  for cfg in "cuda decode dense" "cuda prompt dense" "triton decode fp8_e4m3" "triton decode dense"; do
+  for cfg in "cuda decode dense" "cuda prompt dense" "triton decode fp8_e4m3" "nested fp16 -"; do
     set -- $cfg
-    local cmd=("$PYTHON" scripts/gpu/profile_kernels.py --backend "$1" --case "$2" --kv "$3" $CHECK)
+    local cmd=("$PYTHON" scripts/gpu/profile_kernels.py --backend "$1" --case "$2" $CHECK)
+    [[ "$3" == - ]] || cmd+=(--kv "$3")
     if [[ -n "$CHECK" ]]; then "${cmd[@]}" || status=1; continue; fi
     echo "== ncu: $cfg"
     timeout 60 ncu --clock-control none --profile-from-start off "${sections[@]}" "${cmd[@]}" \
@@ -129,6 +132,19 @@ stage_profile() {
       "$RESULTS/ncu_$1_$2_$3.txt" | head -40
   done
   return $status
+}
+
+stage_sweep() {
+  # the decode launch choices (splits, tile, warps, fp8 conversion): what sets the %HBM at 4k-8k
+  "$PYTHON" scripts/gpu/sweep_decode.py --json "$RESULTS/sweep_decode.json" $CHECK
+}
+
+stage_debug() {
+  # the segfault of test_binding_rejects_bad_8bit_args_gpu (docs/gpu.md): a native backtrace
+  local gdb
+  gdb=$(command -v cuda-gdb || command -v gdb) || { echo "neither cuda-gdb nor gdb on PATH"; return 1; }
+  timeout 50 "$gdb" -batch -ex run -ex bt -ex "info registers rip" --args "$PYTHON" -X faulthandler -m pytest \
+    -p no:cacheprovider -p no:xdist -q tests/kernels/test_cuda_ext.py::test_binding_rejects_bad_8bit_args_gpu 2>&1 | tail -80
 }
 
 record() {  # stage status seconds reason

@@ -22,6 +22,7 @@ from kvserve.attention.testing import make_batch  # noqa: E402
 from kvserve.attention.triton_backend import TritonBackend  # noqa: E402
 from kvserve.kernels.triton.paged_decode import (  # noqa: E402
     e2m1_to_fp16,
+    e4m3_native_to_fp16,
     e4m3_to_fp16,
     e8m0_to_fp32,
     mxfp4_tile,
@@ -115,15 +116,19 @@ def test_compiles_for_sm90_and_sm80_without_gpu():
     if "GPUTarget" in proc.stderr and "ImportError" in proc.stderr:
         pytest.skip(f"this triton cannot compile for a target without a GPU: {proc.stderr[-300:]}")
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    for arch in (90, 80):  # prefill, decode, decode-{fp8,int8,mxfp4}kv, merge, nested-fp8, nested-fp16
-        assert proc.stdout.count(f"ok   sm_{arch}") == 8, proc.stdout
+    # prefill{,-fp8kv}, decode{,-fp8kv,-int8kv,-mxfp4kv}, merge, nested-fp8, nested-fp16; sm_90 also the
+    # two fp8kv-native variants (the hardware conversion, sm_89 and later)
+    for arch, count in ((90, 11), (80, 9)):
+        assert proc.stdout.count(f"ok   sm_{arch}") == count, proc.stdout
     assert "decode-int8kv" in proc.stdout and "decode-mxfp4kv" in proc.stdout
+    assert "prefill-fp8kv-native" in proc.stdout and "decode-fp8kv-native" in proc.stdout
 
 
 @pytest.mark.parametrize("codec", ["fp8_e4m3", "int8", "mxfp4"])
 @pytest.mark.parametrize("kind", ["decode", "mixed"])
 def test_quantized_pool(codec, kind):
-    """fp8, int8 and mxfp4 decode read codes and scales in place; prefill steps use a dense copy."""
+    """fp8, int8 and mxfp4 decode read codes and scales in place; prefill steps read fp8 in place and
+    take a dense copy of int8 and mxfp4."""
     quant_storage = pytest.importorskip("kvserve.quant.storage")
     lens = [(1, 40), (1, 9)] if kind == "decode" else [(1, 30), (6, 20)]
     query, dense, meta = make_batch(lens, 8, 2, 64, 16, torch.float16, "shuffled")
@@ -284,12 +289,67 @@ def _convert_e4m3_kernel(codes_ptr, out_ptr, N: tl.constexpr):
     tl.store(out_ptr + offs, e4m3_to_fp16(tl.load(codes_ptr + offs)))
 
 
-def test_e4m3_bit_trick_is_exact():
+@triton.jit
+def _convert_e4m3_native_kernel(codes_ptr, out_ptr, N: tl.constexpr):
+    offs = tl.arange(0, N)
+    tl.store(out_ptr + offs, e4m3_native_to_fp16(tl.load(codes_ptr + offs)))
+
+
+@pytest.mark.parametrize("kernel", [_convert_e4m3_kernel, _convert_e4m3_native_kernel])
+def test_e4m3_conversions_are_exact(kernel):
+    """The integer bit trick and the hardware conversion (sm_89+; the interpreter emulates it)."""
+    if kernel is _convert_e4m3_native_kernel and ON_GPU and torch.cuda.get_device_capability() < (8, 9):
+        pytest.skip("no hardware fp8 conversion before sm_89")
     codes = torch.tensor([c for c in range(256) if c & 0x7F != 0x7F], dtype=torch.uint8)  # no NaN codes
     codes = torch.cat([codes, codes[:2]])  # 256 lanes
     out = torch.empty(256, dtype=torch.float16, device=DEVICE)
-    _convert_e4m3_kernel[(1,)](codes.to(DEVICE), out, 256)
+    kernel[(1,)](codes.to(DEVICE), out, 256)
     assert torch.equal(out.cpu().float(), codes.view(torch.float8_e4m3fn).float())
+
+
+def _fp8_pool(lens, h, h_kv, d, bs, dtype, layout="shuffled", seed=0):
+    """make_batch's KV written into an fp8_e4m3 pool, slot by slot. -> query, QuantizedLayerKV, meta
+    (all on the CPU)."""
+    from kvserve.quant.storage import create_layer_kv
+
+    query, dense, meta = make_batch(lens, h, h_kv, d, bs, dtype, layout, seed)
+    kv = create_layer_kv("fp8_e4m3", dense.num_blocks, bs, h_kv, d, dtype)
+    kv.write(
+        torch.arange(dense.num_blocks * bs), dense.k_cache.view(-1, h_kv, d), dense.v_cache.view(-1, h_kv, d)
+    )
+    return query, kv, meta
+
+
+@pytest.mark.parametrize("native", [False, True])
+@pytest.mark.parametrize("kind", ["prefill", "chunked_prefill", "mixed"])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_fp8_prefill_reads_codes_in_place(monkeypatch, kind, dtype, native):
+    """Prefill and mixed steps over an fp8 pool read codes and scales in place (no dense copy), with
+    either fp8 conversion, and equal the reference over the same dequantized values."""
+    import kvserve.attention.triton_backend as tb
+    from kvserve.kernels.triton import paged_decode, paged_prefill
+
+    if native and ON_GPU and torch.cuda.get_device_capability() < (8, 9):
+        pytest.skip("no hardware fp8 conversion before sm_89")
+    query, kv, meta = _fp8_pool(SHAPES[kind], 8, 2, 64, 16, dtype)
+    ref = ReferenceBackend().forward(query, kv, meta, 0.125)
+    monkeypatch.setattr(tb, "dense_copy", lambda *a: pytest.fail("fp8 prefill took a dense copy"))
+    for module in (paged_decode, paged_prefill):
+        monkeypatch.setattr(module, "native_fp8", lambda device: native)
+    out = _quantized_forward(query, kv, meta, 0.125)
+    torch.testing.assert_close(out.float(), ref.float(), atol=TOL[dtype], rtol=0)
+
+
+def test_fp8_prefill_rejects_bad_scales():
+    from kvserve.kernels.triton.paged_prefill import paged_prefill
+
+    query, kv, meta = _fp8_pool([(5, 20)], 4, 2, 64, 16, torch.float16)
+    f = kv.kernel_view()
+    args = (query, f.k_cache, f.v_cache, meta.block_tables, meta.query_start_loc, meta.seq_lens)
+    with pytest.raises(ValueError, match="v_scale is required"):
+        paged_prefill(*args, max_query_len=5, scale=1.0, k_scale=f.k_scale)
+    with pytest.raises(ValueError, match="k_scale must be float32"):
+        paged_prefill(*args, max_query_len=5, scale=1.0, k_scale=f.k_scale.half(), v_scale=f.v_scale)
 
 
 def _mxfp4_pool(lens, h, h_kv, d, bs, dtype, layout="shuffled", seed=0):

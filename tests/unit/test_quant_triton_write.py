@@ -87,3 +87,48 @@ def test_kernels_compile_for_sm90():
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     done = subprocess.run([sys.executable, "-c", COMPILE_SM90], env=env, capture_output=True, text=True)
     assert done.returncode == 0, done.stderr[-2000:]
+
+
+@pytest.mark.parametrize("codec", ["fp8_e4m3", "int8"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_layer_kv_fused_writes_equal_the_torch_codec(codec, dtype):
+    """QuantizedLayerKV with fused writes (the engine builder attaches them on CUDA) stores exactly what
+    the torch codec stores: slot -1 rows unwritten, every field bit for bit (int8: V fused, K through
+    the block path), for a prompt then single decode tokens, as the engine writes them."""
+    from kvserve.kernels.triton.quant_write import fused_writer
+    from kvserve.quant.storage import QuantizedLayerKV
+
+    pools = {fused: QuantizedLayerKV(codec, NUM_BLOCKS, BS, H, D, dtype, DEVICE) for fused in (False, True)}
+    pools[True].attach_fused_writes(fused_writer)
+    assert pools[True].v_blocks.fused is not None and pools[False].v_blocks.fused is None
+    assert (pools[True].k_blocks.fused is not None) == (codec == "fp8_e4m3")  # KIVI K is a block codec
+    gen = torch.Generator().manual_seed(1)
+    k, v = (torch.randn(12, H, D, generator=gen).to(dtype).to(DEVICE) for _ in range(2))
+    writes = [
+        torch.tensor([0, 1, 2, -1, 3, 4, 5, 6, 7]),
+        torch.tensor([8]),
+        torch.tensor([-1]),
+        torch.tensor([9]),
+    ]
+    row = 0
+    for slots in writes:
+        rows = slice(row, row + len(slots))
+        for pool in pools.values():
+            pool.write(slots.to(DEVICE), k[rows], v[rows])
+        row += len(slots)
+    for which in ("k_blocks", "v_blocks"):
+        ref, fused = getattr(pools[False], which).fields, getattr(pools[True], which).fields
+        for name in ref:
+            assert torch.equal(fused[name], ref[name]), (which, name)
+    blocks = torch.arange(3, device=DEVICE)
+    for a, b in zip(pools[True].gather(blocks), pools[False].gather(blocks), strict=True):
+        assert torch.equal(a, b)
+
+
+def test_fused_writer_covers_fp8_and_int8_values_only():
+    from kvserve.kernels.triton.quant_write import fused_writer
+
+    assert fused_writer(make_codec("fp8_e4m3", H, D).k) is not None
+    assert fused_writer(make_codec("int8", H, D).v) is not None
+    for name in ("int4", "mxfp4"):
+        assert fused_writer(make_codec(name, H, D).v) is None, name

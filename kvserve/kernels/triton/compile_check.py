@@ -43,6 +43,7 @@ OPTIONS = {"num_warps"}  # compile options, not constexprs
 def signature(kernel, dtype: str, constexprs: dict) -> dict[str, str]:
     """Triton signature for `kernel`: data pointers in `dtype`, metadata int32, scalars i32/fp32."""
     quantized = bool(constexprs.get("FP8_KV") or constexprs.get("INT8_KV") or constexprs.get("MXFP4_KV"))
+    # FP8 prefill scales are fp32 (SCALE_POINTERS); a dense prefill's are never read: any type does
     sig = {}
     for name in kernel.arg_names:
         if name in constexprs:
@@ -66,24 +67,37 @@ def signature(kernel, dtype: str, constexprs: dict) -> dict[str, str]:
     return sig
 
 
-def variants(quick: bool) -> list[tuple[str, object, str, dict]]:
+def variants(quick: bool, arch: int = 90) -> list[tuple[str, object, str, dict]]:
+    """Every (name, kernel, dtype, constexprs and options) to compile; the hardware fp8 conversion
+    (NATIVE_FP8) only for sm_89 and later, as the launchers choose it (paged_decode.native_fp8)."""
     dtypes = ["bf16"] if quick else ["fp16", "bf16"]
     head_dims = [128] if quick else [64, 128]
+    fp8_modes = [("fp8kv", False), ("fp8kv-native", True)] if arch >= 89 else [("fp8kv", False)]
     out = []
     for dtype in dtypes:
         for d in head_dims:
             common = dict(HEAD_DIM=d, BLOCK_SIZE=16, DOT_FP32=False)
-            out.append(
-                ("prefill", paged_prefill_kernel, dtype, dict(common, GROUP=4, BLOCK_M=64, BLOCK_N=64))
-            )
+            prefill = dict(common, GROUP=4, BLOCK_M=64, BLOCK_N=64, FP8_KV=False, NATIVE_FP8=False)
+            out.append(("prefill", paged_prefill_kernel, dtype, prefill))
+            for label, native in fp8_modes:
+                out.append(
+                    (
+                        f"prefill-{label}",
+                        paged_prefill_kernel,
+                        dtype,
+                        dict(prefill, FP8_KV=True, NATIVE_FP8=native),
+                    )
+                )
             decode = dict(common, GROUP=8, GROUP_PAD=16, BLOCK_N=64)
-            for label, fp8, int8, mxfp4 in (
-                ("decode", False, False, False),
-                ("decode-fp8kv", True, False, False),
-                ("decode-int8kv", False, True, False),
-                ("decode-mxfp4kv", False, False, True),
+            for label, fp8, int8, mxfp4, native in (
+                ("decode", False, False, False, False),
+                *((f"decode-{label}", True, False, False, native) for label, native in fp8_modes),
+                ("decode-int8kv", False, True, False, False),
+                ("decode-mxfp4kv", False, False, True, False),
             ):
-                flags = dict(FP8_KV=fp8, INT8_KV=int8, MXFP4_KV=mxfp4, V_GROUP=64, TILE_BLOCKS=4)
+                flags = dict(
+                    FP8_KV=fp8, INT8_KV=int8, MXFP4_KV=mxfp4, NATIVE_FP8=native, V_GROUP=64, TILE_BLOCKS=4
+                )
                 if int8:  # the launcher's int8 defaults
                     flags.update(
                         BLOCK_N=INT8_BLOCK_N, TILE_BLOCKS=INT8_BLOCK_N // 16, num_warps=INT8_NUM_WARPS
@@ -114,7 +128,7 @@ def compile_all(arch: int, quick: bool) -> list[str]:
     """Compiles every variant for sm_`arch`; returns the failures (empty when all compiled)."""
     failures = []
     target = GPUTarget("cuda", arch, 32)
-    for name, kernel, dtype, params in variants(quick):
+    for name, kernel, dtype, params in variants(quick, arch):
         label = f"{name} {dtype} " + " ".join(f"{k}={v}" for k, v in params.items() if k != "DOT_FP32")
         constexprs = {k: v for k, v in params.items() if k not in OPTIONS}
         options = {k: v for k, v in params.items() if k in OPTIONS}

@@ -53,6 +53,19 @@ def e4m3_to_fp16(codes):
     return bits.to(tl.float16, bitcast=True) * 256.0
 
 
+@triton.jit
+def e4m3_native_to_fp16(codes):
+    """The same with the hardware conversion (sm_89 and later: cvt from e4m3x2), exact as well."""
+    return codes.to(tl.float8e4nv, bitcast=True).to(tl.float16)
+
+
+def native_fp8(device: torch.device) -> bool:
+    """Whether the kernels decode fp8 codes with the hardware conversion: CUDA devices of compute
+    capability 8.9 or later (Ada, Hopper, Blackwell); elsewhere, and under the CPU interpreter, the
+    integer bit trick."""
+    return device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 9)
+
+
 MXFP4_BLOCK_N = 64  # the only mxfp4 tile height checked on a GPU (mxfp4_tile's docstring)
 
 
@@ -193,6 +206,7 @@ def paged_decode_split_kernel(
     FP8_KV: tl.constexpr,
     INT8_KV: tl.constexpr,
     MXFP4_KV: tl.constexpr,
+    NATIVE_FP8: tl.constexpr,  # FP8_KV: decode codes with the hardware conversion (native_fp8)
     V_GROUP: tl.constexpr,  # INT8_KV: channels per V scale / zero
     TILE_BLOCKS: tl.constexpr,  # INT8_KV: blocks a BLOCK_N tile touches, max(1, BLOCK_N // BLOCK_SIZE)
 ):
@@ -241,8 +255,11 @@ def paged_decode_split_kernel(
         else:
             k = tl.load(k_cache_ptr + k_rows[:, None] + offs_d[None, :], mask=n_ok[:, None], other=0.0)
             v = tl.load(v_cache_ptr + v_rows[:, None] + offs_d[None, :], mask=n_ok[:, None], other=0.0)
-        if FP8_KV:
-            k = e4m3_to_fp16(k).to(q.dtype)  # exact in fp16 / bf16 / fp32
+        if FP8_KV and NATIVE_FP8:
+            k = e4m3_native_to_fp16(k).to(q.dtype)  # exact in fp16 / bf16 / fp32
+            v = e4m3_native_to_fp16(v).to(q.dtype)
+        elif FP8_KV:
+            k = e4m3_to_fp16(k).to(q.dtype)
             v = e4m3_to_fp16(v).to(q.dtype)
         if DOT_FP32:
             k = k.to(tl.float32)
@@ -337,6 +354,7 @@ def paged_decode(
     block_n: int | None = None,  # KV tokens per tile, a power of two >= 16: 64 (int8: 32; mxfp4: 64 only)
     target_programs: int = 264,
     num_warps: int | None = None,  # 4 (int8: 8)
+    native_fp8_decode: bool | None = None,  # fp8: None = native_fp8(query.device)
 ) -> torch.Tensor:  # [T, H, D], dtype of query
     """Launches the split pass and the merge pass on the current stream after checking arguments.
 
@@ -413,6 +431,7 @@ def paged_decode(
         # no open block: every slot is -1, the shadow pool is never read and may have 0 rows
         k_open_arg, k_open_slot_arg = (k_open if k_open.numel() else query), k_open_slot
         v_strides, k_strides, k_open_strides = v_scale.stride()[:3], k_scale.stride()[:2], k_open.stride()[:3]
+    native = fp8 and (native_fp8(query.device) if native_fp8_decode is None else native_fp8_decode)
     paged_decode_split_kernel[(shape.num_seqs, shape.num_kv_heads, num_splits)](
         query, k_cache, v_cache, k_scale_arg, v_scale_arg, k_zero_arg, v_zero_arg, k_open_arg, k_open_slot_arg,
         o_part, lse_part, block_tables, query_start_loc, seq_lens,
@@ -423,7 +442,7 @@ def paged_decode(
         block_tables.stride(0), *v_strides, *k_strides, *k_open_strides, shape.num_heads, num_splits,
         GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), HEAD_DIM=shape.head_dim,
         BLOCK_SIZE=shape.block_size, BLOCK_N=block_n, DOT_FP32=dot_fp32(query), FP8_KV=fp8, INT8_KV=int8,
-        MXFP4_KV=mxfp4, V_GROUP=v_group, TILE_BLOCKS=max(1, block_n // shape.block_size), num_warps=num_warps,
+        MXFP4_KV=mxfp4, NATIVE_FP8=native, V_GROUP=v_group, TILE_BLOCKS=max(1, block_n // shape.block_size), num_warps=num_warps,
     )  # fmt: skip
     merge_splits_kernel[(shape.num_seqs, shape.num_heads)](
         o_part, lse_part, out, query_start_loc, out.stride(0), out.stride(1), shape.num_heads, num_splits,

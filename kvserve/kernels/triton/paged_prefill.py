@@ -4,7 +4,9 @@ Grid (query tiles of BLOCK_M rows, num_seqs, num_heads). A program loads its que
 the sequence's KV in tiles of BLOCK_N tokens through the block table with an online softmax in
 fp32 (exp2, scale folded with log2(e)), and stops at the last KV position its last row can see.
 Causal mask aligned bottom-right: query row j of a sequence with q_len rows and seq_len KV tokens
-sees positions [0, seq_len - q_len + j]. Decode rows (q_len == 1) are valid input too.
+sees positions [0, seq_len - q_len + j]. Decode rows (q_len == 1) are valid input too. Dense pools
+and fp8_e4m3 pools (uint8 codes, one fp32 scale per slot and KV head, as paged_decode reads them)
+are read in place.
 """
 
 from __future__ import annotations
@@ -15,16 +17,19 @@ import torch
 import triton
 import triton.language as tl
 
-from kvserve.kernels.checks import check_paged_args
+from kvserve.kernels.checks import check_paged_args, check_scales
 from kvserve.kernels.triton.common import LOG2E, dot_fp32
+from kvserve.kernels.triton.paged_decode import e4m3_native_to_fp16, e4m3_to_fp16, native_fp8
 from kvserve.kernels.triton.reductions import reduce_max, reduce_sum
 
 
 @triton.jit
 def paged_prefill_kernel(
     q_ptr,  # [T, H, D]
-    k_cache_ptr,  # [num_blocks, BLOCK_SIZE, H_kv, D]
+    k_cache_ptr,  # [num_blocks, BLOCK_SIZE, H_kv, D]: query dtype, or uint8 fp8 codes (FP8_KV)
     v_cache_ptr,
+    k_scale_ptr,  # FP8_KV: [num_blocks, BLOCK_SIZE, H_kv] fp32 (else any pointer, never read)
+    v_scale_ptr,
     out_ptr,  # [T, H, D]
     block_tables_ptr,  # [num_seqs, max_blocks] int32
     query_start_loc_ptr,  # [num_seqs + 1] int32
@@ -41,12 +46,16 @@ def paged_prefill_kernel(
     stride_vt,
     stride_vh,
     stride_bt,
+    stride_sb,  # FP8_KV: the scales' block and slot strides (the head stride is 1)
+    stride_st,
     GROUP: tl.constexpr,  # num_heads // num_kv_heads
     HEAD_DIM: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     DOT_FP32: tl.constexpr,  # bf16 tl.dot is wrong in the CPU interpreter (triton 3.9): upcast there
+    FP8_KV: tl.constexpr,
+    NATIVE_FP8: tl.constexpr,  # FP8_KV: decode codes with the hardware conversion (native_fp8)
 ):
     m_tile = tl.program_id(0)
     seq = tl.program_id(1)
@@ -83,9 +92,16 @@ def paged_prefill_kernel(
         in_block = offs_n % BLOCK_SIZE
         k_rows = block_ids * stride_kb + in_block * stride_kt + kv_head * stride_kh
         k = tl.load(k_cache_ptr + k_rows[:, None] + offs_d[None, :], mask=n_ok[:, None], other=0.0)  # [N, D]
+        if FP8_KV and NATIVE_FP8:
+            k = e4m3_native_to_fp16(k).to(q.dtype)  # exact in fp16 / bf16 / fp32
+        elif FP8_KV:
+            k = e4m3_to_fp16(k).to(q.dtype)
         if DOT_FP32:
             k = k.to(tl.float32)
         s = tl.dot(q, tl.trans(k)) * qk_scale  # [M, N] fp32, log2 units
+        if FP8_KV:
+            scale_rows = block_ids * stride_sb + in_block * stride_st + kv_head
+            s = s * tl.load(k_scale_ptr + scale_rows, mask=n_ok, other=0.0)[None, :]
         visible = (offs_n[None, :] <= ctx_len + offs_m[:, None]) & n_ok[None, :]
         s = tl.where(visible, s, float("-inf"))
         m_new = tl.maximum(m_i, reduce_max(s, 1))  # finite: every row sees position 0 in the first tile
@@ -94,6 +110,12 @@ def paged_prefill_kernel(
         l_i = l_i * alpha + reduce_sum(p, 1)
         v_rows = block_ids * stride_vb + in_block * stride_vt + kv_head * stride_vh
         v = tl.load(v_cache_ptr + v_rows[:, None] + offs_d[None, :], mask=n_ok[:, None], other=0.0)
+        if FP8_KV and NATIVE_FP8:
+            v = e4m3_native_to_fp16(v).to(q.dtype)
+        elif FP8_KV:
+            v = e4m3_to_fp16(v).to(q.dtype)
+        if FP8_KV:  # the V scale goes on p after l_i took it, as in paged_decode
+            p = p * tl.load(v_scale_ptr + scale_rows, mask=n_ok, other=0.0)[None, :]
         if DOT_FP32:
             v = v.to(tl.float32)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
@@ -115,20 +137,37 @@ def paged_prefill(
     scale: float,
     block_m: int = 64,
     block_n: int = 64,
+    k_scale: torch.Tensor | None = None,  # given: an fp8_e4m3 pool, [num_blocks, block_size, H_kv] fp32
+    v_scale: torch.Tensor | None = None,
+    native_fp8_decode: bool | None = None,  # fp8: None = native_fp8(query.device)
 ) -> torch.Tensor:  # [T, H, D], dtype of query
     """Launches paged_prefill_kernel on the current stream after checking every argument."""
-    shape = check_paged_args(query, k_cache, v_cache, block_tables, query_start_loc, seq_lens)
+    fp8 = k_scale is not None or v_scale is not None
+    shape = check_paged_args(
+        query,
+        k_cache,
+        v_cache,
+        block_tables,
+        query_start_loc,
+        seq_lens,
+        kv_dtype=torch.uint8 if fp8 else None,
+    )
+    if fp8:
+        check_scales(k_scale, v_scale, k_cache)
     out = torch.empty_like(query)
     if shape.num_seqs == 0 or query.shape[0] == 0:
         return out
+    scales = (k_scale, v_scale) if fp8 else (out, out)  # pointers the dense variant never reads
+    scale_strides = k_scale.stride()[:2] if k_scale is not None else (0, 0)
+    native = fp8 and (native_fp8(query.device) if native_fp8_decode is None else native_fp8_decode)
     grid = (math.ceil(max_query_len / block_m), shape.num_seqs, shape.num_heads)
     paged_prefill_kernel[grid](
-        query, k_cache, v_cache, out, block_tables, query_start_loc, seq_lens, scale * LOG2E,
+        query, k_cache, v_cache, *scales, out, block_tables, query_start_loc, seq_lens, scale * LOG2E,
         query.stride(0), query.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
-        block_tables.stride(0),
+        block_tables.stride(0), *scale_strides,
         GROUP=shape.num_heads // shape.num_kv_heads, HEAD_DIM=shape.head_dim, BLOCK_SIZE=shape.block_size,
-        BLOCK_M=block_m, BLOCK_N=block_n, DOT_FP32=dot_fp32(query),
+        BLOCK_M=block_m, BLOCK_N=block_n, DOT_FP32=dot_fp32(query), FP8_KV=fp8, NATIVE_FP8=native,
     )  # fmt: skip
     return out

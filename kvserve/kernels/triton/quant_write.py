@@ -9,6 +9,8 @@ under TRITON_INTERPRET=1, and integer assembly is exact everywhere).
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import triton
 import triton.language as tl
@@ -157,3 +159,20 @@ def int8_value_quant_write(
         _int8_asym_write_kernel[(t, h)](
             x, slot_mapping, codes, scale, zero, x.stride(0), x.stride(1), h, HEAD_DIM=d, GROUP=group_size
         )
+
+
+def fused_writer(codec) -> Callable | None:
+    """The kernel here that writes `codec`'s fields (kvserve/quant/) bit for bit as its encode and an
+    index_copy_ would, as fn(fields, slots [T] int64, x [T, H, D]) with slot -1 skipped on the device;
+    None for other codecs (fp8_e4m3 K and V and int8 KIVI V have one). QuantizedLayerKV.attach_fused_writes
+    takes it."""
+    from kvserve.quant.fp8 import Fp8Codec
+    from kvserve.quant.kivi import KiviValueCodec
+
+    if isinstance(codec, Fp8Codec):
+        return lambda fields, slots, x: fp8_quant_write(x, slots, fields["codes"], fields["scale"])
+    if isinstance(codec, KiviValueCodec) and codec.bits == 8:
+        return lambda fields, slots, x: int8_value_quant_write(
+            x, slots, fields["codes"], fields["scale"], fields["zero"], codec.group_size
+        )
+    return None
