@@ -6,6 +6,7 @@
 #include <torch/extension.h>
 
 #include <optional>
+#include <string>
 #include <utility>
 #include <vector>
 
@@ -13,9 +14,22 @@
 
 namespace {
 
+// Numbers and shapes go into TORCH_CHECK messages as text (num, dims: std::to_string), never as
+// integers streamed into the message's ostream. On the GPU machine (H200, torch 2.11+cu130, the
+// extension built by torch's JIT loader) a check that streamed an int64 crashed the process inside
+// this library's own instance of std::ostream::_M_insert<long> (gdb backtrace in docs/gpu.md), while
+// messages made of text only raised as they should.
+std::string num(int64_t v) { return std::to_string(v); }
+
+std::string dims(c10::IntArrayRef sizes) {
+  std::string out = "[";
+  for (size_t i = 0; i < sizes.size(); ++i) out += (i ? ", " : "") + std::to_string(sizes[i]);
+  return out + "]";
+}
+
 void check_tensor(const torch::Tensor& t, const char* name, int dim, const torch::Device& device) {
   TORCH_CHECK(t.device() == device, name, " is on ", t.device(), ", expected ", device);
-  TORCH_CHECK(t.dim() == dim, name, " must have ", dim, " dims, got ", t.sizes());
+  TORCH_CHECK(t.dim() == dim, name, " must have ", num(dim).c_str(), " dims, got ", dims(t.sizes()).c_str());
   TORCH_CHECK(t.stride(-1) == 1, name, " must be contiguous in its last dim");
 }
 
@@ -23,7 +37,8 @@ void check_aligned(const torch::Tensor& t, const char* name) {
   // the kernels read K/V rows with 16-byte loads and Q/out pairs with 4-byte loads
   TORCH_CHECK(reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0, name, " must be 16-byte aligned");
   for (int d = 0; d < t.dim() - 1; ++d) {
-    TORCH_CHECK(t.stride(d) % 8 == 0, name, " stride ", d, " must be a multiple of 8 elements, got ", t.stride(d));
+    TORCH_CHECK(t.stride(d) % 8 == 0, name, " stride ", num(d).c_str(), " must be a multiple of 8 elements, got ",
+                num(t.stride(d)).c_str());
   }
 }
 
@@ -54,7 +69,7 @@ void set_quantized_operands(kvserve::PagedAttentionParams& p, kvserve::KvFormat 
       check_tensor(*t, n, 3, device);
       TORCH_CHECK(t->scalar_type() == at::kFloat, n, " must be float32 for fp8_e4m3, got ", t->scalar_type());
       TORCH_CHECK(t->sizes() == k_cache.sizes().slice(0, 3), n, " must be [num_blocks, block_size, num_kv_heads] = ",
-                  k_cache.sizes().slice(0, 3), ", got ", t->sizes());
+                  dims(k_cache.sizes().slice(0, 3)).c_str(), ", got ", dims(t->sizes()).c_str());
     }
     p.k_scale = k_scale.data_ptr();
     p.v_scale = v_scale.data_ptr();
@@ -71,22 +86,22 @@ void set_quantized_operands(kvserve::PagedAttentionParams& p, kvserve::KvFormat 
   const auto& k_open = need(k_open_opt, "k_open", name);
   const auto& k_open_slot = need(k_open_slot_opt, "k_open_slot", name);
   TORCH_CHECK(head_dim % kvserve::kKiviVGroup == 0, "int8 pools need head_dim a multiple of ",
-              kvserve::kKiviVGroup, ", got ", head_dim);
+              num(kvserve::kKiviVGroup).c_str(), ", got ", num(head_dim).c_str());
   const std::vector<int64_t> k_shape{num_blocks, num_kv_heads, head_dim};
   const std::vector<int64_t> v_shape{num_blocks, block_size, num_kv_heads, head_dim / kvserve::kKiviVGroup};
   for (const auto& [t, n] : {std::pair{&k_scale, "k_scale"}, std::pair{&k_zero, "k_zero"}}) {
     check_tensor(*t, n, 3, device);
     TORCH_CHECK(t->scalar_type() == at::kHalf, n, " must be float16 for int8, got ", t->scalar_type());
     TORCH_CHECK(t->sizes() == c10::IntArrayRef(k_shape), n, " must be [num_blocks, num_kv_heads, head_dim] = ",
-                c10::IntArrayRef(k_shape), ", got ", t->sizes());
+                dims(k_shape).c_str(), ", got ", dims(t->sizes()).c_str());
     check_aligned(*t, n);  // 16-byte loads of 8 channels
   }
   for (const auto& [t, n] : {std::pair{&v_scale, "v_scale"}, std::pair{&v_zero, "v_zero"}}) {
     check_tensor(*t, n, 4, device);
     TORCH_CHECK(t->scalar_type() == at::kHalf, n, " must be float16 for int8, got ", t->scalar_type());
     TORCH_CHECK(t->sizes() == c10::IntArrayRef(v_shape), n,
-                " must be [num_blocks, block_size, num_kv_heads, head_dim / ", kvserve::kKiviVGroup,
-                "] = ", c10::IntArrayRef(v_shape), ", got ", t->sizes());
+                " must be [num_blocks, block_size, num_kv_heads, head_dim / ", num(kvserve::kKiviVGroup).c_str(),
+                "] = ", dims(v_shape).c_str(), ", got ", dims(t->sizes()).c_str());
   }
   TORCH_CHECK(k_scale.strides() == k_zero.strides(), "k_scale and k_zero strides differ");
   TORCH_CHECK(v_scale.strides() == v_zero.strides(), "v_scale and v_zero strides differ");
@@ -95,12 +110,12 @@ void set_quantized_operands(kvserve::PagedAttentionParams& p, kvserve::KvFormat 
               ", got ", k_open.scalar_type());
   TORCH_CHECK(k_open.size(1) == block_size && k_open.size(2) == num_kv_heads && k_open.size(3) == head_dim,
               "k_open must be [capacity, block_size, num_kv_heads, head_dim] with those of k_cache, got ",
-              k_open.sizes());
+              dims(k_open.sizes()).c_str());
   check_aligned(k_open, "k_open");
   check_tensor(k_open_slot, "k_open_slot", 1, device);
   TORCH_CHECK(k_open_slot.scalar_type() == at::kInt && k_open_slot.is_contiguous() && k_open_slot.size(0) == num_blocks,
-              "k_open_slot must be contiguous int32 [num_blocks = ", num_blocks, "], got ", k_open_slot.scalar_type(),
-              " ", k_open_slot.sizes());
+              "k_open_slot must be contiguous int32 [num_blocks = ", num(num_blocks).c_str(), "], got ",
+              k_open_slot.scalar_type(), " ", dims(k_open_slot.sizes()).c_str());
   p.k_scale = k_scale.data_ptr();
   p.k_zero = k_zero.data_ptr();
   p.v_scale = v_scale.data_ptr();
@@ -138,7 +153,7 @@ torch::Tensor paged_attention(const torch::Tensor& query, const torch::Tensor& k
                               const std::optional<torch::Tensor>& k_open_slot) {
   TORCH_CHECK(query.is_cuda(), "query must be a CUDA tensor");
   TORCH_CHECK(kv_format >= 0 && kv_format <= 2, "kv_format must be 0 (dense), 1 (fp8_e4m3) or 2 (int8), got ",
-              kv_format);
+              num(kv_format).c_str());
   const auto format = static_cast<kvserve::KvFormat>(kv_format);
   const bool dense = format == kvserve::KvFormat::kDense;
   const auto device = query.device();
@@ -159,13 +174,14 @@ torch::Tensor paged_attention(const torch::Tensor& query, const torch::Tensor& k
     TORCH_CHECK(t->scalar_type() == at::kInt && t->is_contiguous(), "block metadata must be contiguous int32");
   }
   const int64_t head_dim = query.size(2), num_seqs = seq_lens.size(0);
-  TORCH_CHECK(head_dim == 64 || head_dim == 128, "head_dim must be 64 or 128, got ", head_dim);
-  TORCH_CHECK(k_cache.size(3) == head_dim, "cache head_dim ", k_cache.size(3), " != query head_dim ", head_dim);
+  TORCH_CHECK(head_dim == 64 || head_dim == 128, "head_dim must be 64 or 128, got ", num(head_dim).c_str());
+  TORCH_CHECK(k_cache.size(3) == head_dim, "cache head_dim ", num(k_cache.size(3)).c_str(), " != query head_dim ",
+              num(head_dim).c_str());
   TORCH_CHECK(query.size(1) % k_cache.size(2) == 0, "num_heads must be a multiple of num_kv_heads");
   TORCH_CHECK(query_start_loc.size(0) == num_seqs + 1 && block_tables.size(0) == num_seqs,
               "query_start_loc must be [num_seqs + 1] and block_tables [num_seqs, max_blocks]");
   TORCH_CHECK(num_splits >= 1 && tokens_per_split % kvserve::kKvTile == 0,
-              "tokens_per_split must be a multiple of ", kvserve::kKvTile);
+              "tokens_per_split must be a multiple of ", num(kvserve::kKvTile).c_str());
   check_aligned(query, "query");
   check_aligned(k_cache, "k_cache");
   check_aligned(v_cache, "v_cache");

@@ -98,7 +98,7 @@ stage_kernels() {
     --contexts 4096 8192 16384 32768 --layouts shuffled --kv dense fp8_e4m3 int8 mxfp4 --reps 20 \
     --json "$RESULTS/kernels_decode.json" $CHECK &&
   "$PYTHON" scripts/bench_kernels.py --device cuda --heads 32 8 128 --cases prompt --prompt-batch 4 \
-    --contexts 2048 4096 8192 --layouts shuffled --kv dense --reps 20 --json "$RESULTS/kernels_prefill.json" $CHECK
+    --contexts 2048 4096 8192 --layouts shuffled --kv dense fp8_e4m3 --reps 20 --json "$RESULTS/kernels_prefill.json" $CHECK
 }
 
 stage_nested() {

@@ -22,6 +22,7 @@ from triton.backends.compiler import GPUTarget
 
 from kvserve.kernels.triton.nested_linear import nested_linear_kernel
 from kvserve.kernels.triton.paged_decode import (
+    FP8_BLOCK_N,
     INT8_BLOCK_N,
     INT8_NUM_WARPS,
     merge_splits_kernel,
@@ -98,6 +99,8 @@ def variants(quick: bool, arch: int = 90) -> list[tuple[str, object, str, dict]]
                 flags = dict(
                     FP8_KV=fp8, INT8_KV=int8, MXFP4_KV=mxfp4, NATIVE_FP8=native, V_GROUP=64, TILE_BLOCKS=4
                 )
+                if fp8:  # the launcher's fp8 default
+                    flags.update(BLOCK_N=FP8_BLOCK_N, TILE_BLOCKS=FP8_BLOCK_N // 16)
                 if int8:  # the launcher's int8 defaults
                     flags.update(
                         BLOCK_N=INT8_BLOCK_N, TILE_BLOCKS=INT8_BLOCK_N // 16, num_warps=INT8_NUM_WARPS

@@ -322,6 +322,10 @@ def merge_splits_kernel(
 
 
 INT8_BLOCK_N, INT8_NUM_WARPS = 32, 8  # int8 KIVI launch defaults (see paged_decode)
+# fp8 tiles of 128 tokens: on an H200 (scripts/gpu/sweep_decode.py, docs/kernels.md) 0.275 against
+# 0.340 ms at 64 x 4k and 2.14 against 2.58 ms at 64 x 32k for 64-token tiles (hardware conversion),
+# and faster with the integer conversion too; bf16 and mxfp4 were fastest at 64
+FP8_BLOCK_N = 128
 
 
 def plan_splits(
@@ -351,7 +355,8 @@ def paged_decode(
     v_zero: torch.Tensor | None = None,
     k_open: torch.Tensor | None = None,  # int8: OpenKeyShadows.pool (may have 0 rows)
     k_open_slot: torch.Tensor | None = None,  # int8: OpenKeyShadows.slot_of_block
-    block_n: int | None = None,  # KV tokens per tile, a power of two >= 16: 64 (int8: 32; mxfp4: 64 only)
+    block_n: int
+    | None = None,  # KV tokens per tile, a power of two >= 16: 64 (int8: 32; fp8: 128; mxfp4: 64 only)
     target_programs: int = 264,
     num_warps: int | None = None,  # 4 (int8: 8)
     native_fp8_decode: bool | None = None,  # fp8: None = native_fp8(query.device)
@@ -395,7 +400,7 @@ def paged_decode(
     if int8:
         v_group = check_int8_fields(query, k_cache, k_scale, v_scale, k_zero, v_zero, k_open, k_open_slot)
     if block_n is None:
-        block_n = INT8_BLOCK_N if int8 else 64
+        block_n = INT8_BLOCK_N if int8 else FP8_BLOCK_N if fp8 else 64
     if num_warps is None:
         num_warps = INT8_NUM_WARPS if int8 else 4
     out = torch.empty_like(query)
