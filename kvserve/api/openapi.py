@@ -12,6 +12,7 @@ from typing import Any, Literal
 from fastapi import FastAPI
 from fastapi.openapi.utils import get_openapi
 from pydantic import BaseModel, ConfigDict
+from pydantic.json_schema import models_json_schema
 
 from kvserve.api.middleware import OPEN_PATHS
 from kvserve.api.protocol import TOKEN_ID_MARK
@@ -182,12 +183,30 @@ def responses(
     return out
 
 
+_BODIES: list[type[BaseModel]] = []  # bodies that routes parse themselves (json_body): their schemas
+
+
+def json_body(model: type[BaseModel]) -> dict[str, Any]:
+    """openapi_extra for a route that parses its own body (kvserve.api.errors.parse_body, off the event
+    loop) instead of declaring it: the document shows `model` as the body all the same."""
+    if model not in _BODIES:
+        _BODIES.append(model)
+    ref = {"$ref": f"#/components/schemas/{model.__name__}"}
+    return {"requestBody": {"required": True, "content": {"application/json": {"schema": ref}}}}
+
+
 def install_openapi(app: FastAPI, vocab_size: Callable[[], int], model_names: Sequence[str]) -> None:
     """Serve the corrected document at /openapi.json (built once, on first request)."""
 
     def openapi() -> dict[str, Any]:
         if app.openapi_schema is None:
             doc = get_openapi(title=app.title, version=app.version, routes=app.routes)
+            _, defs = models_json_schema(
+                [(m, "validation") for m in _BODIES], ref_template="#/components/schemas/{model}"
+            )
+            schemas = doc.setdefault("components", {}).setdefault("schemas", {})
+            for name, schema in defs.get("$defs", {}).items():
+                schemas.setdefault(name, schema)
             app.openapi_schema = _corrected(doc, vocab_size(), list(dict.fromkeys(model_names)))
         return app.openapi_schema
 

@@ -71,6 +71,17 @@ def _first_surrogate(value: Any) -> int | None:
     return None
 
 
+SURROGATE_FREE = "surrogate_free"  # validation context key: the body's text holds no surrogate
+_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
+
+
+def no_surrogates(raw: bytes) -> bool:
+    """True when no string parsed from this JSON body can hold a surrogate: the body is ASCII (so a
+    surrogate could only come as a \\udXXX escape) and has no such escape. 0.3 ms for 400 KB, against
+    4 ms for walking the parsed body (a literal backslash before "ud8" says False: then walk it)."""
+    return raw.isascii() and _SURROGATE_ESCAPE.search(raw) is None
+
+
 def _surrogate_free(value: dict[Any, Any] | list[Any]) -> bool:
     """True when no string inside holds a surrogate: ASCII JSON escapes every surrogate as "\\udXXX"
     (False also for a paired one, an emoji, or a literal backslash before "ud": then walk it)."""
@@ -94,6 +105,8 @@ class _Body(_Strict):
     @field_validator("*", mode="before")
     @classmethod
     def _valid_unicode(cls, value: Any, info: ValidationInfo) -> Any:
+        if info.context and info.context.get(SURROGATE_FREE):  # the raw body was checked (no_surrogates)
+            return value
         at = _first_surrogate(value)
         if at is not None:
             raise PydanticCustomError(

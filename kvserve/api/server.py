@@ -23,11 +23,12 @@ from fastapi import FastAPI
 from fastapi import Request as HTTPRequest
 from fastapi.responses import FileResponse, JSONResponse, PlainTextResponse, Response
 from fastapi.staticfiles import StaticFiles
+from pydantic import BaseModel
 
 import kvserve
 from kvserve.api import responses as R
 from kvserve.api.backend import Backend, OutputStream
-from kvserve.api.errors import ErrorEnvelopeMiddleware, install_error_handlers
+from kvserve.api.errors import ErrorEnvelopeMiddleware, install_error_handlers, parse_body
 from kvserve.api.middleware import MAX_BODY_BYTES, EdgeMiddleware
 from kvserve.api.openapi import (
     ChatCompletionResponse,
@@ -41,6 +42,7 @@ from kvserve.api.openapi import (
     Version,
     WarmResponse,
     install_openapi,
+    json_body,
     responses,
 )
 from kvserve.api.protocol import (
@@ -67,6 +69,7 @@ from kvserve.request import (
 )
 
 T = TypeVar("T")
+B = TypeVar("B", bound=BaseModel)
 log = logging.getLogger("kvserve")
 DASHBOARD = Path(__file__).parent / "dashboard"  # GET /dashboard: the page, its script and uPlot
 CLIENT_CLOSED = 499  # nginx's status for a request whose client went away (nobody receives it)
@@ -81,6 +84,11 @@ class ServerState:
     # keeps encoding and chat templating off the event loop (the Tokenizer itself is safe from any thread)
     tokenizer_thread: ThreadPoolExecutor = field(
         default_factory=lambda: ThreadPoolExecutor(1, thread_name_prefix="kvserve-tokenizer")
+    )
+    # parses and validates the bodies that can be large (a json_schema of 400 KB), off the event loop:
+    # five such bodies at once held a stream's chunks back 84 ms on the loop (docs/reliability.md)
+    body_thread: ThreadPoolExecutor = field(
+        default_factory=lambda: ThreadPoolExecutor(1, thread_name_prefix="kvserve-body")
     )
 
     @property
@@ -108,6 +116,16 @@ class ServerState:
         loop = asyncio.get_running_loop()
         return await loop.run_in_executor(self.tokenizer_thread, functools.partial(fn, *args))
 
+    async def body(self, http: HTTPRequest, model: type[B]) -> B:
+        """The route's body as `model`, parsed and validated on the body thread (parse_body)."""
+        raw = await http.body()
+        return await self.on_body_thread(parse_body, raw, http.headers.get("content-type"), model)
+
+    async def on_body_thread(self, fn: Callable[..., T], *args: Any) -> T:
+        """Work on a parsed body that grows with it (a schema's canonical text), off the event loop."""
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self.body_thread, functools.partial(fn, *args))
+
     async def chat_ids(
         self, messages: Sequence[ChatMessage], add_generation_prompt: bool, tools: Sequence[Tool] = ()
     ) -> list[int]:
@@ -132,6 +150,7 @@ def create_app(config: ServeConfig, backend: Backend, max_body_bytes: int = MAX_
         yield
         backend.shutdown()
         state.tokenizer_thread.shutdown(wait=False, cancel_futures=True)
+        state.body_thread.shutdown(wait=False, cancel_futures=True)
 
     app = FastAPI(title="kvserve", version=kvserve.__version__, lifespan=lifespan)
     app.state.kvserve = state
@@ -188,11 +207,15 @@ def _generation_routes(app: FastAPI, state: ServerState) -> None:
     errors = (400, 404, 413, 503, 504)
 
     @app.post(
-        "/v1/completions", response_model=None, responses=responses(CompletionResponse, *errors, stream=True)
+        "/v1/completions",
+        response_model=None,
+        responses=responses(CompletionResponse, *errors, stream=True),
+        openapi_extra=json_body(CompletionRequest),
     )
-    async def completions(body: CompletionRequest, http: HTTPRequest) -> Response | dict[str, Any]:
+    async def completions(http: HTTPRequest) -> Response | dict[str, Any]:
+        body = await state.body(http, CompletionRequest)
         state.check_model(body.model)
-        params = body.to_sampling_params()
+        params = await state.on_body_thread(body.to_sampling_params)
         params.check_vocab(state.vocab_size)
         raw = body.prompts()
         prompts, echo = await state.off_loop(_completion_prompts, state.tokenizer, raw, body.echo)
@@ -205,12 +228,14 @@ def _generation_routes(app: FastAPI, state: ServerState) -> None:
         "/v1/chat/completions",
         response_model=None,
         responses=responses(ChatCompletionResponse, *errors, stream=True),
+        openapi_extra=json_body(ChatCompletionRequest),
     )
-    async def chat(body: ChatCompletionRequest, http: HTTPRequest) -> Response | dict[str, Any]:
+    async def chat(http: HTTPRequest) -> Response | dict[str, Any]:
+        body = await state.body(http, ChatCompletionRequest)
         state.check_model(body.model)
         calling = tool_calling(body)
         prompt = await state.chat_ids(body.messages, True, body.tools or ())
-        params = body.to_sampling_params(state.info.max_model_len - len(prompt))
+        params = await state.on_body_thread(body.to_sampling_params, state.info.max_model_len - len(prompt))
         if calling is not None and calling.structured is not None:
             params = dataclasses.replace(params, structured=calling.structured)
         params.check_vocab(state.vocab_size)

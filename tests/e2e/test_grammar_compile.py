@@ -11,6 +11,7 @@ measure_stall is also what scripts/bench_grammar_compile.py runs."""
 
 from __future__ import annotations
 
+import json
 import threading
 import time
 from collections.abc import Iterator
@@ -40,11 +41,15 @@ def large_schema(salt: str, num_properties: int = NUM_PROPERTIES) -> dict[str, A
 def measure_stall(
     base_url: str, schemas: list[dict[str, Any]], stream_tokens: int = 4000, timeout_s: float = 120.0
 ) -> dict[str, Any]:
-    """Stream a long completion; once it flows, POST one json_schema completion (max_tokens 1) per
-    schema at once and poll /health until they all answer; then the same again (the grammars are
-    cached now: only the bodies are parsed), the control. For each round: the longest gap between
-    the stream's chunks and the slowest /health in its window (seconds), the requests' statuses and
-    seconds, and the chunks that arrived in the window."""
+    """Stream a long completion; once it flows, first watch it alone for a second (quiet: the
+    machine's own gaps), then the same number of plain completions (max_tokens 1, no schema) at once
+    (small: what admitting that many requests costs the stream), then POST one json_schema completion
+    (max_tokens 1) per schema at once and
+    poll /health until they all answer; then the same again (the grammars are cached now: only the
+    bodies are parsed), the control. For each round: the longest gap between the stream's chunks and
+    the slowest /health in its window (seconds), the requests' statuses and seconds, and the chunks
+    that arrived in the window. The bodies are encoded before a round starts, so the client's own
+    JSON encoding is not timed."""
     chunk_times: list[float] = []
     flowing, stop_stream = threading.Event(), threading.Event()
 
@@ -69,6 +74,8 @@ def measure_stall(
     streamer.start()
     try:
         assert flowing.wait(timeout_s), "the stream did not start"
+        quiet = _round(base_url, [], chunk_times, timeout_s)
+        small = _round(base_url, [None] * len(schemas), chunk_times, timeout_s)
         compiling = _round(base_url, schemas, chunk_times, timeout_s)
         time.sleep(0.5)
         cached = _round(base_url, schemas, chunk_times, timeout_s)
@@ -76,35 +83,50 @@ def measure_stall(
     finally:
         stop_stream.set()
         streamer.join(timeout_s)
-    for result in (compiling, cached):
+    for result in (quiet, small, compiling, cached):
         result["stream_outlived_window"] = outlived
         result.update(_gaps(chunk_times, result.pop("start"), result.pop("end")))
-    return {"compiling": compiling, "cached": cached}
+    return {"quiet": quiet, "small": small, "compiling": compiling, "cached": cached}
 
 
 def _round(
-    base_url: str, schemas: list[dict[str, Any]], chunk_times: list[float], timeout_s: float
+    base_url: str, schemas: list[dict[str, Any] | None], chunk_times: list[float], timeout_s: float
 ) -> dict[str, Any]:
     results: list[tuple[int, float, str]] = []
 
-    def post(schema: dict[str, Any]) -> None:
-        body = {
-            "model": TINY,
-            "prompt": "A form:",
-            "max_tokens": 1,
-            "response_format": {"type": "json_schema", "json_schema": {"name": "form", "schema": schema}},
-        }
+    def post(body: bytes) -> None:
         t0 = time.monotonic()
-        r = httpx.post(base_url + "/v1/completions", json=body, timeout=timeout_s)
+        r = httpx.post(
+            base_url + "/v1/completions",
+            content=body,
+            headers={"content-type": "application/json"},
+            timeout=timeout_s,
+        )
         results.append((r.status_code, time.monotonic() - t0, r.text[:300]))
 
-    posts = [threading.Thread(target=post, args=(s,)) for s in schemas]
+    bodies = [
+        json.dumps(
+            {
+                "model": TINY,
+                "prompt": "A form:",
+                "max_tokens": 1,
+                **(
+                    {"response_format": {"type": "json_schema", "json_schema": {"name": "form", "schema": s}}}
+                    if s is not None
+                    else {}
+                ),
+            }
+        ).encode()
+        for s in schemas
+    ]
+    posts = [threading.Thread(target=post, args=(b,)) for b in bodies]
     start = time.monotonic()
     for t in posts:
         t.start()
     health: list[float] = []
+    quiet_until = start + 1.0 if not posts else 0.0  # no requests: watch the stream alone for a second
     with httpx.Client(base_url=base_url, timeout=timeout_s) as h:
-        while any(t.is_alive() for t in posts):
+        while any(t.is_alive() for t in posts) or time.monotonic() < quiet_until:
             t0 = time.monotonic()
             h.get("/health").raise_for_status()
             health.append(time.monotonic() - t0)
