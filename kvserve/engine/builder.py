@@ -215,16 +215,20 @@ class EngineParts:
 
 def attach_row_writer(layers: list[LayerKV], device: torch.device) -> None:
     """Dense CPU pools write a step's K and V with the CPU extension's kv_write_ where it can be built;
-    quantized CUDA pools with the fused Triton quantize-and-scatter kernels where the codec has one
-    (kvcache and quant do not import kernels: the builder hands the functions over). On a GPU the torch
-    codec launches about a dozen small kernels per layer for each of K and V, and drops unwritten
-    rows with a host sync; the fused path is one launch each and no sync."""
+    on CUDA, dense pools with a Triton row scatter and quantized pools with the fused Triton
+    quantize-and-scatter kernels where the codec has one (kvcache and quant do not import kernels: the
+    builder hands the functions over). On a GPU the torch paths drop unwritten rows with a host sync
+    per layer, and the torch codec launches about a dozen small kernels per layer for each of K and
+    V; the kernels skip slot -1 on the device, one launch each."""
     if device.type == "cuda" and importlib.util.find_spec("triton") is not None:
+        from kvserve.kernels.triton.kv_write import dense_kv_write
         from kvserve.kernels.triton.quant_write import fused_writer
 
         for layer in layers:
             if isinstance(layer, QuantizedLayerKV):
                 layer.attach_fused_writes(fused_writer)
+            elif isinstance(layer, DenseLayerKV):
+                layer.copy_rows = dense_kv_write
         return
     from kvserve.kernels import cpu_ext
 

@@ -79,6 +79,13 @@ for fn, sig, consts in [
     sig = {**common, **sig, **dict.fromkeys(consts, "constexpr")}
     source = triton.compiler.ASTSource(fn=fn, signature={n: sig[n] for n in fn.arg_names}, constexprs=consts)
     assert "ptx" in triton.compile(source, target=GPUTarget("cuda", 90, 32)).asm
+from kvserve.kernels.triton import kv_write
+fn = kv_write._dense_write_kernel
+sig = {"k_cache_ptr": "*bf16", "v_cache_ptr": "*bf16", "slot_ptr": "*i64", "k_ptr": "*bf16", "v_ptr": "*bf16",
+       "stride_kt": "i32", "stride_kh": "i32", "stride_vt": "i32", "stride_vh": "i32", "num_kv_heads": "i32",
+       "num_slots": "i64", "HEAD_DIM": "constexpr"}
+source = triton.compiler.ASTSource(fn=fn, signature=sig, constexprs={"HEAD_DIM": 128})
+assert "ptx" in triton.compile(source, target=GPUTarget("cuda", 90, 32)).asm
 """
 
 
@@ -132,3 +139,58 @@ def test_fused_writer_covers_fp8_and_int8_values_only():
     assert fused_writer(make_codec("int8", H, D).v) is not None
     for name in ("int4", "mxfp4"):
         assert fused_writer(make_codec(name, H, D).v) is None, name
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_dense_kv_write_equals_write_torch(dtype):
+    """The CUDA dense pool's copy_rows (Triton row scatter, attached by the builder) leaves the pool as
+    DenseLayerKV.write_torch does: strided rows, slot -1 skipped, every other slot untouched, int32
+    and int64 slots; a slot past the pool is not written."""
+    from kvserve.kernels.triton.kv_write import dense_kv_write
+    from kvserve.kvcache.kv_storage import DenseLayerKV
+
+    gen = torch.Generator().manual_seed(2)
+    rows, heads, dim = 11, 3, 64
+    qkv = torch.randn(rows, 5 * heads * dim, generator=gen).to(dtype).to(DEVICE)
+    k = qkv[:, 2 * heads * dim : 3 * heads * dim].view(rows, heads, dim)  # strided rows, as the model's
+    v = qkv[:, 4 * heads * dim :].view(rows, heads, dim)
+    slots = torch.randperm(NUM_BLOCKS * BS * 2, generator=gen)[:rows]
+    slots[[1, 6]] = -1
+    want, got = (DenseLayerKV(NUM_BLOCKS * 2, BS, heads, dim, dtype, DEVICE) for _ in range(2))
+    want.k_cache.normal_(generator=None), want.v_cache.normal_()
+    got.k_cache.copy_(want.k_cache), got.v_cache.copy_(want.v_cache)
+    want.write_torch(slots.to(DEVICE), k, v)
+    got.copy_rows = dense_kv_write
+    got.write(slots.to(DEVICE), k, v)
+    assert torch.equal(got.k_cache, want.k_cache) and torch.equal(got.v_cache, want.v_cache)
+    got.write(slots.to(DEVICE, torch.int32), k * 2, v * 2)
+    want.write_torch(slots.to(DEVICE), k * 2, v * 2)
+    assert torch.equal(got.k_cache, want.k_cache) and torch.equal(got.v_cache, want.v_cache)
+    before = got.k_cache.clone()
+    dense_kv_write(got.k_cache, got.v_cache, torch.full((rows,), NUM_BLOCKS * 2 * BS, device=DEVICE), k, v)
+    assert torch.equal(got.k_cache, before)
+    with pytest.raises(ValueError, match="pool's dtype"):
+        dense_kv_write(got.k_cache, got.v_cache, slots.to(DEVICE), k.double(), v.double())
+
+
+def test_builder_attaches_the_triton_writers_on_cuda_only():
+    """attach_row_writer: on a CUDA device, dense pools get the Triton row scatter and fp8 / int8 pools
+    their fused writers; on the CPU neither (the CPU extension's kv_write_ is the dense pool's there)."""
+    from kvserve.engine.builder import attach_row_writer
+    from kvserve.kernels.triton.kv_write import dense_kv_write
+    from kvserve.kvcache.kv_storage import DenseLayerKV
+    from kvserve.quant.storage import QuantizedLayerKV
+
+    def layers():
+        return [
+            DenseLayerKV(2, BS, H, D, torch.bfloat16),
+            QuantizedLayerKV("fp8_e4m3", 2, BS, H, D, torch.bfloat16),
+        ]
+
+    cuda = layers()
+    attach_row_writer(cuda, torch.device("cuda"))  # only the device's type is read: no GPU needed
+    assert cuda[0].copy_rows is dense_kv_write
+    assert cuda[1].k_blocks.fused is not None and cuda[1].v_blocks.fused is not None
+    cpu = layers()
+    attach_row_writer(cpu, torch.device("cpu"))
+    assert cpu[0].copy_rows is not dense_kv_write and cpu[1].v_blocks.fused is None
