@@ -166,6 +166,10 @@ def test_dense_kv_write_equals_write_torch(dtype):
     got.write(slots.to(DEVICE, torch.int32), k * 2, v * 2)
     want.write_torch(slots.to(DEVICE), k * 2, v * 2)
     assert torch.equal(got.k_cache, want.k_cache) and torch.equal(got.v_cache, want.v_cache)
+    k_t = (k * 3).transpose(1, 2).contiguous().transpose(1, 2)  # head_dim not unit-stride
+    got.write(slots.to(DEVICE), k_t, v)
+    want.write_torch(slots.to(DEVICE), k_t, v)
+    assert torch.equal(got.k_cache, want.k_cache) and torch.equal(got.v_cache, want.v_cache)
     before = got.k_cache.clone()
     dense_kv_write(got.k_cache, got.v_cache, torch.full((rows,), NUM_BLOCKS * 2 * BS, device=DEVICE), k, v)
     assert torch.equal(got.k_cache, before)

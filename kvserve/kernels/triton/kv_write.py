@@ -34,19 +34,17 @@ def dense_kv_write(
     k_cache: torch.Tensor,  # [num_blocks, block_size, H_kv, D], contiguous
     v_cache: torch.Tensor,
     slot_mapping: torch.Tensor,  # [T] int64 or int32; -1 = skip
-    key: torch.Tensor,  # [T, H_kv, D], unit stride in D (any other strides), the pool's dtype
+    key: torch.Tensor,  # [T, H_kv, D] in the pool's dtype, any strides
     value: torch.Tensor,
 ) -> None:
     """DenseLayerKV.copy_rows on CUDA (the CPU extension's kv_write_ signature)."""
     t, h, d = key.shape
     if value.shape != key.shape or k_cache.shape[2:] != (h, d) or v_cache.shape != k_cache.shape:
         raise ValueError(f"key/value {tuple(key.shape)} do not fit the pool {tuple(k_cache.shape)}")
-    if (
-        not (k_cache.is_contiguous() and v_cache.is_contiguous())
-        or key.stride(-1) != 1
-        or value.stride(-1) != 1
-    ):
-        raise ValueError("the pool must be contiguous and key/value rows unit-stride in head_dim")
+    if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
+        raise ValueError("the pool must be contiguous")
+    key = key if key.stride(-1) == 1 else key.contiguous()  # rows are read with unit stride in head_dim
+    value = value if value.stride(-1) == 1 else value.contiguous()
     if key.dtype != k_cache.dtype or value.dtype != v_cache.dtype:
         raise ValueError(f"key/value must have the pool's dtype {k_cache.dtype}, got {key.dtype}")
     if d & (d - 1):
