@@ -15,13 +15,7 @@ from kvserve.quant.registry import make_codec
 class PackedBlocks:
     """One codec's fields for every block: field name -> [num_blocks, *block_shape]."""
 
-    def __init__(
-        self,
-        codec: TensorCodec,
-        num_blocks: int,
-        block_size: int,
-        device: torch.device | str,
-    ):
+    def __init__(self, codec: TensorCodec, num_blocks: int, block_size: int, device: torch.device | str):
         self.codec, self.block_size = codec, block_size
         self.fields = {
             name: torch.zeros((num_blocks, *shape), dtype=dtype, device=device)

@@ -109,23 +109,29 @@ def decode_rate(llm: LLM, prompts: list[list[int]], tokens: int) -> tuple[float,
 
 
 def gpu_busy(llm: LLM, prompts: list[list[int]], tokens: int) -> dict:
-    """Under torch.profiler: the share of a decode call's wall time the GPU spent in kernels, and the
-    three kernels that took most of it. Far below 1 means the step waits on the host (Python, launches)."""
-
-    try:
-        return _gpu_busy(llm, prompts, tokens)
-    except Exception as exc:  # noqa: BLE001 - a diagnostic: report it and keep the benchmark's figures
-        return {"batch": len(prompts), "error": repr(exc)[:200], "gpu_busy": float("nan"), "top_kernels": []}
-
-
-def _gpu_busy(llm: LLM, prompts: list[list[int]], tokens: int) -> dict:
+    """A decode call under the profiler: the share of its wall time the GPU spent in kernels (far below
+    1 means the step waits on the host: Python, launches) and the kernels that took most of it."""
     return {"batch": len(prompts), **profiled(lambda: decode_rate(llm, prompts, tokens))}
+
+
+def prefill_profile(llm: LLM, prompt: list[int]) -> dict:
+    """One cold request of `prompt` (one token out) under the profiler: where its TTFT goes."""
+    one = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True)
+    return profiled(lambda: llm.generate([prompt], one), top=6)
 
 
 def profiled(fn, top: int = 3) -> dict:
     """fn() under torch.profiler: wall time, the GPU's busy share of it, the `top` kernels by device
     time, and the `top` host operators by self CPU time with their call counts (where a host-bound
-    step spends its time)."""
+    step spends its time). A diagnostic: if the profiler fails, {"error": ...} and the benchmark's
+    figures stand."""
+    try:
+        return _profiled(fn, top)
+    except Exception as exc:  # noqa: BLE001 - report it and keep the benchmark's figures
+        return {"error": repr(exc)[:200]}
+
+
+def _profiled(fn, top: int) -> dict:
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
@@ -145,15 +151,6 @@ def profiled(fn, top: int = 3) -> dict:
         "top_kernels": [(e.key[:60], round(e.self_device_time_total / 1e3, 2)) for e in kernels],
         "top_host_ops": [(e.key[:60], round(e.self_cpu_time_total / 1e3, 2), e.count) for e in ops],
     }
-
-
-def prefill_profile(llm: LLM, prompt: list[int]) -> dict:
-    """One cold request of `prompt` (one token out) under the profiler: where its TTFT goes."""
-    one = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True)
-    try:
-        return profiled(lambda: llm.generate([prompt], one), top=6)
-    except Exception as exc:  # noqa: BLE001 - a diagnostic: report it and keep the benchmark's figures
-        return {"error": repr(exc)[:200]}
 
 
 def main() -> None:
