@@ -59,12 +59,48 @@ struct TypeTraits<__nv_bfloat16> {
   }
 };
 
-// Two 16-bit elements from two addresses, packed lower-index-first.
-template <typename T>
-__device__ __forceinline__ uint32_t pack_pair(const T* lo, const T* hi) {
-  uint16_t l = *reinterpret_cast<const uint16_t*>(lo);
-  uint16_t h = *reinterpret_cast<const uint16_t*>(hi);
-  return static_cast<uint32_t>(l) | (static_cast<uint32_t>(h) << 16);
+// ldmatrix: four 8x8 b16 matrices from shared memory, lanes 8j..8j+7 giving the 8 row addresses of
+// matrix j (16-byte aligned) and r[j] receiving it: lane l gets row l / 4, elements 2 (l % 4) and
+// 2 (l % 4) + 1 (the B fragment of a row-major [n][k] tile); with .trans, elements (2 (l % 4), l / 4)
+// and (2 (l % 4) + 1, l / 4) of the matrix (the B fragment of a row-major [k][n] tile).
+__device__ __forceinline__ void ldmatrix_x4(uint32_t (&r)[4], const void* row) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 750
+  const uint32_t at = static_cast<uint32_t>(__cvta_generic_to_shared(row));
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(at));
+#endif
+}
+
+__device__ __forceinline__ void ldmatrix_x4_trans(uint32_t (&r)[4], const void* row) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 750
+  const uint32_t at = static_cast<uint32_t>(__cvta_generic_to_shared(row));
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(at));
+#endif
+}
+
+// cp.async: 16 bytes global -> shared without passing through registers; src_bytes = 0 writes 16
+// zero bytes and reads nothing (src must still be a valid address). commit closes a group of copies;
+// wait_all waits for every group this thread committed (a __syncthreads then publishes them).
+__device__ __forceinline__ void cp_async_16(void* dst, const void* src, int src_bytes) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  const uint32_t at = static_cast<uint32_t>(__cvta_generic_to_shared(dst));
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(at), "l"(src), "r"(src_bytes));
+#endif
+}
+
+__device__ __forceinline__ void cp_async_commit() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  asm volatile("cp.async.commit_group;\n" ::);
+#endif
+}
+
+__device__ __forceinline__ void cp_async_wait_all() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  asm volatile("cp.async.wait_group 0;\n" ::: "memory");
+#endif
 }
 
 __device__ __forceinline__ float quad_max(float x) {

@@ -5,8 +5,12 @@
 //   packed row r -> query row r / group, head kv_head * group + r % group,
 // so each K/V tile in shared memory serves every query head that reads it (decode: the whole group
 // in one 16-row warp). Per KV tile of kKvTile tokens: S = Q K^T on tensor cores (mma.sync m16n8k16,
-// fp32 accumulate), bottom-right causal + length mask, online softmax in registers (exp2, scale
-// folded with log2 e), P re-packed from the S accumulators into A fragments, O += P V.
+// fp32 accumulate, K fragments by ldmatrix), bottom-right causal + length mask on the tiles that
+// cross a horizon, online softmax in registers (exp2, scale folded with log2 e), P re-packed from the
+// S accumulators into A fragments, O += P V (V fragments by transposed ldmatrix). K and V have one
+// shared-memory buffer each, loaded one phase ahead: V(tile) while S is computed, K(next) while
+// O += P V runs (cp.async for dense pools). Row tiles run longest-first (causal rows near the end
+// see the most KV).
 // KV formats (KvFormat, a template parameter): K/V tiles reach shared memory in the query dtype
 // from dense or 8-bit pools, read in place (kv_tile.cuh); for fp8 the K scale of each token
 // multiplies its scores in fp32 (ks_smem), everything else is dequantized by the tile loads.
@@ -20,6 +24,33 @@
 
 namespace kvserve {
 namespace {
+
+// Starts loading KV positions [tile_start, tile_start + kKvTile) into smem (load_kv_tile's layout and
+// zero fill): dense pools by cp.async (complete after cp_async_wait_all), 8-bit pools by converting
+// in registers and storing (complete at once). Every thread of the CTA takes part.
+template <typename T, int HEAD_DIM, KvFormat FMT, bool IS_K>
+__device__ __forceinline__ void issue_kv_tile(T* smem, float* scale_smem, const KvSource& src,
+                                              const int32_t* table, int block_size, int tile_start,
+                                              int tile_end) {
+  if constexpr (FMT == KvFormat::kDense) {
+    constexpr int kChunks = HEAD_DIM / 8;
+    const T* values = static_cast<const T*>(src.data);
+    for (int i = threadIdx.x; i < kKvTile * kChunks; i += blockDim.x) {
+      const int row = i / kChunks, chunk = i % kChunks;
+      const int pos = tile_start + row;
+      const T* from = values;  // read nothing past tile_end, but name a valid address
+      if (pos < tile_end) {
+        from = values + (int64_t)table[pos / block_size] * src.stride_block + (pos % block_size) * src.stride_slot +
+               chunk * 8;
+      }
+      cp_async_16(smem + row * (HEAD_DIM + kPad) + chunk * 8, from, pos < tile_end ? 16 : 0);
+    }
+    cp_async_commit();
+  } else {
+    load_kv_tile<T, HEAD_DIM, FMT, IS_K>(smem, scale_smem, src, table, block_size, tile_start, tile_end,
+                                         threadIdx.x, blockDim.x);
+  }
+}
 
 template <typename T, int HEAD_DIM, int NUM_WARPS, KvFormat FMT>
 __global__ void __launch_bounds__(NUM_WARPS * 32) paged_attention_kernel(const PagedAttentionParams p) {
@@ -41,7 +72,7 @@ __global__ void __launch_bounds__(NUM_WARPS * 32) paged_attention_kernel(const P
   const int q_start = p.query_start_loc[seq];
   const int q_len = p.query_start_loc[seq + 1] - q_start;
   const int packed_rows = q_len * group;
-  const int row0 = blockIdx.x * kRows;
+  const int row0 = (gridDim.x - 1 - blockIdx.x) * kRows;  // the longest causal rows start first
   if (row0 >= packed_rows) return;  // uniform over the CTA
   const int seq_len = p.seq_lens[seq];
   const int ctx_len = seq_len - q_len;
@@ -86,27 +117,32 @@ __global__ void __launch_bounds__(NUM_WARPS * 32) paged_attention_kernel(const P
   const KvSource k_src = make_kv_source<T, FMT, true>(p, kv_head);
   const KvSource v_src = make_kv_source<T, FMT, false>(p, kv_head);
 
+  // Two tiles in flight: V(tile) loads while S = Q K(tile)^T is computed, K(next) while O += P V(tile).
+  // Dense pools copy with cp.async; 8-bit pools convert in registers and store (issue_kv_tile).
+  const int first_q_row = row0 / group;  // every row of the CTA sees at least [0, ctx_len + first_q_row]
+  if (kv_start < kv_end) {
+    issue_kv_tile<T, HEAD_DIM, FMT, true>(k_smem, ks_smem, k_src, table, p.block_size, kv_start, kv_end);
+  }
   for (int tile = kv_start; tile < kv_end; tile += kKvTile) {
-    __syncthreads();  // every warp is done with the previous tile
-    load_kv_tile<T, HEAD_DIM, FMT, true>(k_smem, ks_smem, k_src, table, p.block_size, tile, kv_end,
-                                         threadIdx.x, NUM_WARPS * 32);
-    load_kv_tile<T, HEAD_DIM, FMT, false>(v_smem, nullptr, v_src, table, p.block_size, tile, kv_end,
-                                          threadIdx.x, NUM_WARPS * 32);
-    __syncthreads();
+    cp_async_wait_all();
+    __syncthreads();  // K(tile) is in; every warp is done with V(previous tile)
+    issue_kv_tile<T, HEAD_DIM, FMT, false>(v_smem, nullptr, v_src, table, p.block_size, tile, kv_end);
 
     float s[kNTiles][4];  // S = Q K^T for the warp's 16 rows x kKvTile positions
 #pragma unroll
     for (int nt = 0; nt < kNTiles; ++nt) {
       s[nt][0] = s[nt][1] = s[nt][2] = s[nt][3] = 0.f;
 #pragma unroll
-      for (int ks = 0; ks < kDSteps; ++ks) {
-        const T* k_row = k_smem + (nt * 8 + g) * kStride + ks * 16 + 2 * t;
-        const uint32_t b[2] = {*reinterpret_cast<const uint32_t*>(k_row),
-                               *reinterpret_cast<const uint32_t*>(k_row + 8)};
-        Traits::mma(s[nt], q_frag[ks], b);
+      for (int ks = 0; ks < kDSteps; ks += 2) {  // one ldmatrix: B of k-steps ks and ks + 1
+        uint32_t b[4];
+        ldmatrix_x4(b, k_smem + (nt * 8 + lane % 8) * kStride + ks * 16 + (lane / 8) * 8);
+        Traits::mma(s[nt], q_frag[ks], {b[0], b[1]});
+        Traits::mma(s[nt], q_frag[ks + 1], {b[2], b[3]});
       }
     }
 
+    // masks only where the tile crosses kv_end or some row's causal horizon (uniform over the CTA)
+    const bool masked = tile + kKvTile > kv_end || tile + kKvTile - 1 > ctx_len + first_q_row;
     float tile_max[2] = {-INFINITY, -INFINITY};
 #pragma unroll
     for (int nt = 0; nt < kNTiles; ++nt) {
@@ -115,7 +151,7 @@ __global__ void __launch_bounds__(NUM_WARPS * 32) paged_attention_kernel(const P
         const int w = e / 2;  // c[0], c[1]: row g; c[2], c[3]: row g + 8
         const int col = nt * 8 + 2 * t + (e & 1);  // c[e] holds column 2t + (e & 1) of n-tile nt
         const int pos = tile + col;
-        const bool visible = pos < kv_end && pos <= ctx_len + q_row[w];
+        const bool visible = !masked || (pos < kv_end && pos <= ctx_len + q_row[w]);
         float col_scale = p.scale_log2;
         if constexpr (kFoldKScale) col_scale *= ks_smem[col];  // S = Q codes^T, times the K scale
         s[nt][e] = visible ? s[nt][e] * col_scale : -INFINITY;
@@ -137,6 +173,12 @@ __global__ void __launch_bounds__(NUM_WARPS * 32) paged_attention_kernel(const P
       }
     }
 
+    cp_async_wait_all();
+    __syncthreads();  // V(tile) is in; every warp is done with K(tile) and its scales
+    if (tile + kKvTile < kv_end) {
+      issue_kv_tile<T, HEAD_DIM, FMT, true>(k_smem, ks_smem, k_src, table, p.block_size, tile + kKvTile, kv_end);
+    }
+
 #pragma unroll
     for (int kk = 0; kk < kKvTile / 16; ++kk) {
       uint32_t a[4];  // P for positions [16 kk, 16 kk + 16): the C fragments of n-tiles 2kk, 2kk+1
@@ -151,11 +193,12 @@ __global__ void __launch_bounds__(NUM_WARPS * 32) paged_attention_kernel(const P
         a[2 * h + 1] = Traits::pack(p2, p3);
       }
 #pragma unroll
-      for (int dt = 0; dt < kDTiles; ++dt) {
-        const T* v_col = v_smem + (kk * 16 + 2 * t) * kStride + dt * 8 + g;
-        const uint32_t b[2] = {pack_pair(v_col, v_col + kStride),
-                               pack_pair(v_col + 8 * kStride, v_col + 9 * kStride)};
-        Traits::mma(o_acc[dt], a, b);
+      for (int dt = 0; dt < kDTiles; dt += 2) {  // one transposed ldmatrix: B of n-tiles dt and dt + 1
+        uint32_t b[4];
+        const int row = kk * 16 + lane % 8 + ((lane / 8) % 2) * 8;
+        ldmatrix_x4_trans(b, v_smem + row * kStride + dt * 8 + (lane / 16) * 8);
+        Traits::mma(o_acc[dt], a, {b[0], b[1]});
+        Traits::mma(o_acc[dt + 1], a, {b[2], b[3]});
       }
     }
   }

@@ -64,10 +64,14 @@ def test_unavailable_without_gpu():
 def test_plan_splits():
     from kvserve.kernels.cuda_ext import KV_TILE, plan_splits
 
-    for num_ctas, max_seq_len in [(1, 1), (8, 2048), (64, 8192), (10_000, 100), (3, 65)]:
-        num_splits, tokens_per_split = plan_splits(num_ctas, max_seq_len, num_sms=132)
-        assert tokens_per_split % KV_TILE == 0 and num_splits >= 1
-        assert (num_splits - 1) * tokens_per_split < max_seq_len <= num_splits * tokens_per_split
+    for ctas_per_sm in (2, 8):
+        for num_ctas, max_seq_len in [(1, 1), (8, 2048), (64, 8192), (10_000, 100), (3, 65), (512, 8192)]:
+            num_splits, tokens_per_split = plan_splits(num_ctas, max_seq_len, 132, ctas_per_sm)
+            assert tokens_per_split % KV_TILE == 0 and num_splits >= 1
+            assert (num_splits - 1) * tokens_per_split < max_seq_len <= num_splits * tokens_per_split
+    # batch 64 x 8 KV heads of one-warp decode CTAs at 8k: 3 splits reach 8 CTAs per SM, 2 per SM need none
+    assert plan_splits(512, 8192, 132, ctas_per_sm=8)[0] == 3
+    assert plan_splits(512, 8192, 132, ctas_per_sm=2)[0] == 1
 
 
 SHAPES = {
