@@ -114,13 +114,14 @@ stage_server() {
 }
 
 stage_profile() {
-  # Nsight Compute on one launch of each kernel that missed a target: the CUDA extension's decode and
-  # prefill, the Triton fp8 decode (where the runtime lets ncu read counters: Firecracker, not gVisor)
+  # Nsight Compute on one launch of each kernel that missed a target: the CUDA extension's prefill, the
+  # Triton fp8 prefill beside its bf16 one (the fp8 TTFT gap), the extension's decode, NestedFP's fp16
+  # mode (where the runtime lets ncu read counters: Firecracker, not gVisor)
   if [[ -z "$CHECK" ]] && ! command -v ncu >/dev/null; then echo "ncu not on PATH"; return 1; fi
   local sections=(--section SpeedOfLight --section MemoryWorkloadAnalysis --section Occupancy --section LaunchStats
     --section WarpStateStats --section SchedulerStats)
   local status=0
-  for cfg in "cuda decode dense" "cuda prompt dense" "triton decode fp8_e4m3" "nested fp16 -"; do
+  for cfg in "cuda prompt dense" "triton prompt fp8_e4m3" "triton prompt dense" "cuda decode dense" "nested fp16 -"; do
     set -- $cfg
     local cmd=("$PYTHON" scripts/gpu/profile_kernels.py --backend "$1" --case "$2" $CHECK)
     [[ "$3" == - ]] || cmd+=(--kv "$3")
