@@ -150,10 +150,12 @@ class ServeConfig:
         default="prefix", metadata={"help": "prefix (exact only) or any (also content matches)"}
     )
     recompute_strategy: str = field(
-        default="selective", metadata={"help": "repair for content matches: none, selective or cacheblend"}
+        default="selective",
+        metadata={"help": "repair for content matches: none, selective, cacheblend or query (query-aware)"},
     )
     recompute_tokens: int = field(
-        default=16, metadata={"help": "selective: recompute the first N tokens of every run of reused pieces"}
+        default=16,
+        metadata={"help": "selective, query: recompute the first N tokens of every run of reused pieces"},
     )
     sink_tokens: int = field(
         default=0, metadata={"help": "selective: always recompute the first N prompt tokens"}
@@ -162,7 +164,11 @@ class ServeConfig:
         default=0, metadata={"help": "selective: also recompute the last N tokens before each seam"}
     )
     blend_check_layer: int = field(
-        default=1, metadata={"help": "cacheblend: layers up to this one recompute every reused token"}
+        default=1,
+        metadata={
+            "help": "cacheblend: layers up to this one recompute every reused token; query: the layer "
+            "whose attention from the question ranks the reused tokens"
+        },
     )
     blend_seam_tokens: int = field(
         default=0,
@@ -173,7 +179,10 @@ class ServeConfig:
     )
     recompute_ratio: float = field(
         default=0.15,
-        metadata={"help": "cacheblend: fraction of reused tokens recomputed after the check layer"},
+        metadata={
+            "help": "cacheblend: fraction of reused tokens recomputed after the check layer; query: "
+            "fraction of the reused tokens past the run starts, by the question's attention"
+        },
     )
     reuse_min_saving: float = field(
         default=0.1,
@@ -254,7 +263,7 @@ _CHOICES: dict[str, tuple[str, ...]] = {
     "model_forward": ("auto", "hf"),
     "weight_precision": ("dense", "fp16", "fp8", "auto"),
     "reuse": ("prefix", "any"),
-    "recompute_strategy": ("none", "selective", "cacheblend"),
+    "recompute_strategy": ("none", "selective", "cacheblend", "query"),
     "pieces": ("fixed", "content"),
     "kv_disk_write": ("evicted", "all"),
 }

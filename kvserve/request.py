@@ -182,7 +182,7 @@ class ReuseOptions:
     """Per-request opt-in to approximate (content) reuse and its repair; None = the server's setting."""
 
     reuse: str | None = None  # "prefix" (exact only) or "any"
-    recompute_strategy: str | None = None  # none, selective, cacheblend
+    recompute_strategy: str | None = None  # none, selective, cacheblend, query
     recompute_tokens: int | None = None
     recompute_ratio: float | None = None
     blend_check_layer: int | None = None
@@ -192,9 +192,10 @@ class ReuseOptions:
     def __post_init__(self) -> None:
         if self.reuse not in (None, "prefix", "any"):
             raise InvalidRequestError(f"reuse must be 'prefix' or 'any' (got {self.reuse!r})", param="reuse")
-        if self.recompute_strategy not in (None, "none", "selective", "cacheblend"):
+        if self.recompute_strategy not in (None, "none", "selective", "cacheblend", "query"):
             raise InvalidRequestError(
-                f"recompute_strategy must be none, selective or cacheblend (got {self.recompute_strategy!r})",
+                "recompute_strategy must be none, selective, cacheblend or query "
+                f"(got {self.recompute_strategy!r})",
                 param="recompute_strategy",
             )
         for name in ("recompute_tokens", "recompute_ratio", "blend_check_layer", "blend_seam_tokens"):

@@ -241,7 +241,7 @@ class _Sampling(_Body):
     cache_salt: str | None = Field(default=None, min_length=1)
     # kvserve extensions: opt in to approximate (position-independent) reuse and tune its repair
     reuse: Literal["prefix", "any"] | None = None
-    recompute_strategy: Literal["none", "selective", "cacheblend"] | None = None
+    recompute_strategy: Literal["none", "selective", "cacheblend", "query"] | None = None
     recompute_tokens: int | None = _ranged("recompute_tokens")
     recompute_ratio: float | None = _ranged("recompute_ratio")
     blend_check_layer: int | None = _ranged("blend_check_layer")

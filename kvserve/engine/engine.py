@@ -338,6 +338,9 @@ class Engine:
                 except Exception as e:
                     self._fail(item.seq, "moving its content matches' KV", e)
                     items.remove(item)
+                    continue
+            if repair is not None and self.repairer is not None:
+                item.probe = self.repairer.probe(item)
         if not items:
             return []
         self.precision.apply(items, self.scheduler.chunks, self.config.chunk_size)

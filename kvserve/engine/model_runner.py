@@ -20,6 +20,7 @@ import torch
 
 from kvserve.attention.base import AttentionBackend, AttentionMetadata, SeqRows
 from kvserve.attention.forward_context import ForwardContext, forward_context
+from kvserve.attention.probe import AttentionProbe, ProbingBackend
 from kvserve.attention.positional import PositionalBackend
 from kvserve.engine.prompt_logprobs import ROWS_PER_BLOCK, PromptRows, rows_to_score, score
 from kvserve.kvcache.kv_storage import LayerKV
@@ -41,6 +42,7 @@ class StepInputs:
     work: Work = field(default_factory=Work)  # what the forward computes (scheduler/cost.py)
     prompt_rows: list[PromptRows] = field(default_factory=list)  # rows that score prompt tokens
     precision: RowPrecision | None = None  # NestedFP weights: each row's precision (its sequence's)
+    probes: list[AttentionProbe] = field(default_factory=list)  # attention measured beside the forward
 
 
 @dataclass
@@ -99,8 +101,12 @@ class ModelRunner:
         prompt_rows: list[PromptRows] = []
         row_precisions: list[str] = []
         work = Work()
+        probes = []
         for item in items:
             ids, r = self._rows(item)
+            if item.probe is not None:
+                item.probe.first_row = len(input_ids)
+                probes.append(item.probe)
             if item.positions is None:  # prefill rows [start, seq_len); they run every layer
                 start = r.seq_len - len(ids)
                 scored = rows_to_score(item.seq, start, r.seq_len)
@@ -133,6 +139,7 @@ class ModelRunner:
             work=work,
             prompt_rows=prompt_rows,
             precision=RowPrecision.of(row_precisions) if row_precisions else None,
+            probes=probes,
         )
 
     def backend_for(self, meta: AttentionMetadata) -> AttentionBackend:
@@ -146,6 +153,8 @@ class ModelRunner:
         """Runs the step: float32 logits of the sampled rows and the prompt logprobs of `prompt_rows`."""
         inputs = inputs if inputs is not None else self.prepare_inputs(batch)
         backend = self.backend_for(inputs.meta)
+        if inputs.probes:
+            backend = ProbingBackend(backend, self.layers, inputs.probes)
         if self.fused is not None:
             hidden = self.fused(
                 inputs.input_ids[0],

@@ -5,8 +5,11 @@ explicit position. Around them the engine:
   begin    before the first piece: copies the hits' KV into the sequence's blocks with K re-rotated
            from the old to the new positions, holds those blocks exact (their rows are written out
            of order, LayerKV.hold_exact), and for CacheBlend keeps the moved K at the check layer
+  probe    query-aware repair, on each first-pass piece that holds the question's rows: an
+           AttentionProbe the model runner measures at the first pass's last layer
   select   CacheBlend, when the first pass (every row through layers [0, check_layer]) is done: the
-           reused tokens whose fresh K at the check layer moved furthest from the moved K
+           reused tokens whose fresh K at the check layer moved furthest from the moved K; query-aware
+           repair: selective's marks and the reused tokens the question attended to most
   finish   the last pass is done: releases the hold
 """
 
@@ -16,10 +19,12 @@ from dataclasses import dataclass
 
 import torch
 
+from kvserve.attention.probe import AttentionProbe
 from kvserve.kvcache.block_pool import slot_mapping
 from kvserve.kvcache.kv_storage import LayerKV
 from kvserve.kvcache.rope import RopeRotator
-from kvserve.scheduler.repair import Repair
+from kvserve.scheduler.batch import ScheduledSeq
+from kvserve.scheduler.repair import Repair, query_positions, selective_positions
 from kvserve.scheduler.sequence import Sequence
 
 
@@ -66,13 +71,58 @@ class Repairer:
                 k = self.rotator.apply(k, rotation)  # rotated in float32, rounded once to compute_dtype
             kv.write(dst, k, v)
         repair.moved = True
-        if repair.passes[0].num_layers is not None:  # CacheBlend's first pass: keep what it overwrites
-            check = self.layers[repair.plan.check_layer]
+        if repair.plan.strategy == "cacheblend" and repair.passes[0].num_layers is not None:
+            check = self.layers[repair.plan.check_layer]  # the first pass overwrites it: keep it
             repair.check_k = check.read_slots(self._slots(seq, repair.reused))[0]
+        if repair.plan.strategy == "query":
+            repair.query_mass = torch.zeros(repair.num_prompt_tokens, dtype=torch.float32, device=self.device)
         return int(dst.numel()) * len(self.layers)
+
+    def probe(self, item: ScheduledSeq) -> AttentionProbe | None:
+        """Query-aware repair: the probe of a first-pass piece's question rows (None: it has none)."""
+        repair = item.seq.reuse.repair
+        if repair is None or not repair.probing or item.positions is None:
+            return None
+        asked = set(query_positions(repair.reused, repair.fresh))
+        rows = [i for i, p in enumerate(item.positions) if p in asked]
+        if not rows:
+            return None
+        layers = repair.passes[0].num_layers
+        assert layers is not None
+        n = max(item.positions[i] for i in rows) + 1
+        return AttentionProbe(
+            layer=layers - 1,
+            rows=rows,
+            positions=torch.tensor([item.positions[i] for i in rows], dtype=torch.long, device=self.device),
+            context_slots=self._slots(item.seq, list(range(n))),
+            mass=repair.query_mass[:n],  # a view: the probe adds into the repair's mass
+        )
 
     @torch.inference_mode()
     def select(self, seq: Sequence) -> None:
+        repair = seq.reuse.repair
+        assert repair is not None
+        if repair.plan.strategy == "query":
+            self._select_by_query(seq)
+        else:
+            self._select_by_deviation(seq)
+
+    def _select_by_query(self, seq: Sequence) -> None:
+        """Query-aware: selective's marks (run starts, the tokens before runs, the sink), and `ratio`
+        of the other reused tokens, those the question's rows put the most attention mass on."""
+        repair = seq.reuse.repair
+        assert repair is not None and repair.awaits_selection and repair.query_mass is not None
+        marks = set(selective_positions(repair.plan, repair.reused))
+        others = [p for p in repair.reused if p not in marks]
+        num_keep = round(repair.plan.recompute_ratio * len(others))
+        chosen: list[int] = []
+        if num_keep and others:
+            mass = repair.query_mass.cpu()[torch.tensor(others, dtype=torch.long)]
+            chosen = [others[i] for i in torch.topk(mass, num_keep).indices.tolist()]
+        repair.select(sorted(marks) + chosen)
+        repair.query_mass = None
+
+    def _select_by_deviation(self, seq: Sequence) -> None:
         """CacheBlend: `ratio` of the reused tokens: with seam_tokens, first the first tokens of every
         run (seam-aware); the rest those whose fresh K at the check layer deviates most from the
         moved K (squared distance over heads and dims). Ranking by K beat ranking by V and by both

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 from kvserve.kvcache.piece_index import PieceHit
 from kvserve.scheduler.sequence import Sequence
@@ -17,6 +18,8 @@ class ScheduledSeq:
     # layers they run through (None: all); else the rows are the num_new_tokens after the computed ones
     positions: list[int] | None = None
     num_layers: int | None = None
+    # query-aware repair: attention of some of these rows to measure at one layer (attention/probe.py)
+    probe: Any = None
 
 
 @dataclass
@@ -43,7 +46,7 @@ class BlendPlan:
     seq: Sequence
     prefix_len: int
     hits: list[ContentHit]  # sorted by dst_start, non-overlapping
-    strategy: str  # none, selective, cacheblend
+    strategy: str  # none, selective, cacheblend, query
     recompute_tokens: int
     sink_tokens: int
     overlap_tokens: int

@@ -25,7 +25,7 @@ from kvserve.kvcache.piece_index import Piece, PieceIndex
 from kvserve.kvcache.pieces import PieceCutter
 from kvserve.scheduler.batch import BlendPlan, ContentHit
 from kvserve.scheduler.cost import CostModel, Work
-from kvserve.scheduler.repair import positions, selective_positions
+from kvserve.scheduler.repair import positions, query_positions, selective_positions
 from kvserve.scheduler.sequence import Sequence
 
 TAKEN = "taken"
@@ -105,7 +105,8 @@ class ContentMatcher:
     def plan_work(self, plan: BlendPlan, n: int) -> Work:
         """The plan's passes (scheduler/repair.py) and the moving of its hits' KV. CacheBlend's second
         pass is not chosen yet: it is priced as the fresh tokens plus `ratio` of the reused ones at
-        their mean position."""
+        their mean position; so is query-aware repair's, after its first pass (the fresh rows through
+        the probe's layers) and the probe."""
         layers = self.cost.num_layers
         reused, fresh = positions(plan, n)
         work = Work(moved=len(reused) * layers)
@@ -114,6 +115,15 @@ class ContentMatcher:
             chosen = round(plan.recompute_ratio * len(reused))
             mean = sum(reused) / len(reused) if reused else 0.0
             work.add_rows(sum(fresh) + chosen * mean, len(fresh) + chosen, layers)
+            return work
+        if plan.strategy == "query":  # fresh rows through the probe's layers, then fresh + marks + ratio
+            work.add_rows(sum(fresh), len(fresh), min(plan.check_layer + 1, layers))
+            marks = selective_positions(plan, reused)
+            chosen = round(plan.recompute_ratio * (len(reused) - len(marks)))
+            mean = sum(reused) / len(reused) if reused else 0.0
+            work.add_rows(sum(fresh) + sum(marks) + chosen * mean, len(fresh) + len(marks) + chosen, layers)
+            probed = len(query_positions(reused, fresh))
+            work.attend += probed * n  # the probe's scores: probed rows x the context, at one layer
             return work
         rows = fresh + (selective_positions(plan, reused) if plan.strategy == "selective" else [])
         work.add_rows(sum(rows), len(rows), layers)

@@ -14,6 +14,11 @@ over whatever the slots held. The passes of each strategy:
               `ratio` of reused tokens whose fresh K at the check layer deviated most from the moved
               K, all layers (the engine picks them when the first pass ends; seam-aware, the first
               `seam_tokens` of every run are picked first)
+  query       query-aware: the fresh positions through layers [0, check_layer], the rows after the
+              last reused token (the request's question) probed there: their attention over the
+              moved KV (attention/probe.py); then fresh + selective's marks (run starts, the tokens
+              before runs, the sink) + the `ratio` of the other reused tokens the question attended
+              to most, all layers
 The second cacheblend pass recomputes layers [0, check_layer] of its rows with the same inputs the
 first pass had, so it writes the same values: the result is CacheBlend's single forward.
 
@@ -54,6 +59,7 @@ class Repair:
     fresh: list[int]  # positions computed because nothing reused covers them, sorted
     moved: bool = False  # the engine has copied the hits in (before the first piece)
     check_k: Any = None  # cacheblend: the moved K of `reused` at the check layer (a tensor)
+    query_mass: Any = None  # query: attention mass of the question's rows on every position (a tensor)
     token_layers: list[int] = field(init=False)  # rows each layer computed, over all passes
 
     def __post_init__(self) -> None:
@@ -65,9 +71,14 @@ class Repair:
 
     @property
     def awaits_selection(self) -> bool:
-        """CacheBlend's first pass is done and the second is not yet chosen."""
-        first = self.passes[0]
-        return len(self.passes) == 1 and first.num_layers is not None and first.finished
+        """CacheBlend's or query-aware repair's first pass is done and the second is not yet chosen."""
+        selects = self.plan.strategy in ("cacheblend", "query") and self.passes[0].num_layers is not None
+        return selects and len(self.passes) == 1 and self.passes[0].finished
+
+    @property
+    def probing(self) -> bool:
+        """Query-aware repair in its first pass: the question's rows are probed."""
+        return self.plan.strategy == "query" and len(self.passes) == 1 and not self.passes[0].finished
 
     @property
     def finished(self) -> bool:
@@ -100,7 +111,7 @@ class Repair:
         return {p for start, end in plan.runs() for p in range(start, min(end, start + plan.seam_tokens))}
 
     def select(self, chosen: list[int]) -> None:
-        """CacheBlend: the reused positions to recompute through every layer."""
+        """CacheBlend, query: the reused positions to recompute through every layer."""
         assert self.awaits_selection
         self.passes.append(RepairPass(sorted(set(self.fresh) | set(chosen)), None))
 
@@ -125,6 +136,12 @@ def positions(plan: BlendPlan, n: int) -> tuple[list[int], list[int]]:
     return reused, fresh
 
 
+def query_positions(reused: list[int], fresh: list[int]) -> list[int]:
+    """The rows query-aware repair probes: the fresh positions after the last reused one."""
+    last = reused[-1] if reused else -1
+    return [p for p in fresh if p > last]
+
+
 def selective_positions(plan: BlendPlan, reused: list[int]) -> list[int]:
     """Reused positions selective repair recomputes: run starts, the tokens before runs, the sink."""
     marks: set[int] = set(range(plan.sink_tokens))
@@ -142,6 +159,8 @@ def make_repair(plan: BlendPlan, n: int, num_layers: int) -> Repair:
         first_layers = plan.check_layer + 1
         every = list(range(plan.prefix_len, n))
         passes = [RepairPass(every, first_layers if first_layers < num_layers else None)]
+    elif plan.strategy == "query":  # the probe needs a layer the first pass stops at
+        passes = [RepairPass(fresh, min(plan.check_layer + 1, num_layers - 1))]
     else:
         passes = [RepairPass(fresh, None)]
     return Repair(plan, n, num_layers, passes, reused, fresh)

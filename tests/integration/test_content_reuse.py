@@ -47,6 +47,7 @@ def test_documents_in_new_order_are_reused_and_full_repair_equals_full_prefill()
     for opts in (
         ReuseOptions(reuse="any", recompute_strategy="cacheblend", recompute_ratio=1.0),
         ReuseOptions(reuse="any", recompute_strategy="selective", recompute_tokens=10**6),
+        ReuseOptions(reuse="any", recompute_strategy="query", recompute_ratio=1.0, recompute_tokens=0),
     ):
         (out,), (logits,) = generate_with_logits(llm, [prompt], GREEDY, opts)
         assert out.num_recomputed_tokens == 9 * CHUNK, opts
@@ -87,6 +88,81 @@ def test_cacheblend_spends_the_compute_it_reports():
     assert report.token_layers == [n + second, n + second, second, second]
     assert out.num_recomputed_tokens == selected and out.num_approx_cached_tokens == reused - selected
     assert out.compute_fraction == pytest.approx(sum(report.token_layers) / (4 * n))
+
+
+def test_query_aware_repair_recomputes_what_the_question_attends_to():
+    """The question's rows (after the last reused token) run through layers [0, check] first; their
+    attention at the check layer over the prompt, measured beside the forward, picks `ratio` of the
+    reused tokens past the run starts. The mass equals a softmax of the question's queries against the
+    pool's K at that layer (recomputed here with a hook), and the compute is what it reports."""
+    llm = make()
+    docs = [corpus_token_ids(llm, 4 * CHUNK, seed=50 + i) for i in range(2)]
+    for d in docs:
+        llm.warm(d)
+    prompt = _rag_prompt(llm, docs, [1, 0], seed=3)
+    n, reused = len(prompt), 8 * CHUNK
+    fresh = n - reused
+    question = 7  # _rag_prompt's tail: the rows after the last reused token
+    captured: dict = {}
+    repairer = llm.engine.repairer
+    original_select, original_finish = repairer.select, repairer.finish
+
+    def spy_select(seq):
+        captured["mass"] = seq.reuse.repair.query_mass.clone()
+        original_select(seq)
+        captured["chosen"] = set(seq.reuse.repair.passes[-1].positions) - set(seq.reuse.repair.fresh)
+
+    def spy_finish(seq):
+        captured["report"] = report = original_finish(seq)
+        return report
+
+    repairer.select, repairer.finish = spy_select, spy_finish  # type: ignore[method-assign]
+    opts = ReuseOptions(
+        reuse="any", recompute_strategy="query", recompute_ratio=0.25, recompute_tokens=4, blend_check_layer=1
+    )
+    (out,) = llm.generate([prompt], GREEDY, reuse=opts)
+    mass, chosen, report = captured["mass"], captured["chosen"], captured["report"]
+    # every probed row's softmax sums to 1 per head over positions it can see
+    heads = llm.engine.model.config.num_attention_heads
+    assert mass.sum().item() == pytest.approx(question * heads, rel=1e-4)
+    assert mass.shape == (n,)
+    # two runs (each document whole): their first 4 tokens, then 25 % of the other reused tokens by mass
+    starts = {2 * CHUNK + i for i in range(4)} | {6 * CHUNK + i for i in range(4)}
+    others = [p for p in range(2 * CHUNK, 10 * CHUNK) if p not in starts]
+    keep = round(0.25 * len(others))
+    ranked = sorted(others, key=lambda p: -mass[p].item())
+    assert chosen == starts | set(ranked[:keep])
+    assert min(mass[p].item() for p in ranked[:keep]) >= max(mass[p].item() for p in ranked[keep:])
+    # fresh rows through layers 0-1 first, then fresh + chosen through all 4 layers
+    second = fresh + len(chosen)
+    assert report.token_layers == [fresh + second, fresh + second, second, second]
+    assert out.num_recomputed_tokens == len(chosen) and out.num_approx_cached_tokens == reused - len(chosen)
+    assert out.compute_fraction == pytest.approx(sum(report.token_layers) / (4 * n))
+
+
+def test_attention_probe_equals_a_softmax_over_the_pool():
+    """AttentionProbe.observe against the attention weights written out for one layer's K."""
+    import torch
+
+    from kvserve.attention.probe import AttentionProbe
+    from kvserve.quant.storage import create_layer_kv
+
+    gen = torch.Generator().manual_seed(0)
+    heads, kv_heads, d, bs, n = 4, 2, 16, 8, 21
+    kv = create_layer_kv("auto", 4, bs, kv_heads, d, torch.float32)
+    k = torch.randn(n, kv_heads, d, generator=gen)
+    slots = torch.randperm(32, generator=gen)[:n]
+    kv.write(slots, k, torch.randn(n, kv_heads, d, generator=gen))
+    query = torch.randn(10, heads, d, generator=gen)  # a step of 10 rows; rows 6-8 are probed
+    positions = torch.tensor([14, 17, 20])
+    probe = AttentionProbe(1, [1, 2, 3], positions, slots, torch.zeros(n), first_row=5)
+    probe.observe(query, kv, 0.25)
+    expect = torch.zeros(n)
+    for r, p in zip(range(6, 9), positions.tolist(), strict=True):
+        for h in range(heads):
+            logits = (k[: p + 1, h // 2] @ query[r, h]) * 0.25
+            expect[: p + 1] += torch.softmax(logits.double(), 0).float()
+    assert torch.allclose(probe.mass, expect, atol=1e-5)
 
 
 def test_selective_repairs_only_run_starts_and_registers_only_exact_chunks():

@@ -1,0 +1,462 @@
+"""Approximate reuse judged by answers: task accuracy of each repair strategy against full prefill.
+
+Three measures on held-out documents written here (fictional entities, random values, generic
+filler; nothing is tuned to one set: --seed draws another):
+  lookup     each document plants one fact; the question asks for one of the prompt's facts; the
+             answer is right when the generated text holds the planted value
+  multihop   one question asks for two facts that sit in two different documents of the prompt; right
+             when both values appear
+  freeform   "what do the documents say about X": 32 greedy tokens, compared with the full
+             prefill's answer (exact match, ROUGE-L F1 over words)
+Every prompt is a fixed system header, 3-6 documents in a new order, and the question. Every document
+is first met inside other prompts: seeding prompts (served exactly on the reuse engine) carry each
+document before any scored prompt, so the cache holds its KV as computed in another context, and no
+document is warmed alone. Full prefill runs on an engine with caching off; each strategy runs on one
+engine holding the seeded cache, with every plan taken (--reuse-min-saving -10: this measures the
+strategies, not the cost model's choice); strategies are interleaved per prompt.
+
+Per measure and strategy: accuracy with a 95 % Wilson interval, accuracy relative to full prefill,
+TTFT p50 and relative to full prefill, compute fraction (token-layers computed / a full prefill's),
+and for freeform exact match and ROUGE-L. --plot draws quality against TTFT (the Pareto front).
+
+    python scripts/bench_reuse_quality.py [--model smollm2-135m] [--prompts 200] [--json F] [--plot F]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import platform
+import random
+import statistics
+import sys
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from kvserve import LLM, SamplingParams  # noqa: E402
+from kvserve.request import ReuseOptions  # noqa: E402
+
+STRATEGIES: dict[str, ReuseOptions | None] = {
+    "full prefill": None,
+    "none": ReuseOptions(reuse="any", recompute_strategy="none"),
+    "selective R=16": ReuseOptions(reuse="any", recompute_strategy="selective", recompute_tokens=16),
+    "cacheblend 0.15": ReuseOptions(reuse="any", recompute_strategy="cacheblend", recompute_ratio=0.15),
+    "cacheblend 0.30": ReuseOptions(reuse="any", recompute_strategy="cacheblend", recompute_ratio=0.30),
+    # query-aware: the run starts (R tokens), then `ratio` of the rest by the question's attention
+    "query R=4 0.15": ReuseOptions(
+        reuse="any", recompute_strategy="query", recompute_tokens=4, recompute_ratio=0.15
+    ),
+    "query R=4 0.30": ReuseOptions(
+        reuse="any", recompute_strategy="query", recompute_tokens=4, recompute_ratio=0.30
+    ),
+}
+
+# ---------------------------------------------------------------------------------------------
+# the task: documents with planted facts
+
+SYLLABLES = "ka ro mi tel vos an dur ly sen qua bre fo zin gal tor ep ul nix ham ot ra vel cor dis".split()
+CITIES = (
+    "Lisbon Oslo Nairobi Quito Hanoi Tbilisi Perth Dakar Lima Riga Tunis Cusco Bergen Accra Sapporo "
+    "Kraków Valparaíso Ghent Mombasa Tallinn Cebu Leeds Porto Tromsø Arequipa Kigali Turku Izmir"
+).split()
+COLORS = "red green blue yellow purple orange silver black white golden".split()
+ANIMALS = "otter falcon lynx heron badger gecko walrus ibis marten wombat".split()
+KINDS = ("project", "company", "observatory", "laboratory", "festival", "expedition", "library", "ship")
+FILLER = [
+    "The {kind} {name} has been described in several internal reports over the years.",
+    "Staff at {name} meet every Monday to review the schedule for the coming weeks.",
+    "Visitors often remark that {name} is quieter than they expected.",
+    "The annual summary of {name} lists its budget, its staff and its main activities.",
+    "Most of the records of {name} are kept in a small archive near the entrance.",
+    "A new manager joined {name} last spring and reorganised the work into three teams.",
+    "The {kind} {name} publishes a short newsletter at the end of every season.",
+    "Several partners have worked with {name} on training and outreach.",
+    "The building that houses {name} was renovated after a long debate about costs.",
+    "People who work at {name} describe the atmosphere as friendly and focused.",
+    "An external review praised the way {name} documents its decisions.",
+    "The website of {name} is updated whenever a new report becomes available.",
+    "During the winter, {name} reduces its opening hours and focuses on planning.",
+    "A small committee decides which proposals {name} will support next year.",
+    "Local newspapers have written about {name} a handful of times.",
+    "The {kind} {name} keeps a list of volunteers who help during busy periods.",
+    "Some of the equipment used by {name} was donated by a regional foundation.",
+    "New members of {name} receive a short guide that explains the daily routine.",
+    "The oldest photograph of {name} shows a much smaller group of people.",
+    "Questions about {name} are usually answered by the front office within a week.",
+    "Every few years {name} invites outside experts to review its methods.",
+    "The {kind} {name} shares a parking area with two neighbouring organisations.",
+    "According to its staff, {name} still has room to grow.",
+    "A detailed history of {name} has never been written down in one place.",
+]
+# (fact sentence, question, value kind); {v} is the planted value
+FACTS = [
+    ("The access code of {name} is {v}.", "What is the access code of {name}?", "code"),
+    ("{name} is based in the city of {v}.", "In which city is {name} based?", "city"),
+    ("The mascot of {name} is a {v}.", "What animal is the mascot of {name}?", "animal"),
+    ("The official color of {name} is {v}.", "What is the official color of {name}?", "color"),
+    ("{name} was founded in the year {v}.", "In which year was {name} founded?", "year"),
+]
+SYSTEM = "You are a helpful assistant. Answer the question using only the documents."
+
+
+@dataclass
+class Doc:
+    name: str
+    kind: str
+    fact: int  # index into FACTS
+    value: str
+    text: str
+    ids: list[int] = field(default_factory=list)
+
+    @property
+    def question(self) -> str:
+        return FACTS[self.fact][1].format(name=self.name)
+
+
+def value_for(kind: str, rng: random.Random) -> str:
+    if kind == "code":
+        return str(rng.randint(1000, 9999))
+    if kind == "year":
+        return str(rng.randint(1820, 2015))
+    return rng.choice({"city": CITIES, "animal": ANIMALS, "color": COLORS}[kind])
+
+
+def make_docs(n: int, rng: random.Random) -> list[Doc]:
+    """n documents about distinct fictional entities, each with 10-14 filler sentences (about 200-280
+    tokens) and one planted fact at a random place among them."""
+    docs: list[Doc] = []
+    names: set[str] = set()
+    while len(docs) < n:
+        name = "".join(rng.sample(SYLLABLES, rng.randint(2, 3))).capitalize()
+        if name in names:
+            continue
+        names.add(name)
+        kind = rng.choice(KINDS)
+        fact = rng.randrange(len(FACTS))
+        value = value_for(FACTS[fact][2], rng)
+        sentences = [s.format(kind=kind, name=name) for s in rng.sample(FILLER, rng.randint(10, 14))]
+        sentences.insert(rng.randint(0, len(sentences)), FACTS[fact][0].format(name=name, v=value))
+        text = f"Document: the {kind} {name}.\n" + " ".join(sentences)
+        docs.append(Doc(name, kind, fact, value, text))
+    return docs
+
+
+@dataclass
+class Prompt:
+    measure: str
+    doc_ids: list[int]  # documents in prompt order
+    question: str
+    answers: list[str]  # every one must appear (lookup: 1, multihop: 2, freeform: none)
+    ids: list[int] = field(default_factory=list)
+
+
+def make_prompts(measure: str, docs: list[Doc], n: int, rng: random.Random) -> list[Prompt]:
+    prompts = []
+    for _ in range(n):
+        chosen = rng.sample(range(len(docs)), rng.randint(3, 6))  # a new order every time
+        if measure == "lookup":
+            d = docs[rng.choice(chosen)]
+            prompts.append(Prompt(measure, chosen, d.question, [d.value]))
+        elif measure == "multihop":
+            a, b = (docs[i] for i in rng.sample(chosen, 2))
+            q = a.question[:-1] + ", and " + b.question[0].lower() + b.question[1:]
+            prompts.append(Prompt(measure, chosen, q, [a.value, b.value]))
+        else:
+            d = docs[rng.choice(chosen)]
+            prompts.append(Prompt(measure, chosen, f"What do the documents say about {d.name}?", []))
+    return prompts
+
+
+def seeding_groups(num_docs: int, rng: random.Random, per_doc: int = 2) -> list[list[int]]:
+    """Groups of 4 documents such that every document appears in `per_doc` groups: the seeding
+    prompts that put each document in the cache inside other documents' context."""
+    groups: list[list[int]] = []
+    for _ in range(per_doc):
+        order = list(range(num_docs))
+        rng.shuffle(order)
+        groups += [order[i : i + 4] for i in range(0, num_docs, 4)]
+    return groups
+
+
+class Encoder:
+    """Prompt token ids assembled from separately tokenized parts, so a document has the same ids in
+    every prompt (what content reuse matches), in the model's chat format."""
+
+    def __init__(self, tokenizer):  # type: ignore[no-untyped-def]
+        self.tok = tokenizer
+        chat = tokenizer.hf.apply_chat_template(
+            [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "\x00"}],
+            tokenize=False,
+            add_generation_prompt=True,
+        )
+        head, tail = chat.split("\x00")
+        self.head = self.encode(head)
+        self.tail = self.encode(tail)
+        self.sep = self.encode("\n\n")
+
+    def encode(self, text: str) -> list[int]:
+        return self.tok.encode(text)
+
+    def prompt(self, docs: list[Doc], order: list[int], question: str) -> list[int]:
+        ids = list(self.head)
+        for i in order:
+            ids += docs[i].ids + self.sep
+        return ids + self.encode("Question: " + question) + self.tail
+
+
+# ---------------------------------------------------------------------------------------------
+# scoring
+
+
+def correct(text: str, answers: list[str]) -> bool:
+    low = text.lower()
+    return all(a.lower() in low for a in answers)
+
+
+def rouge_l(a: str, b: str) -> float:
+    """ROUGE-L F1 over lower-cased words (longest common subsequence)."""
+    x, y = a.lower().split(), b.lower().split()
+    if not x or not y:
+        return float(x == y)
+    prev = [0] * (len(y) + 1)
+    for xi in x:
+        cur = [0]
+        for j, yj in enumerate(y):
+            cur.append(prev[j] + 1 if xi == yj else max(prev[j + 1], cur[j]))
+        prev = cur
+    lcs = prev[-1]
+    if lcs == 0:
+        return 0.0
+    p, r = lcs / len(x), lcs / len(y)
+    return 2 * p * r / (p + r)
+
+
+def wilson(k: float, n: int, z: float = 1.96) -> tuple[float, float]:
+    """95 % Wilson score interval of a proportion k / n."""
+    if n == 0:
+        return (0.0, 1.0)
+    p = k / n
+    d = 1 + z * z / n
+    c = (p + z * z / (2 * n)) / d
+    h = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / d
+    return (max(0.0, c - h), min(1.0, c + h))
+
+
+def machine_line() -> str:
+    from machine import cpu_name
+
+    return (
+        f"{cpu_name()}, {platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}, "
+        f"{torch.get_num_threads()} threads"
+    )
+
+
+# ---------------------------------------------------------------------------------------------
+# the run
+
+MAX_TOKENS = {"lookup": 24, "multihop": 40, "freeform": 32}  # lookup and multihop stop at EOS
+
+
+def serve(llm: LLM, ids: list[int], opts: ReuseOptions | None, max_tokens: int):  # type: ignore[no-untyped-def]
+    (out,) = llm.generate([ids], SamplingParams(max_tokens=max_tokens, temperature=0), reuse=opts)
+    return out
+
+
+def run_measure(
+    measure: str,
+    args: argparse.Namespace,
+    strategies: dict[str, ReuseOptions | None],
+    rng: random.Random,
+) -> dict:
+    """One measure: fresh documents, seeding, then every prompt under every strategy."""
+    llm = LLM(model=args.model, max_cache_bytes=4_000_000_000, reuse_min_saving=-10.0)
+    cold = LLM(model=args.model, enable_prefix_caching=False, max_cache_bytes=500_000_000)
+    enc = Encoder(llm.tokenizer)
+    docs = make_docs(args.docs, rng)
+    for d in docs:
+        d.ids = enc.encode(d.text)
+    groups = seeding_groups(len(docs), rng)
+    seed_q = "Which documents mention a city?"
+    t0 = time.perf_counter()
+    for g in groups:  # exact serving: the documents' KV enters the cache in these contexts
+        serve(llm, enc.prompt(docs, g, seed_q), ReuseOptions(reuse="prefix"), 1)
+    seeding_s = time.perf_counter() - t0
+    prompts = make_prompts(measure, docs, args.prompts, rng)
+    serve(cold, enc.prompt(docs, prompts[0].doc_ids, "warm-up")[:64], None, 1)  # code paths only
+    rows: dict[str, dict[str, list[float]]] = {name: {} for name in strategies}
+    samples = []
+    max_tokens = MAX_TOKENS[measure]
+    for i, p in enumerate(prompts):
+        p.ids = enc.prompt(docs, p.doc_ids, p.question)
+        ref = serve(cold, p.ids, None, max_tokens)
+        record: dict = {"prompt": i, "answers": p.answers, "full": ref.text}
+        for name, opts in strategies.items():
+            out = ref if opts is None else serve(llm, p.ids, opts, max_tokens)
+            r = rows[name]
+            r.setdefault("ttft", []).append(out.metrics.ttft_s or 0.0)
+            r.setdefault("compute", []).append(
+                out.compute_fraction if out.compute_fraction is not None else 1.0
+            )
+            r.setdefault("reused", []).append(out.num_approx_cached_tokens / len(p.ids))
+            if measure == "freeform":
+                r.setdefault("exact", []).append(float(out.token_ids == ref.token_ids))
+                r.setdefault("rouge", []).append(rouge_l(out.text, ref.text))
+            else:
+                r.setdefault("correct", []).append(float(correct(out.text, p.answers)))
+            if opts is not None:
+                record[name] = out.text
+        samples.append(record)
+        if args.progress and (i + 1) % args.progress == 0:
+            print(f"  {measure}: {i + 1}/{len(prompts)} prompts", file=sys.stderr, flush=True)
+    return {
+        "rows": rows,
+        "docs": len(docs),
+        "seeding_prompts": len(groups),
+        "seeding_s": seeding_s,
+        "avg_prompt_tokens": statistics.fmean(len(p.ids) for p in prompts),
+        "samples": samples[: args.keep_samples],
+    }
+
+
+def summarise(measure: str, result: dict) -> dict[str, dict[str, float]]:
+    rows = result["rows"]
+    full = rows["full prefill"]
+    full_ttft = statistics.median(full["ttft"])
+    quality_key = "rouge" if measure == "freeform" else "correct"
+    full_q = statistics.fmean(full[quality_key])
+    table = {}
+    for name, r in rows.items():
+        n = len(r["ttft"])
+        q = statistics.fmean(r[quality_key])
+        entry = {
+            "n": n,
+            "quality": q,
+            "x_full": q / full_q if full_q else float("nan"),
+            "ttft_p50_ms": statistics.median(r["ttft"]) * 1000,
+            "ttft_x_full": statistics.median(r["ttft"]) / full_ttft,
+            "compute": statistics.fmean(r["compute"]),
+            "reused": statistics.fmean(r["reused"]),
+        }
+        if measure == "freeform":
+            entry["exact"] = statistics.fmean(r["exact"])
+            lo, hi = mean_interval(r["rouge"])
+        else:
+            lo, hi = wilson(sum(r["correct"]), n)
+        entry["lo"], entry["hi"] = lo, hi
+        table[name] = entry
+    return table
+
+
+def mean_interval(xs: list[float]) -> tuple[float, float]:
+    """95 % normal interval of a mean (ROUGE-L is not a proportion)."""
+    m = statistics.fmean(xs)
+    if len(xs) < 2:
+        return (m, m)
+    h = 1.96 * statistics.stdev(xs) / math.sqrt(len(xs))
+    return (m - h, m + h)
+
+
+def print_table(measure: str, result: dict, table: dict[str, dict[str, float]]) -> None:
+    what = "ROUGE-L F1 vs full (95 % CI)" if measure == "freeform" else "accuracy (95 % CI)"
+    print(
+        f"\n### {measure}: {table['full prefill']['n']} prompts of {result['avg_prompt_tokens']:.0f} tokens on "
+        f"average, {result['docs']} documents, {result['seeding_prompts']} seeding prompts\n"
+    )
+    extra = " exact match |" if measure == "freeform" else ""
+    print(
+        f"| strategy | {what} | x full prefill | TTFT p50 ms | x full TTFT | compute fraction | reused |{extra}"
+    )
+    print("|---|---|---|---|---|---|---|" + ("---|" if extra else ""))
+    for name, e in table.items():
+        line = (
+            f"| {name} | {e['quality']:.3f} ({e['lo']:.3f}-{e['hi']:.3f}) | {e['x_full']:.3f} | "
+            f"{e['ttft_p50_ms']:.0f} | {e['ttft_x_full']:.2f} | {e['compute']:.3f} | {e['reused']:.2f} |"
+        )
+        if extra:
+            line += f" {e['exact']:.3f} |"
+        print(line)
+
+
+def plot(results: dict, path: str) -> None:
+    """One panel per measure: quality (relative to full prefill) against TTFT (relative), per strategy."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    measures = [m for m in ("lookup", "multihop", "freeform") if m in results["tables"]]
+    fig, axes = plt.subplots(1, len(measures), figsize=(5.5 * len(measures), 4.5), squeeze=False)
+    for ax, m in zip(axes[0], measures, strict=True):
+        for name, e in results["tables"][m].items():
+            color = "tab:red" if name == "full prefill" else "tab:blue"
+            ax.scatter(e["ttft_x_full"], e["x_full"], s=40, color=color)
+            ax.annotate(
+                name, (e["ttft_x_full"], e["x_full"]), fontsize=7, xytext=(4, 3), textcoords="offset points"
+            )
+        ax.axhline(0.97 if m == "lookup" else 0.95, color="gray", lw=0.8, ls="--")
+        ax.axvline(0.5, color="gray", lw=0.8, ls=":")
+        ax.set_xlabel("TTFT p50, x full prefill")
+        ax.set_ylabel(("ROUGE-L" if m == "freeform" else "accuracy") + ", x full prefill")
+        ax.set_title(f"{m} ({results['model']})")
+        ax.grid(alpha=0.3)
+    fig.tight_layout()
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    fig.savefig(path, dpi=110)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--model", default="smollm2-135m")
+    ap.add_argument("--measures", default="lookup,multihop,freeform")
+    ap.add_argument("--strategies", default="", help="comma-separated names (default: all)")
+    ap.add_argument("--prompts", type=int, default=200, help="scored prompts per measure")
+    ap.add_argument("--docs", type=int, default=60, help="documents per measure")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--threads", type=int, default=0)
+    ap.add_argument("--progress", type=int, default=25, help="print progress every N prompts (0: never)")
+    ap.add_argument("--keep-samples", type=int, default=20, help="answers kept in the JSON per measure")
+    ap.add_argument("--json", default="")
+    ap.add_argument("--plot", default="")
+    ap.add_argument("--replot", default="", help="only redraw --plot from this --json file")
+    args = ap.parse_args()
+    if args.replot:
+        with open(args.replot) as f:
+            plot(json.load(f), args.plot)
+        return
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    names = args.strategies.split(",") if args.strategies else list(STRATEGIES)
+    unknown = [n for n in names if n not in STRATEGIES]
+    if unknown:
+        ap.error(f"unknown strategies {unknown}; known: {list(STRATEGIES)}")
+    strategies = {"full prefill": None, **{n: STRATEGIES[n] for n in names if n != "full prefill"}}
+    results: dict = {
+        "model": args.model,
+        "machine": machine_line(),
+        "seed": args.seed,
+        "tables": {},
+        "raw": {},
+    }
+    print(f"## {args.model}; {results['machine']}")
+    for k, measure in enumerate(args.measures.split(",")):
+        rng = random.Random(args.seed * 1000 + k)
+        result = run_measure(measure, args, strategies, rng)
+        table = summarise(measure, result)
+        print_table(measure, result, table)
+        results["tables"][measure] = table
+        results["raw"][measure] = result
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(results, f, indent=1)
+    if args.plot:
+        plot(results, args.plot)
+
+
+if __name__ == "__main__":
+    main()
