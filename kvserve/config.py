@@ -196,13 +196,21 @@ class ServeConfig:
         default=0.02,
         metadata={
             "help": "fraction of approximately reused prompts recomputed in full when the engine is idle, "
-            "to measure the served first token's KL and top-1 agreement (0 = only requests with audit: true)"
+            "to measure the served tokens' KL and agreement (0 = only requests with audit: true)"
         },
     )
     audit_max_kl: float = field(
         default=0.1,
         metadata={
-            "help": "stop approximate reuse of a document whose audited first-token KL exceeds this (nats)"
+            "help": "stop approximate reuse of a document whose audited KL, averaged along the served "
+            "tokens, exceeds this (nats)"
+        },
+    )
+    audit_tokens: int = field(
+        default=16,
+        metadata={
+            "help": "the audit compares this many served tokens with a full prefill's distributions "
+            "there (teacher-forced): greedy agreement and the mean KL"
         },
     )
     pieces: str = field(
@@ -312,6 +320,8 @@ def validate(cfg: ServeConfig) -> None:
         raise ConfigError(f"audit_rate must be in [0, 1] (got {cfg.audit_rate})")
     if not cfg.audit_max_kl > 0.0:
         raise ConfigError(f"audit_max_kl must be positive (got {cfg.audit_max_kl})")
+    if cfg.audit_tokens < 1:
+        raise ConfigError(f"audit_tokens must be at least 1 (got {cfg.audit_tokens})")
     if not 0.0 <= cfg.recompute_ratio <= 1.0:
         raise ConfigError(f"recompute_ratio must be in [0, 1] (got {cfg.recompute_ratio})")
     if not 0 < cfg.piece_min_tokens <= cfg.piece_max_tokens:

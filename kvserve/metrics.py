@@ -366,16 +366,30 @@ def _reuse_quality(name: str, reuse: ContentReuseStats) -> Iterator[Metric]:
         "Share of audited prompts whose served first token's top-1 equals the full prefill's.",
         labels=["model_name", "strategy"],
     )
+    mean_kl = GaugeMetricFamily(
+        "kvserve:audit_mean_kl",
+        "Audited KL(full prefill || served), nats, averaged along each request's served tokens (up to "
+        "--audit-tokens), by repair strategy; quantiles over requests (1 = max).",
+        labels=["model_name", "strategy", "quantile"],
+    )
+    greedy = GaugeMetricFamily(
+        "kvserve:audit_greedy_agreement",
+        "Share of audited served tokens that are the full prefill's greedy choice at their position.",
+        labels=["model_name", "strategy"],
+    )
     for strategy, a in reuse.audit.items():
         for q, value in (("0.5", a.kl_p50), ("0.95", a.kl_p95), ("1", a.kl_max)):
             kl.add_metric([name, strategy, q], value)
+        for q, value in (("0.5", a.mean_kl_p50), ("0.95", a.mean_kl_p95), ("1", a.mean_kl_max)):
+            mean_kl.add_metric([name, strategy, q], value)
         audits.add_metric([name, strategy], float(a.num_audited))
         agree.add_metric([name, strategy], a.top1_agreement)
-    yield from (kl, audits, agree)
+        greedy.add_metric([name, strategy], a.greedy_agreement)
+    yield from (kl, audits, agree, mean_kl, greedy)
     for metric_name, doc, value in (
         (
             "kvserve:audit_guard_fired",
-            "Audits over --audit-max-kl (their documents are guarded).",
+            "Audits whose mean KL is over --audit-max-kl (their documents are guarded).",
             reuse.num_guard_fired,
         ),
         (

@@ -17,7 +17,10 @@ strategies, not the cost model's choice); strategies are interleaved per prompt.
 
 Per measure and strategy: accuracy with a 95 % Wilson interval, accuracy relative to full prefill,
 TTFT p50 and relative to full prefill, compute fraction (token-layers computed / a full prefill's),
-and for freeform exact match and ROUGE-L. --plot draws quality against TTFT (the Pareto front).
+and for freeform exact match and ROUGE-L. Every --audit-every'th prompt of each strategy is audited
+(engine/audit.py: its served tokens against a full prefill fed the same tokens); the audit's greedy
+agreement and mean KL per strategy are printed beside the task quality with their rank correlation.
+--plot draws quality against TTFT (the Pareto front).
 
     python scripts/bench_reuse_quality.py [--model smollm2-135m] [--prompts 200] [--json F] [--plot F]
 """
@@ -25,6 +28,7 @@ and for freeform exact match and ROUGE-L. --plot draws quality against TTFT (the
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import os
@@ -54,6 +58,9 @@ STRATEGIES: dict[str, ReuseOptions | None] = {
     ),
     "query R=4 0.30": ReuseOptions(
         reuse="any", recompute_strategy="query", recompute_tokens=4, recompute_ratio=0.30
+    ),
+    "query R=4 0.15 L8": ReuseOptions(
+        reuse="any", recompute_strategy="query", recompute_tokens=4, recompute_ratio=0.15, blend_check_layer=8
     ),
 }
 
@@ -128,7 +135,7 @@ def value_for(kind: str, rng: random.Random) -> str:
 
 
 def make_docs(n: int, rng: random.Random) -> list[Doc]:
-    """n documents about distinct fictional entities, each with 10-14 filler sentences (about 200-280
+    """n documents about distinct fictional entities, each with 6-9 filler sentences (about 130-190
     tokens) and one planted fact at a random place among them."""
     docs: list[Doc] = []
     names: set[str] = set()
@@ -140,7 +147,7 @@ def make_docs(n: int, rng: random.Random) -> list[Doc]:
         kind = rng.choice(KINDS)
         fact = rng.randrange(len(FACTS))
         value = value_for(FACTS[fact][2], rng)
-        sentences = [s.format(kind=kind, name=name) for s in rng.sample(FILLER, rng.randint(10, 14))]
+        sentences = [s.format(kind=kind, name=name) for s in rng.sample(FILLER, rng.randint(6, 9))]
         sentences.insert(rng.randint(0, len(sentences)), FACTS[fact][0].format(name=name, v=value))
         text = f"Document: the {kind} {name}.\n" + " ".join(sentences)
         docs.append(Doc(name, kind, fact, value, text))
@@ -290,6 +297,7 @@ def run_measure(
     prompts = make_prompts(measure, docs, args.prompts, rng)
     serve(cold, enc.prompt(docs, prompts[0].doc_ids, "warm-up")[:64], None, 1)  # code paths only
     rows: dict[str, dict[str, list[float]]] = {name: {} for name in strategies}
+    audited: dict[str, str] = {}  # request id -> strategy name (--audit-every)
     samples = []
     max_tokens = MAX_TOKENS[measure]
     for i, p in enumerate(prompts):
@@ -297,7 +305,12 @@ def run_measure(
         ref = serve(cold, p.ids, None, max_tokens)
         record: dict = {"prompt": i, "answers": p.answers, "full": ref.text}
         for name, opts in strategies.items():
+            audit = opts is not None and args.audit_every > 0 and i % args.audit_every == 0
+            if audit:
+                opts = dataclasses.replace(opts, audit=True)
             out = ref if opts is None else serve(llm, p.ids, opts, max_tokens)
+            if audit:
+                audited[out.request_id] = name
             r = rows[name]
             r.setdefault("ttft", []).append(out.metrics.ttft_s or 0.0)
             r.setdefault("compute", []).append(
@@ -314,6 +327,14 @@ def run_measure(
         samples.append(record)
         if args.progress and (i + 1) % args.progress == 0:
             print(f"  {measure}: {i + 1}/{len(prompts)} prompts", file=sys.stderr, flush=True)
+    llm.engine.run_background()  # the audits' recomputes, fed the served tokens
+    for result in llm.engine.auditor.results:
+        name = audited.get(result.request_id)
+        if name is not None:
+            r = rows[name]
+            r.setdefault("audit_mean_kl", []).append(result.mean_kl)
+            r.setdefault("audit_agreement", []).append(result.agreement)
+            r.setdefault("audit_first_kl", []).append(result.first_kl)
     return {
         "rows": rows,
         "docs": len(docs),
@@ -343,6 +364,10 @@ def summarise(measure: str, result: dict) -> dict[str, dict[str, float]]:
             "compute": statistics.fmean(r["compute"]),
             "reused": statistics.fmean(r["reused"]),
         }
+        for key in ("audit_mean_kl", "audit_agreement", "audit_first_kl"):
+            if r.get(key):
+                entry[key] = statistics.fmean(r[key])
+                entry["audited"] = len(r[key])
         if measure == "freeform":
             entry["exact"] = statistics.fmean(r["exact"])
             lo, hi = mean_interval(r["rouge"])
@@ -381,6 +406,46 @@ def print_table(measure: str, result: dict, table: dict[str, dict[str, float]]) 
         if extra:
             line += f" {e['exact']:.3f} |"
         print(line)
+    audits = {n: e for n, e in table.items() if "audited" in e}
+    if audits:
+        print("\n| strategy | audited | audit: greedy agreement | mean KL | first-token KL | task quality |")
+        print("|---|---|---|---|---|---|")
+        for name, e in audits.items():
+            print(
+                f"| {name} | {e['audited']} | {e['audit_agreement']:.3f} | {e['audit_mean_kl']:.4f} | "
+                f"{e['audit_first_kl']:.4f} | {e['quality']:.3f} |"
+            )
+        names = list(audits)
+        print(
+            f"\nrank correlation with task quality over {len(names)} strategies (Spearman): "
+            f"audit agreement {spearman([audits[n]['audit_agreement'] for n in names], [audits[n]['quality'] for n in names]):.2f}, "
+            f"minus mean KL {spearman([-audits[n]['audit_mean_kl'] for n in names], [audits[n]['quality'] for n in names]):.2f}, "
+            f"minus first-token KL {spearman([-audits[n]['audit_first_kl'] for n in names], [audits[n]['quality'] for n in names]):.2f}"
+        )
+
+
+def spearman(x: list[float], y: list[float]) -> float:
+    """Spearman's rank correlation (average ranks for ties); nan when a side is constant."""
+
+    def ranks(v: list[float]) -> list[float]:
+        order = sorted(range(len(v)), key=lambda i: v[i])
+        out = [0.0] * len(v)
+        i = 0
+        while i < len(order):
+            j = i
+            while j + 1 < len(order) and v[order[j + 1]] == v[order[i]]:
+                j += 1
+            for k in range(i, j + 1):
+                out[order[k]] = (i + j) / 2
+            i = j + 1
+        return out
+
+    rx, ry = ranks(x), ranks(y)
+    if len(set(rx)) < 2 or len(set(ry)) < 2:
+        return float("nan")
+    mx, my = statistics.fmean(rx), statistics.fmean(ry)
+    cov = sum((a - mx) * (b - my) for a, b in zip(rx, ry, strict=True))
+    return cov / math.sqrt(sum((a - mx) ** 2 for a in rx) * sum((b - my) ** 2 for b in ry))
 
 
 def plot(results: dict, path: str) -> None:
@@ -421,6 +486,9 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=0)
     ap.add_argument("--progress", type=int, default=25, help="print progress every N prompts (0: never)")
     ap.add_argument("--keep-samples", type=int, default=20, help="answers kept in the JSON per measure")
+    ap.add_argument(
+        "--audit-every", type=int, default=4, help="audit every Nth prompt of each strategy (0: none)"
+    )
     ap.add_argument("--json", default="")
     ap.add_argument("--plot", default="")
     ap.add_argument("--replot", default="", help="only redraw --plot from this --json file")
@@ -429,6 +497,8 @@ def main() -> None:
         with open(args.replot) as f:
             plot(json.load(f), args.plot)
         return
+    if args.prompts < 1 or args.docs < 6:
+        ap.error("--prompts must be >= 1 and --docs >= 6 (a prompt holds up to 6 documents)")
     if args.threads:
         torch.set_num_threads(args.threads)
     names = args.strategies.split(",") if args.strategies else list(STRATEGIES)

@@ -1,16 +1,21 @@
 """Online audit of approximate reuse: how far the served answers are from a full prefill.
 
 A fraction of the prompts served with content reuse (`--audit-rate`, and every request that asks with
-`audit: true`) keep the logits their first token was sampled from. Each gets a background sequence:
-the same prompt, exact prefix reuse only (exact reuse gives the cache-off logits, invariant 1), one
-greedy token. The scheduler runs background sequences only while no request is running or waiting
-(scheduler.py: `background`), so an audit never takes a step from a user's request. When its logits
-come, the audit records the first-token KL(full || served) in nats and whether the top-1 tokens agree,
-per repair strategy. A document (content key) whose audited KL exceeds `--audit-max-kl` is guarded:
-content matching skips it from then on (ContentMatcher.guarded).
+`audit: true`) keep the logits each of their first K tokens was sampled from (`--audit-tokens`, 16),
+and the tokens. When the request has K tokens, or ends with fewer, it gets a background sequence: the
+same prompt, exact prefix reuse only (exact reuse gives the cache-off logits, invariant 1), fed the
+served tokens one by one (teacher forcing) instead of sampling. The scheduler runs background
+sequences only while no request is running or waiting (scheduler.py: `background`), so an audit never
+takes a step from a user's request. Each of its steps gives the full prefill's distribution at one
+served position; the audit records, per repair strategy:
+  first-token KL   KL(full || served) of the first token, in nats, and whether the top-1 tokens agree
+  mean KL          the KL averaged along the served tokens
+  agreement        the share of the served tokens that are the full prefill's greedy choice there
+A document (content key) whose audited mean KL exceeds `--audit-max-kl` is guarded: content matching
+skips it from then on (ContentMatcher.guarded).
 
-At most MAX_PENDING audits wait (their logits are a vocabulary-sized float32 row each); more are
-dropped and counted.
+At most MAX_PENDING audits wait, each holding up to K vocabulary-sized float32 rows (K = 16 and a
+49,152-token vocabulary: 3 MB); more are dropped and counted.
 """
 
 from __future__ import annotations
@@ -19,29 +24,54 @@ import itertools
 import random
 from collections import deque
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import torch
 
 from kvserve.request import Request, ReuseOptions, SamplingParams
 from kvserve.scheduler.sequence import Sequence
 
-MAX_PENDING = 256
+MAX_PENDING = 64
 HISTORY = 4096  # audited results kept per strategy for the quantiles
 
 
 @dataclass
+class Trace:
+    """What a served request's first tokens were sampled from."""
+
+    strategy: str
+    keys: list[bytes]  # content keys of the matches the served prompt reused
+    logits: list[torch.Tensor] = field(default_factory=list)  # [vocab] float32 per served token
+    tokens: list[int] = field(default_factory=list)
+
+
+@dataclass
 class AuditJob:
+    request_id: str  # the served request's
+    trace: Trace
+    kls: list[float] = field(default_factory=list)  # per served position computed so far
+    agree: list[bool] = field(default_factory=list)  # full prefill's greedy token == the served one
+    top1: bool = False  # the first position's argmax of both distributions agree
+
+
+class AuditResult(NamedTuple):
     request_id: str
     strategy: str
-    served_logits: torch.Tensor  # [vocab] float32, what the first token was sampled from
-    keys: list[bytes]  # content keys of the matches the served prompt reused
+    first_kl: float
+    top1: bool
+    mean_kl: float  # along the served tokens
+    agreement: float  # share of served tokens equal to the full prefill's greedy choice
+    num_tokens: int
 
 
 @dataclass
 class StrategyAudit:
-    kl: deque[float] = field(default_factory=lambda: deque(maxlen=HISTORY))
+    kl: deque[float] = field(default_factory=lambda: deque(maxlen=HISTORY))  # first-token
+    mean_kl: deque[float] = field(default_factory=lambda: deque(maxlen=HISTORY))
     num_audited: int = 0
     num_top1_agree: int = 0
+    num_tokens: int = 0
+    num_tokens_agree: int = 0
 
 
 @dataclass(frozen=True)
@@ -51,6 +81,10 @@ class AuditSummary:
     kl_p50: float
     kl_p95: float
     kl_max: float
+    greedy_agreement: float  # over the audited tokens (up to --audit-tokens per request)
+    mean_kl_p50: float  # the KL averaged along each request's audited tokens: quantiles over requests
+    mean_kl_p95: float
+    mean_kl_max: float
 
 
 def first_token_kl(full: torch.Tensor, served: torch.Tensor) -> float:
@@ -60,19 +94,25 @@ def first_token_kl(full: torch.Tensor, served: torch.Tensor) -> float:
     return float((p_log.exp() * (p_log - q_log)).sum().clamp_min(0.0))
 
 
+def _quantiles(values: deque[float]) -> tuple[float, float, float]:
+    t = torch.tensor(list(values), dtype=torch.float64)
+    p50, p95 = torch.quantile(t, torch.tensor([0.5, 0.95], dtype=torch.float64)).tolist()
+    return p50, p95, float(t.max())
+
+
 class Auditor:
-    def __init__(self, rate: float, max_kl: float, seed: int | None):
+    def __init__(self, rate: float, max_kl: float, seed: int | None, num_tokens: int = 16):
         self.rate = rate
         self.max_kl = max_kl
+        self.num_tokens = num_tokens
         self._rng = random.Random(seed)
+        self.tracing: dict[str, Trace] = {}  # served request id -> its trace, until submitted
         self.pending: dict[str, AuditJob] = {}  # background request id -> job
         self._ids = itertools.count()
         self.by_strategy: dict[str, StrategyAudit] = {}
         self.num_dropped = 0
         self.num_guard_fired = 0  # audits whose KL put their documents under the guard
-        self.results: list[
-            tuple[str, str, float, bool]
-        ] = []  # (request id, strategy, kl, top1): tests, benches
+        self.results: list[AuditResult] = []  # the latest HISTORY audits: tests, benches
 
     def wants(self, seq: Sequence) -> bool:
         """Whether to audit this request (its prompt was served with content reuse)."""
@@ -80,56 +120,106 @@ class Auditor:
         asked = opts is not None and bool(opts.audit)
         return asked or (self.rate > 0 and self._rng.random() < self.rate)
 
-    def submit(self, seq: Sequence, logits: torch.Tensor) -> Request | None:
-        """The background request that recomputes `seq`'s prompt in full (None: too many wait)."""
+    def start(self, seq: Sequence) -> None:
+        """Trace `seq` from its first token on."""
+        self.tracing[seq.request_id] = Trace(seq.reuse.strategy or "", list(seq.reuse.hit_keys))
+
+    def observe(self, seq: Sequence, logits: torch.Tensor, token: int) -> Request | None:
+        """A traced request sampled `token` from `logits`; at its K-th token, the audit's request."""
+        trace = self.tracing.get(seq.request_id)
+        if trace is None:
+            return None
+        trace.logits.append(logits.detach().float().clone())
+        trace.tokens.append(token)
+        return self._submit(seq) if len(trace.tokens) >= self.num_tokens else None
+
+    def end(self, seq: Sequence, served: bool) -> Request | None:
+        """A traced request finished: the audit of what it served (None: nothing to audit, or it
+        failed: `served` False)."""
+        trace = self.tracing.get(seq.request_id)
+        if trace is None:
+            return None
+        if not served or not trace.tokens:
+            del self.tracing[seq.request_id]
+            return None
+        return self._submit(seq)
+
+    def _submit(self, seq: Sequence) -> Request | None:
+        """The background request that recomputes `seq`'s prompt in full and is fed its served
+        tokens (None: too many wait)."""
+        trace = self.tracing.pop(seq.request_id)
         if len(self.pending) >= MAX_PENDING:
             self.num_dropped += 1
             return None
         # numbered: a client may reuse a request id while the audit of its first use still waits
         request_id = f"audit:{next(self._ids)}:{seq.request_id}"
-        self.pending[request_id] = AuditJob(
-            seq.request_id,
-            seq.reuse.strategy or "",
-            logits.detach().float().clone(),
-            list(seq.reuse.hit_keys),
-        )
+        self.pending[request_id] = AuditJob(seq.request_id, trace)
         return Request(
             request_id,
             list(seq.request.prompt_token_ids),
-            SamplingParams(max_tokens=1, temperature=0.0),
+            SamplingParams(max_tokens=len(trace.tokens), temperature=0.0, ignore_eos=True),
             cache_salt=seq.request.cache_salt,
             reuse=ReuseOptions(reuse="prefix"),
             background=True,
-            weight_precision=seq.step_precision,  # what its served first token was computed at
+            weight_precision=seq.step_precision,  # what its served tokens were computed at
         )
 
-    def complete(self, request_id: str, full_logits: torch.Tensor) -> list[bytes]:
-        """Record the audit; returns the content keys to guard (empty unless the KL is over the limit)."""
+    def step(self, request_id: str, full_logits: torch.Tensor) -> tuple[int | None, list[bytes]]:
+        """The audit's recompute has the full prefill's logits at the next served position. Returns
+        (the served token to feed next, or None when the audit is complete; the content keys to guard,
+        empty unless the audit completed with its mean KL over the limit)."""
+        job = self.pending[request_id]
+        j = len(job.kls)
+        trace = job.trace
+        job.kls.append(first_token_kl(full_logits, trace.logits[j]))
+        job.agree.append(int(full_logits.argmax()) == trace.tokens[j])
+        if j == 0:
+            job.top1 = int(full_logits.argmax()) == int(trace.logits[0].argmax())
+        if j + 1 < len(trace.tokens):
+            return trace.tokens[j], []
+        return None, self._complete(request_id)
+
+    def _complete(self, request_id: str) -> list[bytes]:
         job = self.pending.pop(request_id)
-        kl = first_token_kl(full_logits, job.served_logits)
-        agree = int(full_logits.argmax()) == int(job.served_logits.argmax())
-        audit = self.by_strategy.setdefault(job.strategy, StrategyAudit())
-        audit.kl.append(kl)
+        trace = job.trace
+        first_kl = job.kls[0]
+        mean_kl = sum(job.kls) / len(job.kls)
+        result = AuditResult(
+            job.request_id,
+            trace.strategy,
+            first_kl,
+            job.top1,
+            mean_kl,
+            sum(job.agree) / len(job.agree),
+            len(job.kls),
+        )
+        audit = self.by_strategy.setdefault(trace.strategy, StrategyAudit())
+        audit.kl.append(first_kl)
+        audit.mean_kl.append(mean_kl)
         audit.num_audited += 1
-        audit.num_top1_agree += agree
-        self.results.append((job.request_id, job.strategy, kl, agree))
+        audit.num_top1_agree += result.top1
+        audit.num_tokens += result.num_tokens
+        audit.num_tokens_agree += sum(job.agree)
+        self.results.append(result)
         del self.results[:-HISTORY]
-        if kl > self.max_kl:
+        if mean_kl > self.max_kl:
             self.num_guard_fired += 1
-            return job.keys
+            return trace.keys
         return []
 
     def drop(self, request_id: str) -> None:
-        """The background request ended without logits (aborted, timed out, failed)."""
+        """The background request ended before its last step (aborted, timed out, failed)."""
         if self.pending.pop(request_id, None) is not None:
             self.num_dropped += 1
 
     def summary(self) -> dict[str, AuditSummary]:
         out = {}
         for strategy, a in sorted(self.by_strategy.items()):
-            kl = torch.tensor(list(a.kl), dtype=torch.float64)
-            p50, p95 = torch.quantile(kl, torch.tensor([0.5, 0.95], dtype=torch.float64)).tolist()
             out[strategy] = AuditSummary(
-                a.num_audited, a.num_top1_agree / a.num_audited, p50, p95, float(kl.max())
+                a.num_audited,
+                a.num_top1_agree / a.num_audited,
+                *_quantiles(a.kl),
+                a.num_tokens_agree / a.num_tokens,
+                *_quantiles(a.mean_kl),
             )
         return out

@@ -92,7 +92,7 @@ class Engine:
         self.outputs = OutputProcessor(self.info.eos_token_ids, self.info.max_model_len)
         self.grammars = GrammarCompiler(self.tokenizer.hf, self.info.vocab_size, self.info.eos_token_ids)
         self._seqs: dict[str, Sequence] = {}
-        self.auditor = Auditor(config.audit_rate, config.audit_max_kl, config.seed)
+        self.auditor = Auditor(config.audit_rate, config.audit_max_kl, config.seed, config.audit_tokens)
         self._background: dict[str, Sequence] = {}  # audits' full recomputes (no client sees them)
         self._pending: list[RequestOutput] = []
         self._rng = random.Random(config.seed)
@@ -423,12 +423,10 @@ class Engine:
 
     def _sample(self, seq: Sequence, logits: torch.Tensor, allowed: torch.Tensor | None = None) -> None:
         if seq.request.background:
-            self._finish_audit(seq, logits)
+            self._audit_step(seq, logits)
             return
         if seq.reuse.strategy is not None and not seq.output_token_ids and self.auditor.wants(seq):
-            audit = self.auditor.submit(seq, logits)
-            if audit is not None:
-                self._add_background(audit)
+            self.auditor.start(seq)
         params = seq.request.sampling_params
         stage = "sampling"
         try:
@@ -446,6 +444,9 @@ class Engine:
                 self.precision.observe_ttft(
                     metrics.first_token_time - metrics.arrival_time, metrics.first_token_time
                 )
+            audit = self.auditor.observe(seq, logits, token)
+            if audit is not None:
+                self._add_background(audit)
             stage = "processing its output"
             reason = self.outputs.append(seq, token, logprob)
         except Exception as e:
@@ -456,9 +457,13 @@ class Engine:
         if reason is not None:
             self._finish(seq, reason)
 
-    def _finish_audit(self, seq: Sequence, logits: torch.Tensor) -> None:
-        """An audit's full recompute has its first-token logits: record, maybe guard, end it."""
-        keys = self.auditor.complete(seq.request_id, logits)
+    def _audit_step(self, seq: Sequence, logits: torch.Tensor) -> None:
+        """An audit's recompute has the full prefill's logits at the next served position: feed it
+        the served token there, or record the audit (maybe guarding documents) and end it."""
+        token, keys = self.auditor.step(seq.request_id, logits)
+        if token is not None:
+            seq.token_ids.append(token)  # fed, not generated: no output, no stop checks
+            return
         self.content.guarded.update(keys)
         self.scheduler.finish(seq, FinishReason.STOP)
         del self._background[seq.request_id]
@@ -486,6 +491,9 @@ class Engine:
             return
         if self._seqs.get(seq.request_id) is not seq:  # already finished
             return
+        audit = self.auditor.end(seq, served=reason != FinishReason.ERROR)
+        if audit is not None:
+            self._add_background(audit)
         self.scheduler.finish(seq, reason, error)  # a no-op for one the scheduler finished (refused)
         self.pins.release(seq)
         seq.request.metrics.finished_time = time.monotonic()

@@ -20,8 +20,8 @@ import torch
 
 from kvserve.attention.base import AttentionBackend, AttentionMetadata, SeqRows
 from kvserve.attention.forward_context import ForwardContext, forward_context
-from kvserve.attention.probe import AttentionProbe, ProbingBackend
 from kvserve.attention.positional import PositionalBackend
+from kvserve.attention.probe import AttentionProbe, ProbingBackend
 from kvserve.engine.prompt_logprobs import ROWS_PER_BLOCK, PromptRows, rows_to_score, score
 from kvserve.kvcache.kv_storage import LayerKV
 from kvserve.models.fused_llama import FusedLlamaForward, LayerCut

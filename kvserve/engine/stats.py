@@ -85,10 +85,10 @@ class ContentReuseStats:
     num_approx_hit_tokens: int
     num_recomputed_tokens: int
     plans: dict[str, int]  # prompts with content matches by decision: "taken" or "declined: <why>"
-    audit: dict[str, AuditSummary]  # per repair strategy: first-token KL quantiles, top-1 agreement
+    audit: dict[str, AuditSummary]  # per repair strategy: mean and first-token KL quantiles, agreement
     num_audits_pending: int
     num_audits_dropped: int  # not run: too many waited, or the recompute ended without logits
-    num_guard_fired: int  # audits over --audit-max-kl (their documents are no longer matched)
+    num_guard_fired: int  # audits whose mean KL is over --audit-max-kl (documents no longer matched)
     num_guarded_documents: int
     num_guard_skips: int  # matches skipped because their document is guarded
 

@@ -188,5 +188,6 @@ def test_approximate_reuse_is_opt_in_per_request_and_reported(tiny_server: Serve
         metrics = h.get("/metrics").text
         assert _metric(metrics, "kvserve:repair_recomputed_tokens_total") >= 8
         assert 'kvserve:audits_total{model_name="' in metrics and "kvserve:audit_first_token_kl{" in metrics
+        assert "kvserve:audit_mean_kl{" in metrics and "kvserve:audit_greedy_agreement{" in metrics
         bad = h.post("/v1/completions", json={"model": TINY, "prompt": prompt, "reuse": "sometimes"})
         assert bad.status_code == 400 and bad.json()["error"]["param"] == "reuse"

@@ -17,6 +17,7 @@ from tests.integration.helpers import corpus_token_ids, generate_with_logits
 
 CHUNK = 32
 GREEDY = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+ONE = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True)
 SELECTIVE = ReuseOptions(reuse="any", recompute_strategy="selective", recompute_tokens=5)
 BLEND = ReuseOptions(reuse="any", recompute_strategy="cacheblend", recompute_ratio=0.3, blend_check_layer=1)
 NONE = ReuseOptions(reuse="any", recompute_strategy="none")
@@ -148,18 +149,48 @@ def test_audit_measures_the_served_kl_and_the_guard_stops_a_bad_document():
     (_,), (full_logits,) = generate_with_logits(cold, [prompt], GREEDY)
     engine = llm.engine
     assert len(engine.auditor.pending) == 1 and not engine.auditor.results
-    engine.run_background()  # idle now: the audit's full recompute runs
-    ((rid, strategy, kl, agree),) = engine.auditor.results
-    assert rid == served.request_id and strategy == "none"
+    engine.run_background()  # idle now: the audit's full recompute runs, fed the served tokens
+    (result,) = engine.auditor.results
+    kl = result.first_kl
+    assert result.request_id == served.request_id and result.strategy == "none"
     assert kl == pytest.approx(first_token_kl(full_logits[0], served_logits[0]), rel=1e-5, abs=1e-9)
-    assert agree == (int(full_logits[0].argmax()) == int(served_logits[0].argmax()))
+    assert result.top1 == (int(full_logits[0].argmax()) == int(served_logits[0].argmax()))
+    # every served token against the full prefill's distribution at its position (teacher-forced)
+    kls, agree = [], []
+    for j, token in enumerate(served.token_ids):
+        (_,), (full_j,) = generate_with_logits(cold, [prompt + served.token_ids[:j]], ONE)
+        kls.append(first_token_kl(full_j[0], served_logits[j]))
+        agree.append(int(full_j[0].argmax()) == token)
+    assert result.num_tokens == len(served.token_ids) == 6
+    assert result.mean_kl == pytest.approx(sum(kls) / len(kls), rel=1e-4, abs=1e-8)
+    assert result.agreement == sum(agree) / len(agree)
     stats = llm.stats().content_reuse
-    assert stats.audit["none"].num_audited == 1 and stats.audit["none"].kl_max == pytest.approx(kl)
+    audit = stats.audit["none"]
+    assert audit.num_audited == 1 and audit.kl_max == pytest.approx(kl)
+    assert audit.mean_kl_max == pytest.approx(result.mean_kl) and audit.greedy_agreement == result.agreement
     assert kl > 1e-9 and stats.num_guard_fired == 1 and stats.num_guarded_documents == 12
     # the audit's recompute cached this prompt exactly: the same documents after another header
     (again,) = llm.generate([rag_prompt(llm, docs, [0, 1, 2], seed=8)], GREEDY, reuse=NONE)
     assert again.reuse_plan == "declined: audit guard" and again.num_approx_cached_tokens == 0
     assert llm.stats().content_reuse.num_guard_skips == 12
+    engine.check_integrity()
+
+
+def test_the_audit_takes_the_first_audit_tokens_and_starts_before_the_request_ends():
+    llm = make(audit_rate=0.0, audit_tokens=3)
+    docs = warmed(llm)
+    engine = llm.engine
+    params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    audited = ReuseOptions(reuse="any", recompute_strategy="none", audit=True)
+    engine.add_request(Request("long", rag_prompt(llm, docs, [1, 2, 0], seed=5), params, reuse=audited))
+    while not engine.auditor.pending:  # submitted at the third token, while the request still decodes
+        engine.step()
+    assert "long" in engine._seqs and len(engine._seqs["long"].output_token_ids) == 3
+    while engine.has_unfinished_requests():
+        engine.step()
+    engine.run_background()
+    (result,) = engine.auditor.results
+    assert result.num_tokens == 3 and not engine.auditor.tracing
     engine.check_integrity()
 
 
@@ -261,6 +292,6 @@ def test_a_request_id_reused_while_its_audit_waits_audits_both():
     assert len(engine.auditor.pending) == 2
     while engine.has_unfinished_requests():
         engine.step()
-    assert [r[0] for r in engine.auditor.results] == ["same-id", "same-id"]
+    assert [r.request_id for r in engine.auditor.results] == ["same-id", "same-id"]
     assert engine.auditor.num_dropped == 0
     engine.check_integrity()

@@ -175,8 +175,9 @@ function drawNumbers(stats) {
 
   const audit = Object.entries(c.reuse.audit || {});
   fillRows($("audit").tBodies[0], audit.length ? audit.map(([name, a]) => [escapeText(name), fmtInt(a.num_audited),
-    fmtPct(a.top1_agreement), a.kl_p50.toFixed(4), a.kl_p95.toFixed(4), a.kl_max.toFixed(4)])
-    : [["no audits yet (approximate reuse audits a sample of its requests)", "", "", "", "", ""]]);
+    fmtPct(a.greedy_agreement), a.mean_kl_p50.toFixed(4), a.mean_kl_p95.toFixed(4), a.mean_kl_max.toFixed(4),
+    a.kl_p50.toFixed(4), a.kl_max.toFixed(4)])
+    : [["no audits yet (approximate reuse audits a sample of its requests)", "", "", "", "", "", "", ""]]);
 }
 
 async function poll() {

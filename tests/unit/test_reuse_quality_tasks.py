@@ -1,0 +1,60 @@
+"""scripts/bench_reuse_quality.py: the task it generates and the scores it computes."""
+
+from __future__ import annotations
+
+import random
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))
+
+import bench_reuse_quality as rq  # noqa: E402
+
+
+def test_documents_plant_one_fact_each_about_distinct_entities():
+    docs = rq.make_docs(40, random.Random(3))
+    assert len({d.name for d in docs}) == 40
+    for d in docs:
+        fact = rq.FACTS[d.fact][0].format(name=d.name, v=d.value)
+        assert d.text.count(fact) == 1 and d.name in d.question
+        # no other kind of fact about the entity: its question would have no answer
+        others = [f for i, (f, _, _) in enumerate(rq.FACTS) if i != d.fact]
+        assert not any(f.split("{v}")[0].format(name=d.name) in d.text for f in others)
+
+
+@pytest.mark.parametrize("measure", ["lookup", "multihop", "freeform"])
+def test_prompts_ask_about_their_own_documents_in_new_orders(measure):
+    rng = random.Random(5)
+    docs = rq.make_docs(30, rng)
+    prompts = rq.make_prompts(measure, docs, 60, rng)
+    orders = set()
+    for p in prompts:
+        assert 3 <= len(p.doc_ids) <= 6 and len(set(p.doc_ids)) == len(p.doc_ids)
+        chosen = [docs[i] for i in p.doc_ids]
+        for answer in p.answers:
+            assert any(d.value == answer and d.name in p.question for d in chosen)
+        assert len(p.answers) == {"lookup": 1, "multihop": 2, "freeform": 0}[measure]
+        orders.add(tuple(p.doc_ids))
+    assert len(orders) == len(prompts)  # no order repeats
+
+
+def test_every_document_is_seeded_twice_inside_other_documents():
+    groups = rq.seeding_groups(30, random.Random(1))
+    seen = [i for g in groups for i in g]
+    assert sorted(seen) == sorted(list(range(30)) * 2)
+    assert all(2 <= len(g) <= 4 for g in groups)
+
+
+def test_scores():
+    assert rq.correct("The code is 4821.", ["4821"]) and not rq.correct("It is 482", ["4821"])
+    assert rq.correct("Oslo, and 1990", ["oslo", "1990"]) and not rq.correct("Oslo", ["oslo", "1990"])
+    assert rq.rouge_l("a b c d", "a b c d") == 1.0 and rq.rouge_l("a b", "c d") == 0.0
+    assert rq.rouge_l("a x b y", "a b") == pytest.approx(2 * 0.5 * 1.0 / 1.5)
+    lo, hi = rq.wilson(50, 100)
+    assert lo == pytest.approx(0.4038, abs=1e-3) and hi == pytest.approx(0.5962, abs=1e-3)
+    assert rq.wilson(0, 10)[0] == 0.0 and rq.wilson(10, 10)[1] == 1.0
+    assert rq.spearman([1, 2, 3], [10, 20, 30]) == pytest.approx(1.0)
+    assert rq.spearman([1, 2, 3], [3, 2, 1]) == pytest.approx(-1.0)
+    assert rq.spearman([1, 1, 2, 3], [5, 5, 6, 7]) == pytest.approx(1.0)
