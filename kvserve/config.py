@@ -150,8 +150,12 @@ class ServeConfig:
         default="prefix", metadata={"help": "prefix (exact only) or any (also content matches)"}
     )
     recompute_strategy: str = field(
-        default="selective",
-        metadata={"help": "repair for content matches: none, selective, cacheblend or query (query-aware)"},
+        default="auto",
+        metadata={
+            "help": "repair for content matches: auto (the repair verified on this model to keep task "
+            "accuracy, docs/blend.md; none is yet, so matches are served exactly), or by name, opting "
+            "into its measured loss: none, selective, cacheblend or query (query-aware)"
+        },
     )
     recompute_tokens: int = field(
         default=16,
@@ -271,7 +275,7 @@ _CHOICES: dict[str, tuple[str, ...]] = {
     "model_forward": ("auto", "hf"),
     "weight_precision": ("dense", "fp16", "fp8", "auto"),
     "reuse": ("prefix", "any"),
-    "recompute_strategy": ("none", "selective", "cacheblend", "query"),
+    "recompute_strategy": ("auto", "none", "selective", "cacheblend", "query"),
     "pieces": ("fixed", "content"),
     "kv_disk_write": ("evicted", "all"),
 }

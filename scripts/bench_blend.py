@@ -267,7 +267,13 @@ def zipf_suite(args: argparse.Namespace, results: dict) -> None:
     rng = random.Random(1)
     engines = {
         "exact-only": LLM(model=args.model, pieces=args.pieces, max_cache_bytes=2_000_000_000),
-        "reuse any": LLM(model=args.model, pieces=args.pieces, max_cache_bytes=2_000_000_000, reuse="any"),
+        "reuse any": LLM(
+            model=args.model,
+            pieces=args.pieces,
+            max_cache_bytes=2_000_000_000,
+            reuse="any",
+            recompute_strategy="selective",  # the default before `auto` (quality first)
+        ),
     }
     docs = make_documents(engines["exact-only"], args.zipf_docs, rng, fill=True)
     prompts = zipf_prompts(engines["exact-only"], docs, args.zipf_prompts, args.zipf_s, rng)

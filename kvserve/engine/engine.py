@@ -71,6 +71,13 @@ class Engine:
         self.content = ContentMatcher(config, PieceIndex(self.store), self.cost, rotator is not None, reason)
         self.repairer = Repairer(self.layers, rotator, device) if rotator else None
         require_content_reuse(config.reuse, rotator, reason)
+        if config.reuse == "any" and config.recompute_strategy == "auto" and self.content.verified is None:
+            log.warning(
+                "--reuse any: no repair is verified to keep task accuracy on %s (docs/blend.md), so "
+                "content matches are served exactly; name one (--recompute-strategy, or a request's "
+                "recompute_strategy) to opt into its measured loss",
+                config.model,
+            )
         self.scheduler = Scheduler(
             self.pool,
             self.store,

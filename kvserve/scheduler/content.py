@@ -27,10 +27,13 @@ from kvserve.scheduler.batch import BlendPlan, ContentHit
 from kvserve.scheduler.cost import CostModel, Work
 from kvserve.scheduler.repair import positions, query_positions, selective_positions
 from kvserve.scheduler.sequence import Sequence
+from kvserve.scheduler.verified import verified_preset
 
 TAKEN = "taken"
 DECLINED_SAVING = "declined: saves too little"
 DECLINED_GUARD = "declined: audit guard"
+# --recompute-strategy auto on a model no repair preset has been verified on (scheduler/verified.py)
+DECLINED_UNVERIFIED = "declined: no repair verified on this model"
 
 
 @dataclass
@@ -64,6 +67,7 @@ class ContentMatcher:
         self.plans: Counter[str] = Counter()  # TAKEN / DECLINED_* -> prompts (first admission only)
         self.guarded: set[bytes] = set()  # content keys the audit guard stopped reusing
         self.num_guard_skips = 0  # matches skipped because their document is guarded
+        self.verified = verified_preset(config.model)  # what --recompute-strategy auto repairs with
 
     def _key(self, seq: Sequence, start: int, end: int) -> bytes:
         return content_hash(seq.cache.root_hash.hex(), seq.token_ids[start:end])
@@ -147,6 +151,8 @@ class ContentMatcher:
         if not hits:
             return Choice(None, DECLINED_GUARD, 0.0, len(found))
         plan = self.plan(seq, prefix_len, hits)
+        if plan is None:
+            return Choice(None, DECLINED_UNVERIFIED, 0.0, len(found) - len(hits))
         outcome, saving = self.choose(plan, seq.num_prompt_tokens)
         return Choice(plan if outcome == TAKEN else None, outcome, saving, len(found) - len(hits))
 
@@ -160,13 +166,24 @@ class ContentMatcher:
         self.plans[choice.outcome] += 1
         self.num_guard_skips += choice.num_guarded
 
-    def plan(self, seq: Sequence, prefix_len: int, hits: list[ContentHit]) -> BlendPlan:
+    def plan(self, seq: Sequence, prefix_len: int, hits: list[ContentHit]) -> BlendPlan | None:
+        """The request's repair (its fields, else the server's); `auto` is the preset verified on
+        this model (scheduler/verified.py). None: `auto` and no preset is verified here."""
         opts = seq.request.reuse
         cfg = self.config
+        named = opts is not None and opts.recompute_strategy is not None
+        preset = None
+        if not named and cfg.recompute_strategy == "auto":
+            preset = self.verified
+            if preset is None:
+                return None
 
         def pick(name: str) -> Any:
-            value = getattr(opts, name, None) if opts is not None else None
-            return getattr(cfg, name) if value is None else value
+            for source in (opts, preset):
+                value = getattr(source, name, None) if source is not None else None
+                if value is not None:
+                    return value
+            return getattr(cfg, name)
 
         return BlendPlan(
             seq=seq,

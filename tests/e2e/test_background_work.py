@@ -27,7 +27,9 @@ def document(seed: int, num_words: int = 300) -> str:
 @pytest.fixture(scope="module")
 def audited_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
     server = launch(
-        tmp_path_factory.mktemp("kvserve-audit"), *SMOLLM2_FLAGS, "--reuse", "any", "--audit-rate", "1"
+        tmp_path_factory.mktemp("kvserve-audit"),
+        *SMOLLM2_FLAGS,
+        *("--reuse", "any", "--recompute-strategy", "selective", "--audit-rate", "1"),
     )
     yield server
     stop(server)

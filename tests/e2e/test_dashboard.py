@@ -50,7 +50,17 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
     # a pool of ~180 blocks, so that the traffic below fills a visible share of it
     # approximate reuse on and every such request audited, so the page's reuse and KL parts have data
     # and a cold tier, so that evicted chunks come back from it
-    flags = ("--model", TINY, "--max-cache-bytes", "3000000", "--reuse", "any", "--audit-rate", "1.0")
+    flags = (
+        "--model",
+        TINY,
+        "--max-cache-bytes",
+        "3000000",
+        "--reuse",
+        "any",
+        "--recompute-strategy",
+        "selective",
+    )
+    flags += ("--audit-rate", "1.0")
     flags += ("--kv-cold-bytes", "20000000")
     s = launch(tmp_path_factory.mktemp("kvserve-dashboard"), *flags, api_key=KEY)
     yield s

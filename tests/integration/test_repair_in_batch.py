@@ -194,6 +194,31 @@ def test_the_audit_takes_the_first_audit_tokens_and_starts_before_the_request_en
     engine.check_integrity()
 
 
+def test_auto_serves_matches_exactly_on_a_model_no_repair_is_verified_on(monkeypatch):
+    """--reuse any with the default strategy (auto): no preset is verified on this model, so a prompt
+    with content matches is served exactly and the plan says why; a request that names a strategy
+    opts into it. With a verified preset, auto repairs with it."""
+    from kvserve.scheduler import verified
+
+    llm, cold = make(reuse="any"), make(enable_prefix_caching=False)
+    assert llm.engine.config.recompute_strategy == "auto" and llm.engine.content.verified is None
+    docs = warmed(llm)
+    prompt = rag_prompt(llm, docs, [2, 0, 1], seed=12)
+    (ref,) = cold.generate([prompt], GREEDY)
+    (out,) = llm.generate([prompt], GREEDY)
+    assert out.reuse_plan == "declined: no repair verified on this model"
+    assert out.num_approx_cached_tokens == 0 and out.token_ids == ref.token_ids
+    (named,) = llm.generate([rag_prompt(llm, docs, [1, 2, 0], seed=13)], GREEDY, reuse=NONE)
+    assert named.reuse_plan == "taken" and named.num_approx_cached_tokens > 0
+    assert llm.stats().content_reuse.plans["declined: no repair verified on this model"] == 1
+
+    monkeypatch.setitem(verified.VERIFIED, "tiny-random-llama", NONE)
+    trusted = make(reuse="any")
+    docs = warmed(trusted)
+    (out,) = trusted.generate([rag_prompt(trusted, docs, [2, 0, 1], seed=12)], GREEDY)
+    assert out.reuse_plan == "taken" and out.num_approx_cached_tokens > 0
+
+
 def test_audits_wait_while_requests_run_and_never_reach_a_client():
     llm = make(audit_rate=1.0)
     docs = warmed(llm)
