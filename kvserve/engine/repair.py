@@ -100,6 +100,7 @@ class Repairer:
 
     @torch.inference_mode()
     def select(self, seq: Sequence) -> None:
+        """The first pass is done: the reused tokens the second pass recomputes through every layer."""
         repair = seq.reuse.repair
         assert repair is not None
         if repair.plan.strategy == "query":
