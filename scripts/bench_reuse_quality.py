@@ -32,7 +32,6 @@ import dataclasses
 import json
 import math
 import os
-import platform
 import random
 import statistics
 import sys
@@ -42,6 +41,9 @@ from dataclasses import dataclass, field
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+
+from machine import describe  # noqa: E402
 
 from kvserve import LLM, SamplingParams  # noqa: E402
 from kvserve.request import ReuseOptions  # noqa: E402
@@ -253,15 +255,6 @@ def wilson(k: float, n: int, z: float = 1.96) -> tuple[float, float]:
     c = (p + z * z / (2 * n)) / d
     h = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / d
     return (max(0.0, c - h), min(1.0, c + h))
-
-
-def machine_line() -> str:
-    from machine import cpu_name
-
-    return (
-        f"{cpu_name()}, {platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}, "
-        f"{torch.get_num_threads()} threads"
-    )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -508,7 +501,7 @@ def main() -> None:
     strategies = {"full prefill": None, **{n: STRATEGIES[n] for n in names if n != "full prefill"}}
     results: dict = {
         "model": args.model,
-        "machine": machine_line(),
+        "machine": describe(),
         "seed": args.seed,
         "tables": {},
         "raw": {},
