@@ -34,6 +34,8 @@ from machine import describe
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the measurement lives in tests/e2e
 
+KINDS = ("quiet", "small", "compiling", "cached")
+
 
 def first_request(base_url: str) -> dict[str, float]:
     def post(schema: dict[str, Any]) -> float:
@@ -58,8 +60,17 @@ def main() -> None:
     parser.add_argument("--properties", type=int, default=2000, help="required properties per schema")
     parser.add_argument("--schemas", type=int, default=5, help="distinct schemas compiled at once")
     parser.add_argument("--rounds", type=int, default=3, help="stall rounds (new schemas each)")
+    parser.add_argument(
+        "--client",
+        choices=("isolated", "legacy", "both"),
+        default="isolated",
+        help="isolated: the stream read in its own process, the requests on one client made before the "
+        "round; legacy: the stream read on a thread of the posting process, a new client per request "
+        "(how it was first measured); both: alternate them, round by round",
+    )
     parser.add_argument("--json", help="write the results here")
     args = parser.parse_args()
+    modes = {"isolated": [True], "legacy": [False], "both": [True, False]}[args.client]
 
     from tests.e2e.conftest import TINY_FLAGS, launch, stop
     from tests.e2e.test_grammar_compile import large_schema, measure_stall
@@ -70,8 +81,11 @@ def main() -> None:
         first = first_request(server.base_url)
         rounds = []
         for r in range(args.rounds):
-            schemas = [large_schema(f"r{r}s{i}", args.properties) for i in range(args.schemas)]
-            rounds.append(measure_stall(server.base_url, schemas))
+            for isolated in modes:
+                salt = f"r{r}{'i' if isolated else 'l'}"
+                schemas = [large_schema(f"{salt}s{i}", args.properties) for i in range(args.schemas)]
+                m = measure_stall(server.base_url, schemas, isolated=isolated)
+                rounds.append({"round": r, "client": "isolated" if isolated else "legacy", **m})
     finally:
         stop(server)
     size_kb = len(json.dumps(large_schema("r0s0", args.properties))) / 1000
@@ -80,18 +94,25 @@ def main() -> None:
         f"(cached) {first['cached_s'] * 1000:.0f} ms; a new small schema {first['new_small_s'] * 1000:.0f} ms"
     )
     print(f"\n{args.schemas} distinct schemas of {args.properties} properties ({size_kb:.0f} KB) at once:")
-    print("| round | grammars | longest stream gap ms | slowest /health ms | requests s (min-max) |")
-    print("|---|---|---|---|---|")
-    for i, m in enumerate(rounds):
-        for kind in ("quiet", "small", "compiling", "cached"):
+    print("| round | client | grammars | longest stream gap ms | slowest /health ms | requests s (min-max) |")
+    print("|---|---|---|---|---|---|")
+    for m in rounds:
+        for kind in KINDS:
             x = m[kind]
             seconds = f"{min(x['request_s']):.2f}-{max(x['request_s']):.2f}" if x["request_s"] else "-"
             print(
-                f"| {i} | {kind} | {x['max_gap_s'] * 1000:.0f} | {x['max_health_s'] * 1000:.0f} | {seconds} |"
+                f"| {m['round']} | {m['client']} | {kind} | {x['max_gap_s'] * 1000:.0f} "
+                f"| {x['max_health_s'] * 1000:.0f} | {seconds} |"
             )
-    for kind in ("quiet", "small", "compiling", "cached"):
-        gaps = [m[kind]["max_gap_s"] * 1000 for m in rounds]
-        print(f"median longest gap, {kind}: {statistics.median(gaps):.0f} ms")
+    print("\nlongest stream gap, median (min-max) ms:\n")
+    print("| client | " + " | ".join(KINDS) + " |")
+    print("|---" * (len(KINDS) + 1) + "|")
+    for client in sorted({m["client"] for m in rounds}):
+        cells = []
+        for kind in KINDS:
+            gaps = [m[kind]["max_gap_s"] * 1000 for m in rounds if m["client"] == client]
+            cells.append(f"{statistics.median(gaps):.0f} ({min(gaps):.0f}-{max(gaps):.0f})")
+        print(f"| {client} | " + " | ".join(cells) + " |")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(

@@ -2,10 +2,9 @@
 
 from __future__ import annotations
 
-import json
 import threading
 from collections import OrderedDict
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import llguidance
@@ -14,58 +13,11 @@ import torch
 
 from kvserve.errors import InvalidRequestError
 from kvserve.request import StructuredOutput
-from kvserve.structured.finite import no_finite_document
 from kvserve.structured.matcher import GrammarMatcher, allowed_tokens
+from kvserve.structured.schema import grammar_of
 
-# JSON as models write it (json.dumps' separators) and nothing else between tokens: with flexible
-# whitespace a small model can emit newlines forever inside an object and never finish it.
-# Overrides, so a schema's "x-guidance" options cannot turn free whitespace back on.
-JSON_OPTIONS: dict[str, Any] = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
-ANY_OBJECT_SCHEMA = '{"type":"object"}'  # json_object: any JSON object
-
-# JSON Schema keywords whose value is a schema, a list of schemas, or a map of names to schemas
-_SCHEMA_KEYS = ("items", "additionalProperties", "contains", "not", "if", "then", "else", "propertyNames")
-_SCHEMA_LIST_KEYS = ("anyOf", "oneOf", "prefixItems")
-_SCHEMA_MAP_KEYS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
-
-
-def closed_objects(schema: Any) -> Any:
-    """`schema` with every object schema that lists `properties` but says nothing of
-    `additionalProperties` closed (`"additionalProperties": false`), as xgrammar's strict mode and
-    vLLM's guidance backend generate. Validation allows unlisted keys by default; generation that
-    allows them lets a small model add keys of its own until max_tokens (langchain's bind_tools sends
-    such schemas). A schema that wants extra keys says `"additionalProperties": true`. Branches of
-    `allOf` are left open: each lists only part of the object's properties."""
-    if isinstance(schema, list):
-        return [closed_objects(s) for s in schema]
-    if not isinstance(schema, dict):
-        return schema
-    out = dict(schema)
-    for key in _SCHEMA_KEYS:
-        if isinstance(out.get(key), dict):
-            out[key] = closed_objects(out[key])
-    for key in _SCHEMA_LIST_KEYS:
-        if isinstance(out.get(key), list):
-            out[key] = closed_objects(out[key])
-    for key in _SCHEMA_MAP_KEYS:
-        if isinstance(out.get(key), dict):
-            out[key] = {name: closed_objects(sub) for name, sub in out[key].items()}
-    if "allOf" in out and isinstance(out["allOf"], list):
-        out["allOf"] = [_closed_inside(s) for s in out["allOf"]]
-    if "properties" in out and "additionalProperties" not in out and "allOf" not in out:
-        out["additionalProperties"] = False
-    return out
-
-
-def _closed_inside(schema: Any) -> Any:
-    """An allOf branch: its own object stays open, the schemas inside it are closed."""
-    if not isinstance(schema, dict):
-        return schema
-    had = "additionalProperties" in schema
-    out = closed_objects(schema)
-    if not had:
-        out.pop("additionalProperties", None)
-    return out
+# (kind, schema text, param) -> llguidance grammar text; InvalidRequestError when the schema is bad
+GrammarOf = Callable[[str, str | None, str], str]
 
 
 def grammar_key(structured: StructuredOutput) -> tuple[str, str]:
@@ -106,9 +58,10 @@ class GrammarCompiler:
         """Build the llguidance tokenizer now, so that no request waits for it."""
         self._tokenizer()
 
-    def check(self, structured: StructuredOutput) -> None:
-        """Compile (or find cached) the grammar; InvalidRequestError naming the problem if it is invalid."""
-        self._compiled(structured)
+    def check(self, structured: StructuredOutput, translate: GrammarOf = grammar_of) -> None:
+        """Compile (or find cached) the grammar; InvalidRequestError naming the problem if it is invalid.
+        `translate` makes the grammar's text from the schema (GrammarWorker passes its SchemaProcess's)."""
+        self._compiled(structured, translate)
 
     def is_cached(self, structured: StructuredOutput) -> bool:
         with self._lock:
@@ -128,14 +81,18 @@ class GrammarCompiler:
     def num_cached(self) -> int:
         return len(self._cache)
 
-    def _compiled(self, structured: StructuredOutput) -> llguidance.LLMatcher:
+    def _compiled(
+        self, structured: StructuredOutput, translate: GrammarOf = grammar_of
+    ) -> llguidance.LLMatcher:
         key = grammar_key(structured)
         with self._lock:
             template = self._cache.get(key)
             if template is not None:
                 self._cache.move_to_end(key)
                 return template
-        template = self._compile(structured)  # unlocked: up to seconds for a schema of thousands of keys
+        template = self._compile(
+            structured, translate
+        )  # unlocked: up to seconds for a schema of thousands of keys
         with self._lock:
             self.num_compiles += 1
             self._cache[key] = template
@@ -144,35 +101,9 @@ class GrammarCompiler:
                 self._cache.popitem(last=False)
         return template
 
-    def _compile(self, structured: StructuredOutput) -> llguidance.LLMatcher:
+    def _compile(self, structured: StructuredOutput, translate: GrammarOf) -> llguidance.LLMatcher:
         param = structured.source
-        if structured.kind == "json_object":
-            schema = ANY_OBJECT_SCHEMA
-        elif structured.kind == "json_schema" and structured.schema is not None:
-            schema = structured.schema
-        else:
-            raise InvalidRequestError(
-                f"{param}: unknown structured output kind {structured.kind!r} (use json_object or "
-                "json_schema with a schema)",
-                param=param,
-            )
-        try:
-            parsed = closed_objects(json.loads(schema))
-            never_ends = no_finite_document(parsed)
-            grammar = llguidance.LLMatcher.grammar_from_json_schema(
-                json.dumps(parsed, separators=(",", ":")),
-                overrides=JSON_OPTIONS,  # type: ignore[arg-type]
-            )
-        except ValueError as e:
-            raise InvalidRequestError(f"{param}: the JSON schema is invalid: {e}", param=param) from e
-        except RecursionError as e:
-            raise InvalidRequestError(
-                f"{param}: the JSON schema nests too deeply to compile; flatten it with $defs", param=param
-            ) from e
-        if never_ends is not None:
-            raise InvalidRequestError(
-                f"{param}: no finite JSON document satisfies the schema: {never_ends}", param=param
-            )
+        grammar = translate(structured.kind, structured.schema, param)
         template = llguidance.LLMatcher(self._tokenizer(), grammar, log_level=0)
         if template.is_error():
             raise InvalidRequestError(

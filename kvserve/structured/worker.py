@@ -11,6 +11,7 @@ from concurrent.futures import Future
 from kvserve.errors import OverloadedError
 from kvserve.request import StructuredOutput
 from kvserve.structured.compiler import GrammarCompiler, grammar_key
+from kvserve.structured.schema import SchemaProcess
 
 _Key = tuple[str, str]
 _Job = tuple[int, int, _Key | None, StructuredOutput | None, "Future[None] | None"]  # None: stop
@@ -26,8 +27,10 @@ class GrammarWorker:
     so a small schema waits at most for the compiles already running, not for a queue of large ones.
     Past `max_pending` distinct grammars `submit` raises OverloadedError (503, code
     grammar_queue_full) at once: a flood of large schemas is refused, not queued without bound.
-    llguidance drops the GIL while it builds a grammar (up to seconds for thousands of keys), so the
-    event loop and the engine thread run on meanwhile.
+    Each thread translates schemas to grammars in a SchemaProcess of its own (the Python part of a
+    compile, which holds the GIL), and llguidance drops the GIL while it builds the grammar against
+    the tokenizer (up to seconds for thousands of keys), so the event loop and the engine thread run
+    on meanwhile.
     """
 
     def __init__(self, compiler: GrammarCompiler, num_threads: int | None = None, max_pending: int = 32):
@@ -41,7 +44,9 @@ class GrammarWorker:
         self._lock = threading.Lock()
         self._closed = False
         self._threads = [
-            threading.Thread(target=self._run, name=f"kvserve-grammar-{i}", daemon=True)
+            threading.Thread(
+                target=self._run, args=(SchemaProcess(),), name=f"kvserve-grammar-{i}", daemon=True
+            )
             for i in range(num_threads)
         ]
         for thread in self._threads:
@@ -83,15 +88,16 @@ class GrammarWorker:
         for _ in self._threads:
             self._queue.put((-1, next(self._order), None, None, None))
 
-    def _run(self) -> None:
+    def _run(self, schemas: SchemaProcess) -> None:
         while True:
             _, _, key, structured, future = self._queue.get()
             if key is None or structured is None or future is None:
+                schemas.close()
                 return
             error: BaseException | None = None
             if future.set_running_or_notify_cancel():
                 try:
-                    self.compiler.check(structured)
+                    self.compiler.check(structured, schemas.grammar_of)
                 except BaseException as e:
                     error = e
             with self._lock:  # before its waiters wake: they may submit the same schema again

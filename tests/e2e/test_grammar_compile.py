@@ -12,6 +12,8 @@ measure_stall is also what scripts/bench_grammar_compile.py runs."""
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -38,8 +40,26 @@ def large_schema(salt: str, num_properties: int = NUM_PROPERTIES) -> dict[str, A
     return {"type": "object", "properties": dict.fromkeys(names, described), "required": names}
 
 
+# The stream's reader runs in a process of its own and stamps each chunk there (CLOCK_MONOTONIC is one
+# clock for every process), so the posting threads' work in this process (the GIL, building clients)
+# does not show up as the server's gap.
+STREAM_READER = """
+import sys, time, httpx
+url, body = sys.argv[1], sys.argv[2]
+with httpx.stream("POST", url, content=body, headers={"content-type": "application/json"},
+                  timeout=float(sys.argv[3])) as r:
+    for line in r.iter_lines():
+        if line.startswith("data: "):
+            print(time.monotonic(), flush=True)
+"""
+
+
 def measure_stall(
-    base_url: str, schemas: list[dict[str, Any]], stream_tokens: int = 4000, timeout_s: float = 120.0
+    base_url: str,
+    schemas: list[dict[str, Any]],
+    stream_tokens: int = 4000,
+    timeout_s: float = 120.0,
+    isolated: bool = True,
 ) -> dict[str, Any]:
     """Stream a long completion; once it flows, first watch it alone for a second (quiet: the
     machine's own gaps), then the same number of plain completions (max_tokens 1, no schema) at once
@@ -49,59 +69,86 @@ def measure_stall(
     bodies are parsed), the control. For each round: the longest gap between the stream's chunks and
     the slowest /health in its window (seconds), the requests' statuses and seconds, and the chunks
     that arrived in the window. The bodies are encoded before a round starts, so the client's own
-    JSON encoding is not timed."""
+    JSON encoding is not timed.
+
+    isolated (the default): the stream is read in a process of its own (STREAM_READER) and the
+    requests share one HTTP client made before the round. Not isolated (how it was first measured):
+    the stream is read on a thread beside the posting threads, and each post builds its own client
+    (an SSL context: ~50 ms of this process's CPU on a 2-core machine)."""
     chunk_times: list[float] = []
     flowing, stop_stream = threading.Event(), threading.Event()
+    body = {"model": TINY, "prompt": "go", "max_tokens": stream_tokens, "ignore_eos": True, "stream": True}
 
-    def stream() -> None:
-        body = {
-            "model": TINY,
-            "prompt": "go",
-            "max_tokens": stream_tokens,
-            "ignore_eos": True,
-            "stream": True,
-        }
+    def note(t: float) -> None:
+        chunk_times.append(t)
+        if len(chunk_times) == 20:
+            flowing.set()
+
+    def stream_here() -> None:
         with httpx.stream("POST", base_url + "/v1/completions", json=body, timeout=timeout_s) as r:
             for line in r.iter_lines():
                 if line.startswith("data: "):
-                    chunk_times.append(time.monotonic())
-                    if len(chunk_times) == 20:
-                        flowing.set()
+                    note(time.monotonic())
                 if stop_stream.is_set():
                     return
 
-    streamer = threading.Thread(target=stream)
+    reader: subprocess.Popen[str] | None = None
+    if isolated:
+        reader = subprocess.Popen(
+            [
+                sys.executable,
+                "-c",
+                STREAM_READER,
+                base_url + "/v1/completions",
+                json.dumps(body),
+                str(timeout_s),
+            ],
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        out = reader.stdout
+        assert out is not None
+        streamer = threading.Thread(target=lambda: [note(float(line)) for line in out])
+    else:
+        streamer = threading.Thread(target=stream_here)
     streamer.start()
     try:
         assert flowing.wait(timeout_s), "the stream did not start"
-        quiet = _round(base_url, [], chunk_times, timeout_s)
-        small = _round(base_url, [None] * len(schemas), chunk_times, timeout_s)
-        compiling = _round(base_url, schemas, chunk_times, timeout_s)
+        rounds = {}
+        for kind, batch in (("quiet", []), ("small", [None] * len(schemas)), ("compiling", schemas)):
+            rounds[kind] = _round(base_url, batch, chunk_times, timeout_s, isolated)
         time.sleep(0.5)
-        cached = _round(base_url, schemas, chunk_times, timeout_s)
+        rounds["cached"] = _round(base_url, schemas, chunk_times, timeout_s, isolated)
         outlived = streamer.is_alive()
     finally:
         stop_stream.set()
+        if reader is not None:
+            reader.terminate()
+            reader.wait(timeout_s)
         streamer.join(timeout_s)
-    for result in (quiet, small, compiling, cached):
+    for result in rounds.values():
         result["stream_outlived_window"] = outlived
         result.update(_gaps(chunk_times, result.pop("start"), result.pop("end")))
-    return {"quiet": quiet, "small": small, "compiling": compiling, "cached": cached}
+    return rounds
 
 
 def _round(
-    base_url: str, schemas: list[dict[str, Any] | None], chunk_times: list[float], timeout_s: float
+    base_url: str,
+    schemas: list[dict[str, Any] | None],
+    chunk_times: list[float],
+    timeout_s: float,
+    isolated: bool,
 ) -> dict[str, Any]:
     results: list[tuple[int, float, str]] = []
+    shared = httpx.Client(base_url=base_url, timeout=timeout_s) if isolated else None
 
     def post(body: bytes) -> None:
         t0 = time.monotonic()
-        r = httpx.post(
-            base_url + "/v1/completions",
-            content=body,
-            headers={"content-type": "application/json"},
-            timeout=timeout_s,
-        )
+        headers = {"content-type": "application/json"}
+        if shared is not None:
+            r = shared.post("/v1/completions", content=body, headers=headers)
+        else:
+            r = httpx.post(base_url + "/v1/completions", content=body, headers=headers, timeout=timeout_s)
         results.append((r.status_code, time.monotonic() - t0, r.text[:300]))
 
     bodies = [
@@ -120,12 +167,13 @@ def _round(
         for s in schemas
     ]
     posts = [threading.Thread(target=post, args=(b,)) for b in bodies]
+    health: list[float] = []
+    h = httpx.Client(base_url=base_url, timeout=timeout_s) if isolated else None
     start = time.monotonic()
     for t in posts:
         t.start()
-    health: list[float] = []
-    quiet_until = start + 1.0 if not posts else 0.0  # no requests: watch the stream alone for a second
-    with httpx.Client(base_url=base_url, timeout=timeout_s) as h:
+    with h or httpx.Client(base_url=base_url, timeout=timeout_s) as h:
+        quiet_until = start + 1.0 if not posts else 0.0  # no requests: watch the stream alone for a second
         while any(t.is_alive() for t in posts) or time.monotonic() < quiet_until:
             t0 = time.monotonic()
             h.get("/health").raise_for_status()
@@ -134,6 +182,8 @@ def _round(
     end = time.monotonic()
     for t in posts:
         t.join()
+    if shared is not None:
+        shared.close()
     return {
         "start": start,
         "end": end,
@@ -169,7 +219,7 @@ def test_streams_and_health_flow_while_large_schemas_compile(server: Server) -> 
     print(f"\nwhile {NUM_SCHEMAS} large schemas compiled: {compiling}\nthe same, cached: {cached}")
     for r in (compiling, cached):
         assert r["statuses"] == [200] * NUM_SCHEMAS, r["errors"]
-        assert r["stream_outlived_window"] and r["chunks_in_window"] > 5, r
+        assert r["stream_outlived_window"] and r["chunks_in_window"] >= 2, r  # it flowed through the window
     assert compiling["max_gap_s"] < MAX_GAP_S, f"the stream stalled {compiling['max_gap_s']:.3f} s"
     assert compiling["max_health_s"] < MAX_GAP_S, f"/health took {compiling['max_health_s']:.3f} s"
 

@@ -27,7 +27,7 @@ class GatedCompiler:
     def is_cached(self, structured: StructuredOutput) -> bool:
         return (structured.schema or "") in self.compiled
 
-    def check(self, structured: StructuredOutput) -> None:
+    def check(self, structured: StructuredOutput, translate: object = None) -> None:
         self.threads.add(threading.current_thread().name)
         self.started.release()
         assert self._gate.acquire(timeout=10)

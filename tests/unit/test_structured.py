@@ -12,7 +12,7 @@ from kvserve.errors import InvalidRequestError
 from kvserve.models.loader import resolve_model_path
 from kvserve.request import StructuredOutput
 from kvserve.structured import GrammarCompiler, GrammarMatcher, RepeatedItems
-from kvserve.structured.compiler import closed_objects
+from kvserve.structured.schema import closed_objects
 
 EOS = 2
 COLOR = {
