@@ -220,7 +220,9 @@ class ServeConfig:
     pieces: str = field(
         default="content",
         metadata={
-            "help": "pieces for content matching: content (content-defined cuts) or fixed (chunk_size)"
+            "help": "pieces for content matching: content (content-defined cuts), lines (content-defined "
+            "cuts and one after every line end, so documents that start on a new line are reused whole) "
+            "or fixed (chunk_size)"
         },
     )
     piece_min_tokens: int = field(
@@ -276,7 +278,7 @@ _CHOICES: dict[str, tuple[str, ...]] = {
     "weight_precision": ("dense", "fp16", "fp8", "auto"),
     "reuse": ("prefix", "any"),
     "recompute_strategy": ("auto", "none", "selective", "cacheblend", "query"),
-    "pieces": ("fixed", "content"),
+    "pieces": ("fixed", "content", "lines"),
     "kv_disk_write": ("evicted", "all"),
 }
 

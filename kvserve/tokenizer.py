@@ -67,6 +67,11 @@ class Tokenizer:
         with self._lock:
             return str(self.hf.decode([token_id]))
 
+    def token_texts(self) -> list[str]:
+        """Every token's text, decoded alone (index = id), special tokens included."""
+        with self._lock:
+            return [str(t) for t in self.hf.batch_decode([[i] for i in range(self.vocab_size)])]
+
     def apply_chat_template(
         self,
         messages: list[dict[str, Any]],

@@ -9,8 +9,8 @@ filler; nothing is tuned to one set: --seed draws another):
   freeform   "what do the documents say about X": 32 greedy tokens, compared with the full
              prefill's answer (exact match, ROUGE-L F1 over words)
 Every prompt is a fixed system header, 3-6 documents in a new order, and the question. Every document
-is first met inside other prompts: seeding prompts (served exactly on the reuse engine) carry each
-document before any scored prompt, so the cache holds its KV as computed in another context, and no
+is first met inside other prompts: seeding prompts (served exactly on the reuse engine, and indexed
+for content matching) carry each document before any scored prompt, so the cache holds its KV as computed in another context, and no
 document is warmed alone. Full prefill runs on an engine with caching off; each strategy runs on one
 engine holding the seeded cache, with every plan taken (--reuse-min-saving -10: this measures the
 strategies, not the cost model's choice); strategies are interleaved per prompt.
@@ -275,7 +275,7 @@ def run_measure(
     rng: random.Random,
 ) -> dict:
     """One measure: fresh documents, seeding, then every prompt under every strategy."""
-    llm = LLM(model=args.model, max_cache_bytes=4_000_000_000, reuse_min_saving=-10.0)
+    llm = LLM(model=args.model, max_cache_bytes=4_000_000_000, reuse_min_saving=-10.0, pieces=args.pieces)
     cold = LLM(model=args.model, enable_prefix_caching=False, max_cache_bytes=500_000_000)
     enc = Encoder(llm.tokenizer)
     docs = make_docs(args.docs, rng)
@@ -284,8 +284,13 @@ def run_measure(
     groups = seeding_groups(len(docs), rng)
     seed_q = "Which documents mention a city?"
     t0 = time.perf_counter()
-    for g in groups:  # exact serving: the documents' KV enters the cache in these contexts
-        serve(llm, enc.prompt(docs, g, seed_q), ReuseOptions(reuse="prefix"), 1)
+    # exact serving that indexes: the documents' KV enters the cache (and the content index) in these
+    # contexts. reuse "any" under the engine's default strategy (auto), on a model with no verified
+    # preset, serves exactly and indexes the prompt's pieces; reuse "prefix" (before) served exactly but indexed nothing, so documents were
+    # first found in scored prompts only.
+    for g in groups:
+        out = serve(llm, enc.prompt(docs, g, seed_q), ReuseOptions(reuse="any"), 1)
+        assert out.num_approx_cached_tokens == 0, "a seeding prompt was served approximately"
     seeding_s = time.perf_counter() - t0
     prompts = make_prompts(measure, docs, args.prompts, rng)
     serve(cold, enc.prompt(docs, prompts[0].doc_ids, "warm-up")[:64], None, 1)  # code paths only
@@ -476,6 +481,12 @@ def main() -> None:
     ap.add_argument("--prompts", type=int, default=200, help="scored prompts per measure")
     ap.add_argument("--docs", type=int, default=60, help="documents per measure")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument(
+        "--pieces",
+        default="content",
+        choices=("content", "lines", "fixed"),
+        help="the reuse engine's --pieces",
+    )
     ap.add_argument("--threads", type=int, default=0)
     ap.add_argument("--progress", type=int, default=25, help="print progress every N prompts (0: never)")
     ap.add_argument("--keep-samples", type=int, default=20, help="answers kept in the JSON per measure")
@@ -503,10 +514,11 @@ def main() -> None:
         "model": args.model,
         "machine": describe(),
         "seed": args.seed,
+        "pieces": args.pieces,
         "tables": {},
         "raw": {},
     }
-    print(f"## {args.model}; {results['machine']}")
+    print(f"## {args.model}, --pieces {args.pieces}; {results['machine']}")
     for k, measure in enumerate(args.measures.split(",")):
         rng = random.Random(args.seed * 1000 + k)
         result = run_measure(measure, args, strategies, rng)

@@ -41,6 +41,7 @@ from kvserve.kvcache.block_pool import BlockPool
 from kvserve.kvcache.chunk_store import ChunkStore
 from kvserve.kvcache.hashing import root_hash
 from kvserve.kvcache.piece_index import PieceIndex
+from kvserve.kvcache.pieces import line_end_ids
 from kvserve.request import FinishReason, Request, RequestOutput, check_token_ids
 from kvserve.scheduler.batch import ScheduledBatch, ScheduledSeq
 from kvserve.scheduler.content import ContentMatcher
@@ -68,7 +69,10 @@ class Engine:
         device = torch.device(self.info.device)
         rotator, reason = check_content_reuse(self.model)
         self.cost = CostModel.of(self.model.config, len(self.layers))
-        self.content = ContentMatcher(config, PieceIndex(self.store), self.cost, rotator is not None, reason)
+        line_ends = line_end_ids(self.tokenizer.token_texts()) if config.pieces == "lines" else frozenset()
+        self.content = ContentMatcher(
+            config, PieceIndex(self.store), self.cost, rotator is not None, reason, line_ends
+        )
         self.repairer = Repairer(self.layers, rotator, device) if rotator else None
         require_content_reuse(config.reuse, rotator, reason)
         if config.reuse == "any" and config.recompute_strategy == "auto" and self.content.verified is None:

@@ -52,11 +52,12 @@ class ContentMatcher:
         cost: CostModel,
         enabled: bool,
         disabled_reason: str = "",
+        line_ends: frozenset[int] = frozenset(),
     ):
         self.config = config
         self.index = index
         self.cutter = PieceCutter(
-            config.pieces, config.chunk_size, config.piece_min_tokens, config.piece_max_tokens
+            config.pieces, config.chunk_size, config.piece_min_tokens, config.piece_max_tokens, line_ends
         )
         self.enabled = enabled  # the model supports moving KV and the start-up self-check passed
         self.disabled_reason = disabled_reason

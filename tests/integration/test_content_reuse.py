@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import random
+
 import pytest
 
 from kvserve import LLM, SamplingParams
@@ -217,3 +219,34 @@ def test_full_repair_without_an_exact_prefix_equals_full_prefill():
     )
     assert out.num_exact_cached_tokens == 0 and out.num_recomputed_tokens > 0
     assert out.token_ids == ref.token_ids and (logits - ref_logits).abs().max().item() <= 1e-4
+
+
+def test_line_pieces_reuse_documents_on_their_own_lines_whole():
+    """--pieces lines: documents that each start on a new line are reused whole in a new order, where
+    content-defined pieces lose the pieces across their edges; with every reused token recomputed the
+    answer equals full prefill's."""
+    words = "river city code mascot founded color north market bridge harbor council".split()
+    rng = random.Random(7)
+    docs = [
+        f"Document {i}: " + " ".join(rng.choice(words) for _ in range(60 + 7 * i)) + ".\n" for i in range(3)
+    ]
+    reused = {}
+    for pieces in ("content", "lines"):
+        llm = LLM(
+            model="tiny-random-llama", pieces=pieces, reuse_min_saving=-10.0, max_cache_bytes=50_000_000
+        )
+        encode = llm.tokenizer.encode
+        doc_ids = [encode(d) for d in docs]
+        llm.warm(encode("You answer questions.\n") + doc_ids[0] + doc_ids[1] + doc_ids[2])
+        prompt = encode("Read these.\n") + doc_ids[2] + doc_ids[0] + doc_ids[1] + encode("Which city?\n")
+        (plain,) = llm.generate([prompt], GREEDY, reuse=ReuseOptions(reuse="any", recompute_strategy="none"))
+        reused[pieces] = plain.num_approx_cached_tokens
+        if pieces == "lines":
+            assert reused["lines"] == sum(len(d) for d in doc_ids)
+            cold = LLM(model="tiny-random-llama", enable_prefix_caching=False, max_cache_bytes=50_000_000)
+            (ref,), (ref_logits,) = generate_with_logits(cold, [prompt], GREEDY)
+            full = ReuseOptions(reuse="any", recompute_strategy="cacheblend", recompute_ratio=1.0)
+            (out,), (logits,) = generate_with_logits(llm, [prompt], GREEDY, full)
+            assert out.num_recomputed_tokens == reused["lines"] and out.token_ids == ref.token_ids
+            assert (logits - ref_logits).abs().max().item() <= 1e-4
+    assert reused["content"] < reused["lines"], reused

@@ -1,6 +1,6 @@
 import random
 
-from kvserve.kvcache.pieces import PieceCutter, content_pieces, fixed_pieces
+from kvserve.kvcache.pieces import PieceCutter, content_pieces, fixed_pieces, line_end_ids
 
 
 def _tokens(n: int, seed: int) -> list[int]:
@@ -43,3 +43,30 @@ def test_fixed_pieces_miss_a_shifted_document():
     alone = set(_pieces(doc, seg.cut(doc)))
     shifted = _tokens(5, 6) + doc
     assert not alone & set(_pieces(shifted, seg.cut(shifted)))
+
+
+def test_line_pieces_reuse_a_document_on_its_own_lines_whole_at_any_offset():
+    """pieces=lines: a document that starts after a line end and ends with one is cut the same way
+    wherever it sits, edges included; content-defined cuts alone lose the pieces across its edges."""
+    newline = 7  # a token id that ends a line
+    lines = PieceCutter(
+        "lines", chunk_size=128, min_tokens=16, max_tokens=256, line_ends=frozenset({newline})
+    )
+    content = PieceCutter("content", chunk_size=128, min_tokens=16, max_tokens=256)
+    body = [t for t in _tokens(400, 2) if t != newline]
+    doc = body[:150] + [newline] + body[150:] + [newline]  # two lines
+    alone = _pieces(doc, lines.cut(doc))
+    assert sum(len(p) for p in alone) == len(doc)
+    lost_by_content = 0
+    for offset in (1, 17, 45, 130):
+        before = [t for t in _tokens(offset, 3 + offset) if t != newline] + [newline]
+        embedded = before + doc + [t for t in _tokens(20, 4) if t != newline]
+        assert set(alone) <= set(_pieces(embedded, lines.cut(embedded))), offset
+        found = set(_pieces(embedded, content.cut(embedded)))
+        lost_by_content += len(doc) - sum(len(p) for p in _pieces(doc, content.cut(doc)) if p in found)
+    assert lost_by_content > 0  # what the line cuts win
+    assert all(b - a <= 256 for a, b in lines.cut(doc))
+
+
+def test_line_end_ids_are_the_tokens_whose_text_ends_a_line():
+    assert line_end_ids(["a", "\n", "b.\n", "\n\n", "x\ny", "<|im_end|>"]) == frozenset({1, 2, 3})
