@@ -506,7 +506,7 @@ def test_mxfp4_tile_is_gather_bit_for_bit(dtype, d):
 
 ORDER_SCRIPT = """
 import os, sys, torch
-import kvserve  # imports triton (through torch) before TRITON_INTERPRET is set
+import kvserve.llm  # imports triton (through torch) before TRITON_INTERPRET is set (import kvserve alone is lazy)
 assert "triton" in sys.modules
 os.environ["TRITON_INTERPRET"] = "1"
 from kvserve.attention.reference import ReferenceBackend
