@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import gc
 import logging
 import sys
 from collections.abc import Sequence
@@ -129,6 +130,18 @@ SHUTDOWN_GRACE_S = 2.0
 UVICORN_GRACEFUL_S = 5
 
 
+def freeze_startup_heap() -> int:
+    """Collect, then move every object the start-up made (the model, torch's and transformers'
+    modules: ~480,000 objects) out of the cyclic garbage collector's reach, and return how many.
+    Until then every full collection walked them all: a 0.4 s pause of the whole server (every
+    stream, /health) that any burst of allocation could set off, such as five 400 KB schemas
+    parsed at once (docs/reliability.md). Only for a serving process: what is frozen is never
+    collected, so a process that builds and drops engines (the tests) must not call it."""
+    gc.collect()
+    gc.freeze()
+    return gc.get_freeze_count()
+
+
 def serve(config: ServeConfig, log_level: str) -> None:
     import uvicorn
 
@@ -146,6 +159,7 @@ def serve(config: ServeConfig, log_level: str) -> None:
     async_engine.start()
     backend = LocalBackend(async_engine, metrics, config)
     app = create_app(config, backend)
+    log.debug("kvserve: %d start-up objects frozen out of the garbage collector", freeze_startup_heap())
     print(
         f"kvserve: serving {config.served_model_name or config.model} on http://{config.host}:{config.port}",
         flush=True,

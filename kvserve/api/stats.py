@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import gc
 import time
 from typing import Any
 
@@ -50,6 +51,11 @@ def stats_body(
         },
         "weights": {**dataclasses.asdict(s.weights), "bytes_per_param": s.weights.bytes_per_param},
         "config": snapshot,
+        "process": {
+            # the start-up heap frozen out of the garbage collector (kvserve.cli.freeze_startup_heap)
+            "gc_frozen_objects": gc.get_freeze_count(),
+            "gc_collections": [g["collections"] for g in gc.get_stats()],  # generations 0, 1, 2
+        },
     }
 
 

@@ -219,6 +219,9 @@ class Ingress:
         self.config = config
         self.backend = ClusterBackend(engines, config, cluster)
         await self.backend.start()
+        from kvserve.cli import freeze_startup_heap
+
+        freeze_startup_heap()  # a Ray actor: the ingress's heap too, out of the full collections
 
     def __serve_build_asgi_app__(self) -> Any:
         from kvserve.api.server import create_app

@@ -43,7 +43,7 @@ class EngineReplica:
         """`threads`: torch's CPU threads (the CPUs Ray reserved; None: as inherited)."""
         import torch
 
-        from kvserve.cli import describe, warm_up
+        from kvserve.cli import describe, freeze_startup_heap, warm_up
         from kvserve.engine.async_engine import AsyncEngine
         from kvserve.engine.engine import Engine
         from kvserve.metrics import Metrics
@@ -58,6 +58,8 @@ class EngineReplica:
         async_engine = AsyncEngine(engine, config.max_queue_size, observer=metrics.observe)
         async_engine.start()
         self.backend = LocalBackend(async_engine, metrics, config)
+        if self.replica != "local":  # a Ray actor, this process's only engine (not a test's)
+            freeze_startup_heap()
 
     def describe(self) -> ReplicaInfo:
         return ReplicaInfo(self.replica, self.backend.info, self.backend.tokenizer)
