@@ -22,7 +22,12 @@ and for freeform exact match and ROUGE-L. Every --audit-every'th prompt of each 
 agreement and mean KL per strategy are printed beside the task quality with their rank correlation.
 --plot draws quality against TTFT (the Pareto front).
 
+--codecs bf16,fp8_e4m3,... (issue 38) measures KV codecs instead: the same documents and prompts, full
+prefill with caching off under each codec in turn, quality against the first codec's, with bytes per
+token, TTFT and decode speed; --plot then draws quality against bytes per token.
+
     python scripts/bench_reuse_quality.py [--model smollm2-135m] [--prompts 200] [--json F] [--plot F]
+    python scripts/bench_reuse_quality.py --codecs bf16,fp8_e4m3,int4,turbo4,turbo3 [--measures lookup]
 """
 
 from __future__ import annotations
@@ -46,7 +51,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from machine import describe  # noqa: E402
 
 from kvserve import LLM, SamplingParams  # noqa: E402
-from kvserve.request import ReuseOptions  # noqa: E402
+from kvserve.request import RequestOutput, ReuseOptions  # noqa: E402
 
 STRATEGIES: dict[str, ReuseOptions | None] = {
     "full prefill": None,
@@ -60,6 +65,12 @@ STRATEGIES: dict[str, ReuseOptions | None] = {
     ),
     "query R=4 0.30": ReuseOptions(
         reuse="any", recompute_strategy="query", recompute_tokens=4, recompute_ratio=0.30
+    ),
+    "query R=4 0.45": ReuseOptions(
+        reuse="any", recompute_strategy="query", recompute_tokens=4, recompute_ratio=0.45
+    ),
+    "query R=4 0.60": ReuseOptions(
+        reuse="any", recompute_strategy="query", recompute_tokens=4, recompute_ratio=0.60
     ),
     "query R=4 0.15 L8": ReuseOptions(
         reuse="any", recompute_strategy="query", recompute_tokens=4, recompute_ratio=0.15, blend_check_layer=8
@@ -343,9 +354,72 @@ def run_measure(
     }
 
 
+def run_codecs(measure: str, args: argparse.Namespace, codecs: list[str], rng: random.Random) -> dict:
+    """One measure, full prefill under each KV codec (issue 38): caching off, so every prompt is
+    computed afresh and its KV is stored in the codec as it is written and read back by attention
+    (prefill chunks and decode). The first codec is the reference (bf16). The documents and prompts
+    are the reuse run's for the same --seed and measure order (the seeding draw is made and unused).
+    One engine at a time, codec after codec, so TTFT and decode speed compare across time, not per
+    prompt."""
+    docs = make_docs(args.docs, rng)
+    groups = seeding_groups(len(docs), rng)  # drawn so that the prompts match the reuse run's
+    prompts = make_prompts(measure, docs, args.prompts, rng)
+    max_tokens = MAX_TOKENS[measure]
+    rows: dict[str, dict[str, list[float]]] = {}
+    bytes_per_token: dict[str, float] = {}
+    reference: list[RequestOutput] = []
+    samples: list[dict] = [{"prompt": i, "answers": p.answers} for i, p in enumerate(prompts)]
+    for codec in codecs:
+        llm = LLM(
+            model=args.model, enable_prefix_caching=False, kv_cache_dtype=codec, max_cache_bytes=500_000_000
+        )
+        bytes_per_token[codec] = float(llm.engine.info.bytes_per_token)
+        enc = Encoder(llm.tokenizer)
+        if not docs[0].ids:
+            for d in docs:
+                d.ids = enc.encode(d.text)
+        serve(llm, enc.prompt(docs, prompts[0].doc_ids, "warm-up")[:64], None, 1)  # code paths only
+        r = rows[codec] = {}
+        for i, p in enumerate(prompts):
+            p.ids = enc.prompt(docs, p.doc_ids, p.question)
+            out = serve(llm, p.ids, None, max_tokens)
+            if codec == codecs[0]:
+                reference.append(out)
+            ref = reference[i]
+            m = out.metrics
+            r.setdefault("ttft", []).append(m.ttft_s or 0.0)
+            if m.e2e_s is not None and m.ttft_s is not None and len(out.token_ids) > 1:
+                r.setdefault("decode_tps", []).append(
+                    (len(out.token_ids) - 1) / max(m.e2e_s - m.ttft_s, 1e-9)
+                )
+            r.setdefault("compute", []).append(1.0)
+            r.setdefault("reused", []).append(0.0)
+            if measure == "freeform":
+                r.setdefault("exact", []).append(float(out.token_ids == ref.token_ids))
+                r.setdefault("rouge", []).append(rouge_l(out.text, ref.text))
+            else:
+                r.setdefault("correct", []).append(float(correct(out.text, p.answers)))
+            if i < args.keep_samples:
+                samples[i][codec] = out.text
+            if args.progress and (i + 1) % args.progress == 0:
+                print(f"  {measure} {codec}: {i + 1}/{len(prompts)} prompts", file=sys.stderr, flush=True)
+        llm.close()
+        del llm
+    return {
+        "rows": rows,
+        "reference": codecs[0],
+        "bytes_per_token": bytes_per_token,
+        "docs": len(docs),
+        "seeding_prompts": 0,
+        "seeding_groups_drawn": len(groups),
+        "avg_prompt_tokens": statistics.fmean(len(p.ids) for p in prompts),
+        "samples": samples[: args.keep_samples],
+    }
+
+
 def summarise(measure: str, result: dict) -> dict[str, dict[str, float]]:
     rows = result["rows"]
-    full = rows["full prefill"]
+    full = rows[result.get("reference", "full prefill")]
     full_ttft = statistics.median(full["ttft"])
     quality_key = "rouge" if measure == "freeform" else "correct"
     full_q = statistics.fmean(full[quality_key])
@@ -362,6 +436,9 @@ def summarise(measure: str, result: dict) -> dict[str, dict[str, float]]:
             "compute": statistics.fmean(r["compute"]),
             "reused": statistics.fmean(r["reused"]),
         }
+        if "bytes_per_token" in result:  # codec mode
+            entry["bytes_per_token"] = result["bytes_per_token"][name]
+            entry["decode_tps"] = statistics.median(r["decode_tps"]) if r.get("decode_tps") else float("nan")
         for key in ("audit_mean_kl", "audit_agreement", "audit_first_kl"):
             if r.get(key):
                 entry[key] = statistics.fmean(r[key])
@@ -386,6 +463,9 @@ def mean_interval(xs: list[float]) -> tuple[float, float]:
 
 
 def print_table(measure: str, result: dict, table: dict[str, dict[str, float]]) -> None:
+    if "bytes_per_token" in result:
+        print_codec_table(measure, result, table)
+        return
     what = "ROUGE-L F1 vs full (95 % CI)" if measure == "freeform" else "accuracy (95 % CI)"
     print(
         f"\n### {measure}: {table['full prefill']['n']} prompts of {result['avg_prompt_tokens']:.0f} tokens on "
@@ -422,6 +502,30 @@ def print_table(measure: str, result: dict, table: dict[str, dict[str, float]]) 
         )
 
 
+def print_codec_table(measure: str, result: dict, table: dict[str, dict[str, float]]) -> None:
+    ref = result["reference"]
+    what = f"ROUGE-L F1 vs {ref} (95 % CI)" if measure == "freeform" else "accuracy (95 % CI)"
+    print(
+        f"\n### {measure}, full prefill per KV codec: {table[ref]['n']} prompts of "
+        f"{result['avg_prompt_tokens']:.0f} tokens on average, {result['docs']} documents\n"
+    )
+    extra = " exact match |" if measure == "freeform" else ""
+    print(
+        f"| KV codec | bytes / token | capacity x {ref} | {what} | x {ref} | TTFT p50 ms | decode tok/s p50 |{extra}"
+    )
+    print("|---|---|---|---|---|---|---|" + ("---|" if extra else ""))
+    ref_bytes = table[ref]["bytes_per_token"]
+    for name, e in table.items():
+        line = (
+            f"| {name} | {e['bytes_per_token']:,.0f} | {ref_bytes / e['bytes_per_token']:.2f} | "
+            f"{e['quality']:.3f} ({e['lo']:.3f}-{e['hi']:.3f}) | {e['x_full']:.3f} | "
+            f"{e['ttft_p50_ms']:.0f} | {e['decode_tps']:.1f} |"
+        )
+        if extra:
+            line += f" {e['exact']:.3f} |"
+        print(line)
+
+
 def spearman(x: list[float], y: list[float]) -> float:
     """Spearman's rank correlation (average ranks for ties); nan when a side is constant."""
 
@@ -456,6 +560,9 @@ def plot(results: dict, path: str) -> None:
     measures = [m for m in ("lookup", "multihop", "freeform") if m in results["tables"]]
     fig, axes = plt.subplots(1, len(measures), figsize=(5.5 * len(measures), 4.5), squeeze=False)
     for ax, m in zip(axes[0], measures, strict=True):
+        if results.get("codecs"):
+            plot_codecs(ax, results, m)
+            continue
         for name, e in results["tables"][m].items():
             color = "tab:red" if name == "full prefill" else "tab:blue"
             ax.scatter(e["ttft_x_full"], e["x_full"], s=40, color=color)
@@ -473,6 +580,23 @@ def plot(results: dict, path: str) -> None:
     fig.savefig(path, dpi=110)
 
 
+def plot_codecs(ax, results: dict, m: str) -> None:  # type: ignore[no-untyped-def]
+    """Quality (x the reference codec) against bytes per token: the Pareto front of issue 38."""
+    table = results["tables"][m]
+    ref = results["codecs"][0]
+    for name, e in table.items():
+        ax.scatter(e["bytes_per_token"], e["x_full"], s=40, color="tab:red" if name == ref else "tab:blue")
+        ax.annotate(
+            name, (e["bytes_per_token"], e["x_full"]), fontsize=7, xytext=(4, 3), textcoords="offset points"
+        )
+    ax.axhline(0.97, color="gray", lw=0.8, ls="--")
+    ax.axhline(0.90, color="gray", lw=0.8, ls=":")
+    ax.set_xlabel("KV bytes per token")
+    ax.set_ylabel(("ROUGE-L" if m == "freeform" else "accuracy") + f", x {ref}")
+    ax.set_title(f"{m}, full prefill ({results['model']})")
+    ax.grid(alpha=0.3)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--model", default="smollm2-135m")
@@ -486,6 +610,12 @@ def main() -> None:
         default="content",
         choices=("content", "lines", "fixed"),
         help="the reuse engine's --pieces",
+    )
+    ap.add_argument(
+        "--codecs",
+        default="",
+        help="comma-separated KV codecs (the first is the reference, e.g. bf16,fp8_e4m3,int4,turbo4): "
+        "full prefill under each instead of the reuse strategies (issue 38)",
     )
     ap.add_argument("--threads", type=int, default=0)
     ap.add_argument("--progress", type=int, default=25, help="print progress every N prompts (0: never)")
@@ -509,19 +639,25 @@ def main() -> None:
     unknown = [n for n in names if n not in STRATEGIES]
     if unknown:
         ap.error(f"unknown strategies {unknown}; known: {list(STRATEGIES)}")
+    codecs = [c for c in args.codecs.split(",") if c]
     strategies = {"full prefill": None, **{n: STRATEGIES[n] for n in names if n != "full prefill"}}
     results: dict = {
         "model": args.model,
         "machine": describe(),
         "seed": args.seed,
         "pieces": args.pieces,
+        "args": vars(args),
+        "codecs": codecs,
         "tables": {},
         "raw": {},
     }
     print(f"## {args.model}, --pieces {args.pieces}; {results['machine']}")
     for k, measure in enumerate(args.measures.split(",")):
         rng = random.Random(args.seed * 1000 + k)
-        result = run_measure(measure, args, strategies, rng)
+        if codecs:
+            result = run_codecs(measure, args, codecs, rng)
+        else:
+            result = run_measure(measure, args, strategies, rng)
         table = summarise(measure, result)
         print_table(measure, result, table)
         results["tables"][measure] = table
