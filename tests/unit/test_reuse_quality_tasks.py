@@ -58,3 +58,26 @@ def test_scores():
     assert rq.spearman([1, 2, 3], [10, 20, 30]) == pytest.approx(1.0)
     assert rq.spearman([1, 2, 3], [3, 2, 1]) == pytest.approx(-1.0)
     assert rq.spearman([1, 1, 2, 3], [5, 5, 6, 7]) == pytest.approx(1.0)
+
+
+def test_codec_results_are_judged_against_the_first_codec(capsys):
+    """--codecs (issue 38): quality relative to the reference codec's, capacity from bytes per token."""
+    rows = {
+        "bf16": {"ttft": [1.0, 1.2], "decode_tps": [20.0, 22.0], "compute": [1.0] * 2, "reused": [0.0] * 2,
+                 "correct": [1.0, 1.0]},
+        "turbo3": {"ttft": [0.9, 1.1], "decode_tps": [6.0, 8.0], "compute": [1.0] * 2, "reused": [0.0] * 2,
+                   "correct": [1.0, 0.0]},
+    }  # fmt: skip
+    result = {
+        "rows": rows,
+        "reference": "bf16",
+        "bytes_per_token": {"bf16": 23040.0, "turbo3": 4680.0},
+        "docs": 6,
+        "avg_prompt_tokens": 600.0,
+    }
+    table = rq.summarise("lookup", result)
+    assert table["turbo3"]["x_full"] == pytest.approx(0.5) and table["bf16"]["x_full"] == 1.0
+    assert table["turbo3"]["decode_tps"] == pytest.approx(7.0)
+    assert table["turbo3"]["ttft_x_full"] == pytest.approx(1.0 / 1.1)
+    rq.print_table("lookup", result, table)
+    assert "| turbo3 | 4,680 | 4.92 | 0.500" in capsys.readouterr().out
