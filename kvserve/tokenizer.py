@@ -50,6 +50,15 @@ class Tokenizer:
         self.vocab_size = len(self.hf)
         self._lock = threading.Lock()
 
+    def __getstate__(self) -> dict[str, object]:
+        """Pickled without its lock (a cluster replica sends its Tokenizer to the ingress): the lock
+        guards this process's threads, so the copy gets a new one."""
+        return {k: v for k, v in self.__dict__.items() if k != "_lock"}
+
+    def __setstate__(self, state: dict[str, object]) -> None:
+        self.__dict__.update(state)
+        self._lock = threading.Lock()
+
     @property
     def renders_tools(self) -> bool:
         """Whether the chat template renders tools itself (else: the Hermes fallback, hermes_messages)."""

@@ -51,11 +51,16 @@ def stats_body(
         },
         "weights": {**dataclasses.asdict(s.weights), "bytes_per_param": s.weights.bytes_per_param},
         "config": snapshot,
-        "process": {
-            # the start-up heap frozen out of the garbage collector (kvserve.cli.freeze_startup_heap)
-            "gc_frozen_objects": gc.get_freeze_count(),
-            "gc_collections": [g["collections"] for g in gc.get_stats()],  # generations 0, 1, 2
-        },
+        "process": process_stats(),
+    }
+
+
+def process_stats() -> dict[str, Any]:
+    """This process's garbage collector: the start-up heap frozen out of its reach
+    (kvserve.cli.freeze_startup_heap) and the collections per generation 0, 1, 2."""
+    return {
+        "gc_frozen_objects": gc.get_freeze_count(),
+        "gc_collections": [g["collections"] for g in gc.get_stats()],
     }
 
 

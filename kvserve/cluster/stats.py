@@ -11,6 +11,7 @@ import time
 from collections.abc import Mapping
 from typing import Any
 
+from kvserve.api.stats import process_stats
 from kvserve.cluster import routing
 from kvserve.cluster.config import ClusterConfig
 from kvserve.engine.stats import TOP_CHUNKS
@@ -100,6 +101,7 @@ def cluster_stats(bodies: list[dict[str, Any]], ingress: Metrics, cluster: Clust
         "latency": {**ingress.latency(), "histograms": ingress.histograms()},
         "model": bodies[0]["model"],
         "config": bodies[0]["config"],
+        "process": process_stats(),  # the ingress's own; each replica's is under `replicas`
         "replicas": {b["replica"]: {k: v for k, v in b.items() if k != "config"} for b in bodies},
     }
 

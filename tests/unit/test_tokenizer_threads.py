@@ -75,3 +75,14 @@ def test_one_caller_at_a_time_and_the_same_results_under_concurrency():
     assert tok.hf.most == 1, f"{tok.hf.most} callers were inside the HF tokenizer at once"
     for kind, values in got.items():
         assert values == [want[kind]] * 15, kind
+
+
+def test_a_tokenizer_pickles_with_a_lock_of_its_own():
+    """A cluster replica sends its Tokenizer to the ingress (ReplicaInfo): it must pickle, and the copy
+    gets a new lock (before: "cannot pickle '_thread.lock' object" and no cluster started)."""
+    import pickle
+
+    tok = Tokenizer(resolve_model_path("tiny-random-llama"))
+    copy = pickle.loads(pickle.dumps(tok))
+    assert copy._lock is not tok._lock and not copy._lock.locked()
+    assert copy.encode("hello world") == tok.encode("hello world")
