@@ -368,20 +368,22 @@ def run_codecs(measure: str, args: argparse.Namespace, codecs: list[str], rng: r
     rows: dict[str, dict[str, list[float]]] = {}
     bytes_per_token: dict[str, float] = {}
     reference: list[RequestOutput] = []
-    samples: list[dict] = [{"prompt": i, "answers": p.answers} for i, p in enumerate(prompts)]
+    samples = [{"prompt": i, "answers": p.answers} for i, p in enumerate(prompts[: args.keep_samples])]
     for codec in codecs:
         llm = LLM(
             model=args.model, enable_prefix_caching=False, kv_cache_dtype=codec, max_cache_bytes=500_000_000
         )
         bytes_per_token[codec] = float(llm.engine.info.bytes_per_token)
-        enc = Encoder(llm.tokenizer)
-        if not docs[0].ids:
+        if codec == codecs[0]:  # one tokenizer for every codec: encode once
+            enc = Encoder(llm.tokenizer)
             for d in docs:
                 d.ids = enc.encode(d.text)
-        serve(llm, enc.prompt(docs, prompts[0].doc_ids, "warm-up")[:64], None, 1)  # code paths only
+            for p in prompts:
+                p.ids = enc.prompt(docs, p.doc_ids, p.question)
+            warm_up = enc.prompt(docs, prompts[0].doc_ids, "warm-up")[:64]
+        serve(llm, warm_up, None, 1)  # code paths only
         r = rows[codec] = {}
         for i, p in enumerate(prompts):
-            p.ids = enc.prompt(docs, p.doc_ids, p.question)
             out = serve(llm, p.ids, None, max_tokens)
             if codec == codecs[0]:
                 reference.append(out)
@@ -413,7 +415,7 @@ def run_codecs(measure: str, args: argparse.Namespace, codecs: list[str], rng: r
         "seeding_prompts": 0,
         "seeding_groups_drawn": len(groups),
         "avg_prompt_tokens": statistics.fmean(len(p.ids) for p in prompts),
-        "samples": samples[: args.keep_samples],
+        "samples": samples,
     }
 
 
@@ -471,19 +473,16 @@ def print_table(measure: str, result: dict, table: dict[str, dict[str, float]]) 
         f"\n### {measure}: {table['full prefill']['n']} prompts of {result['avg_prompt_tokens']:.0f} tokens on "
         f"average, {result['docs']} documents, {result['seeding_prompts']} seeding prompts\n"
     )
-    extra = " exact match |" if measure == "freeform" else ""
-    print(
-        f"| strategy | {what} | x full prefill | TTFT p50 ms | x full TTFT | compute fraction | reused |{extra}"
-    )
-    print("|---|---|---|---|---|---|---|" + ("---|" if extra else ""))
-    for name, e in table.items():
-        line = (
-            f"| {name} | {e['quality']:.3f} ({e['lo']:.3f}-{e['hi']:.3f}) | {e['x_full']:.3f} | "
-            f"{e['ttft_p50_ms']:.0f} | {e['ttft_x_full']:.2f} | {e['compute']:.3f} | {e['reused']:.2f} |"
-        )
-        if extra:
-            line += f" {e['exact']:.3f} |"
-        print(line)
+    cells = {
+        "strategy": lambda name, e: name,
+        what: lambda name, e: f"{e['quality']:.3f} ({e['lo']:.3f}-{e['hi']:.3f})",
+        "x full prefill": lambda name, e: f"{e['x_full']:.3f}",
+        "TTFT p50 ms": lambda name, e: f"{e['ttft_p50_ms']:.0f}",
+        "x full TTFT": lambda name, e: f"{e['ttft_x_full']:.2f}",
+        "compute fraction": lambda name, e: f"{e['compute']:.3f}",
+        "reused": lambda name, e: f"{e['reused']:.2f}",
+    }
+    print_rows(measure, table, cells)
     audits = {n: e for n, e in table.items() if "audited" in e}
     if audits:
         print("\n| strategy | audited | audit: greedy agreement | mean KL | first-token KL | task quality |")
@@ -509,21 +508,28 @@ def print_codec_table(measure: str, result: dict, table: dict[str, dict[str, flo
         f"\n### {measure}, full prefill per KV codec: {table[ref]['n']} prompts of "
         f"{result['avg_prompt_tokens']:.0f} tokens on average, {result['docs']} documents\n"
     )
-    extra = " exact match |" if measure == "freeform" else ""
-    print(
-        f"| KV codec | bytes / token | capacity x {ref} | {what} | x {ref} | TTFT p50 ms | decode tok/s p50 |{extra}"
-    )
-    print("|---|---|---|---|---|---|---|" + ("---|" if extra else ""))
     ref_bytes = table[ref]["bytes_per_token"]
+    cells = {
+        "KV codec": lambda name, e: name,
+        "bytes / token": lambda name, e: f"{e['bytes_per_token']:,.0f}",
+        f"capacity x {ref}": lambda name, e: f"{ref_bytes / e['bytes_per_token']:.2f}",
+        what: lambda name, e: f"{e['quality']:.3f} ({e['lo']:.3f}-{e['hi']:.3f})",
+        f"x {ref}": lambda name, e: f"{e['x_full']:.3f}",
+        "TTFT p50 ms": lambda name, e: f"{e['ttft_p50_ms']:.0f}",
+        "decode tok/s p50": lambda name, e: f"{e['decode_tps']:.1f}",
+    }
+    print_rows(measure, table, cells)
+
+
+def print_rows(measure: str, table: dict[str, dict[str, float]], cells: dict) -> None:
+    """A markdown table: one column per `cells` entry (header -> cell of a row), one row per entry
+    of `table`; free form adds the exact-match column."""
+    if measure == "freeform":
+        cells = {**cells, "exact match": lambda name, e: f"{e['exact']:.3f}"}
+    print("| " + " | ".join(cells) + " |")
+    print("|---" * len(cells) + "|")
     for name, e in table.items():
-        line = (
-            f"| {name} | {e['bytes_per_token']:,.0f} | {ref_bytes / e['bytes_per_token']:.2f} | "
-            f"{e['quality']:.3f} ({e['lo']:.3f}-{e['hi']:.3f}) | {e['x_full']:.3f} | "
-            f"{e['ttft_p50_ms']:.0f} | {e['decode_tps']:.1f} |"
-        )
-        if extra:
-            line += f" {e['exact']:.3f} |"
-        print(line)
+        print("| " + " | ".join(cell(name, e) for cell in cells.values()) + " |")
 
 
 def spearman(x: list[float], y: list[float]) -> float:
