@@ -15,7 +15,8 @@ A document (content key) whose audited mean KL exceeds `--audit-max-kl` is guard
 skips it from then on (ContentMatcher.guarded).
 
 At most MAX_PENDING audits wait, each holding up to K vocabulary-sized float32 rows (K = 16 and a
-49,152-token vocabulary: 3 MB); more are dropped and counted.
+49,152-token vocabulary: 3 MB); more are dropped and counted. A waiting audit has no timeout (no client
+waits on it): under steady load it waits for the first idle moment however long that takes.
 """
 
 from __future__ import annotations

@@ -6,6 +6,8 @@ position, so neither the cut of the repair into pieces nor the rows around it ma
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 
@@ -318,5 +320,24 @@ def test_a_request_id_reused_while_its_audit_waits_audits_both():
     while engine.has_unfinished_requests():
         engine.step()
     assert [r.request_id for r in engine.auditor.results] == ["same-id", "same-id"]
+    assert engine.auditor.num_dropped == 0
+    engine.check_integrity()
+
+
+def test_an_audit_waiting_past_the_request_timeout_still_completes(monkeypatch):
+    """Audits run only while the engine is idle; they were aborted as timed out once older than
+    request_timeout_s, so a run busy for longer than that (a benchmark, a loaded server) lost every
+    audit queued before the first idle moment, counted as dropped."""
+    llm = make(audit_rate=0.0, request_timeout_s=30.0)
+    engine = llm.engine
+    docs = warmed(llm)
+    audited = ReuseOptions(reuse="any", recompute_strategy="none", audit=True)
+    (served,) = llm.generate([rag_prompt(llm, docs, [2, 0, 1], seed=4)], GREEDY, reuse=audited)
+    assert len(engine.auditor.pending) == 1
+    start = time.monotonic()
+    monkeypatch.setattr(time, "monotonic", lambda: start + 60.0)  # the engine was busy for a minute
+    (again,) = llm.generate([rag_prompt(llm, docs, [1, 2, 0], seed=5)], GREEDY, reuse=NONE)
+    engine.run_background()
+    assert [r.request_id for r in engine.auditor.results] == [served.request_id]
     assert engine.auditor.num_dropped == 0
     engine.check_integrity()
