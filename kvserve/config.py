@@ -80,7 +80,9 @@ class ServeConfig:
     )
     kv_cache_bits: int = field(
         default=0,
-        metadata={"help": "pick the best measured codec for 16, 8, 4 or 3 bits (0 = use kv_cache_dtype)"},
+        metadata={
+            "help": "pick the codec by measured task accuracy per byte for 16, 8, 4 or 3 bits (0 = use kv_cache_dtype)"
+        },
     )
     max_pinned_fraction: float = field(
         default=0.5,
@@ -98,7 +100,11 @@ class ServeConfig:
         },
     )
     kv_cold_codec: str = field(
-        default="turbo3", metadata={"help": "codec of the cold area (a KV codec name, e.g. turbo3)"}
+        default="auto",
+        metadata={
+            "help": "codec of the cold area: a KV codec name, or auto: the one with the most tokens per byte "
+            "that keeps measured task accuracy (kvserve/quant/choice.py)"
+        },
     )
     demote_after_s: float = field(
         default=0.0,

@@ -255,13 +255,35 @@ def main() -> None:
         with open(args.json, "w") as f:
             json.dump({"ref_ppl": ref_ppl, "rows": rows, "best": best}, f, indent=1)
     if args.write_doc:
+        task = kept_task_section(args.write_doc)
         with open(args.write_doc, "w") as f:
-            f.write(render_doc(table, format_targets(rows, ref_ppl, best), ref_ppl, best, machine, args))
+            f.write(
+                render_doc(table, format_targets(rows, ref_ppl, best), ref_ppl, best, machine, args, task)
+            )
 
 
-def render_doc(table: str, targets: str, ref_ppl: float, best: dict[int, str], machine: str, args) -> str:
+TASK_BEGIN, TASK_END = "<!-- task-accuracy: bench_reuse_quality.py --codecs -->", "<!-- /task-accuracy -->"
+
+
+def kept_task_section(path: str) -> str:
+    """The task-accuracy section of an existing doc (measured by scripts/bench_reuse_quality.py, not
+    here): kept as it is when this script rewrites the page."""
+    try:
+        text = open(path).read()
+    except FileNotFoundError:
+        return ""
+    if TASK_BEGIN not in text or TASK_END not in text:
+        return ""
+    return text[text.index(TASK_BEGIN) : text.index(TASK_END) + len(TASK_END)] + "\n\n"
+
+
+def render_doc(
+    table: str, targets: str, ref_ppl: float, best: dict[int, str], machine: str, args, task: str = ""
+) -> str:
     best_lines = "\n".join(f"- {bits} bits: `{name}`" for bits, name in best.items())
     return f"""# KV cache codec quality (SmolLM2-135M-Instruct)
+
+{task}## Perplexity and error per codec
 
 Measured with:
 
@@ -291,11 +313,12 @@ Machine: {machine}. Model: SmolLM2-135M-Instruct (Q4_1 GGUF dequantized to fp32;
 
 {table}
 
-## Best codec per budget (lowest measured PPL among codecs with b <= bits/elem <= 1.1 b)
+## Lowest perplexity per budget (among codecs with b <= bits/elem <= 1.1 b)
 
 {best_lines}
 
-These are `BEST_CODEC_FOR_BITS` in `kvserve/quant/registry.py` (`kv_cache_bits`).
+This was `--kv-cache-bits`'s rule until issue 38; it now chooses by task accuracy (the section at the
+top, `kvserve/quant/choice.py`). Perplexity ranked turbo4 above int4 KIVI at 4 bits; the answers do not.
 
 ## Quality targets (perplexity increase vs fp32 KV)
 

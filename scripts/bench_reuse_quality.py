@@ -407,6 +407,9 @@ def run_codecs(measure: str, args: argparse.Namespace, codecs: list[str], rng: r
                 print(f"  {measure} {codec}: {i + 1}/{len(prompts)} prompts", file=sys.stderr, flush=True)
         llm.close()
         del llm
+        if args.json:  # the codecs so far, in case a long run is stopped
+            with open(args.json + ".partial", "w") as f:
+                json.dump({"measure": measure, "rows": rows, "bytes_per_token": bytes_per_token}, f)
     return {
         "rows": rows,
         "reference": codecs[0],
@@ -417,6 +420,31 @@ def run_codecs(measure: str, args: argparse.Namespace, codecs: list[str], rng: r
         "avg_prompt_tokens": statistics.fmean(len(p.ids) for p in prompts),
         "samples": samples,
     }
+
+
+def record_accuracy(path: str, args: dict, measure: str, table: dict, machine: str) -> None:
+    """Merge one codec run into the accuracy file the server chooses codecs by (kvserve/quant/choice.py):
+    per model and measure, each codec's task accuracy relative to the run's reference codec."""
+    try:
+        with open(path) as f:
+            data = json.load(f)
+    except FileNotFoundError:
+        data = {"models": {}}
+    data.setdefault("models", {}).setdefault(args["model"], {})[measure] = {
+        "prompts": args["prompts"],
+        "docs": args["docs"],
+        "seed": args["seed"],
+        "reference": next(iter(table)),
+        "machine": machine,
+        "source": f"scripts/bench_reuse_quality.py --model {args['model']} --measures {measure} "
+        f"--prompts {args['prompts']} --docs {args['docs']} --seed {args['seed']} --codecs {args['codecs']}",
+        "accuracy": {c: round(e["quality"], 4) for c, e in table.items()},
+        "x_reference": {c: round(e["x_full"], 4) for c, e in table.items()},
+        "bytes_per_token": {c: e["bytes_per_token"] for c, e in table.items()},
+    }
+    with open(path, "w") as f:
+        json.dump(data, f, indent=1, sort_keys=True)
+        f.write("\n")
 
 
 def summarise(measure: str, result: dict) -> dict[str, dict[str, float]]:
@@ -629,13 +657,26 @@ def main() -> None:
     ap.add_argument(
         "--audit-every", type=int, default=4, help="audit every Nth prompt of each strategy (0: none)"
     )
+    ap.add_argument(
+        "--registry",
+        default="",
+        help="with --codecs: record each codec's accuracy x the first codec's in this file, under the model "
+        "and measure (kvserve/quant/codec_accuracy.json is what --kv-cache-bits chooses by)",
+    )
     ap.add_argument("--json", default="")
     ap.add_argument("--plot", default="")
-    ap.add_argument("--replot", default="", help="only redraw --plot from this --json file")
+    ap.add_argument(
+        "--replot", default="", help="only redraw --plot (and write --registry) from this --json file"
+    )
     args = ap.parse_args()
-    if args.replot:
+    if args.replot:  # a saved run: redraw its plot, or record its codec accuracies
         with open(args.replot) as f:
-            plot(json.load(f), args.plot)
+            saved = json.load(f)
+        if args.plot:
+            plot(saved, args.plot)
+        if args.registry and saved["codecs"]:
+            for measure, table in saved["tables"].items():
+                record_accuracy(args.registry, saved["args"], measure, table, saved["machine"])
         return
     if args.prompts < 1 or args.docs < 6:
         ap.error("--prompts must be >= 1 and --docs >= 6 (a prompt holds up to 6 documents)")
@@ -668,6 +709,8 @@ def main() -> None:
         print_table(measure, result, table)
         results["tables"][measure] = table
         results["raw"][measure] = result
+        if codecs and args.registry:
+            record_accuracy(args.registry, vars(args), measure, table, results["machine"])
         if args.json:
             with open(args.json, "w") as f:
                 json.dump(results, f, indent=1)

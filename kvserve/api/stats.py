@@ -50,7 +50,14 @@ def stats_body(
             "pool_tokens": info.pool_tokens,
         },
         "weights": {**dataclasses.asdict(s.weights), "bytes_per_param": s.weights.bytes_per_param},
-        "config": snapshot,
+        "config": {
+            **snapshot,
+            # what kv_cache_bits / kv_cold_codec resolved to, with the codec's measured task loss
+            "kv_codec_chosen": info.kv_codec,
+            "kv_codec_quality": info.kv_codec_quality,
+            "kv_cold_codec_chosen": info.kv_cold_codec,
+            "kv_cold_codec_quality": info.kv_cold_codec_quality,
+        },
         "process": process_stats(),
     }
 

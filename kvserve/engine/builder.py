@@ -23,6 +23,8 @@ from kvserve.models.hf_adapter import ATTN_IMPLEMENTATION, check_supported
 from kvserve.models.loader import model_fingerprint, resolve_model_path
 from kvserve.models.nested import weight_bytes as model_weight_bytes
 from kvserve.models.random_weights import is_random_model, load_random_model
+from kvserve.quant.choice import CodecChoice, choose_codec, codec_quality
+from kvserve.quant.registry import CODEC_NAMES
 from kvserve.quant.storage import QuantizedLayerKV, create_layer_kv
 from kvserve.request import REUSE_OPTION_NAMES, ReuseOptions
 from kvserve.tokenizer import Tokenizer
@@ -40,6 +42,9 @@ class RuntimeInfo:
     device: str
     dtype: str
     kv_codec: str
+    kv_codec_quality: dict[str, Any] | None  # its measured task accuracy (quant/choice.py), if measured
+    kv_cold_codec: str | None  # the cold tier's codec (None: no cold tier)
+    kv_cold_codec_quality: dict[str, Any] | None
     attention_backend: str
     model_forward: str  # "fused" or "hf (why)"
     weight_precision: str  # "dense" (the weights as `dtype`) or NestedFP's fp16, fp8, auto
@@ -139,16 +144,49 @@ def _linear_seconds(dtype: torch.dtype, in_features: int = 576, out_features: in
     return best
 
 
-def resolve_codec_name(config: ServeConfig, dtype: torch.dtype) -> str:
-    """kv_cache_bits picks the best measured codec (docs/kv-quality.md); kv_cache_dtype names one;
-    auto = the model dtype."""
-    from kvserve.quant.registry import codec_for_bits
-
+def resolve_codec(
+    config: ServeConfig, dtype: torch.dtype, num_kv_heads: int, head_dim: int
+) -> tuple[str, CodecChoice | None]:
+    """kv_cache_bits picks by measured task accuracy per byte (quant/choice.py); kv_cache_dtype names a
+    codec; auto = the model dtype. With the codec, its measured task accuracy when it has one."""
     if config.kv_cache_bits:
-        return codec_for_bits(config.kv_cache_bits)
+        choice = choose_codec(config.kv_cache_bits, num_kv_heads, head_dim, config.block_size)
+        return choice.codec, choice
     if config.kv_cache_dtype == "auto":
-        return {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}[dtype]
-    return config.kv_cache_dtype
+        name = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}[dtype]
+    else:
+        name = config.kv_cache_dtype
+    role = (
+        "the model dtype (--kv-cache-dtype auto)"
+        if config.kv_cache_dtype == "auto"
+        else f"--kv-cache-dtype {name}"
+    )
+    return name, codec_quality(name, num_kv_heads, head_dim, config.block_size, role)
+
+
+def resolve_cold_codec(
+    config: ServeConfig, num_kv_heads: int, head_dim: int
+) -> tuple[str | None, CodecChoice | None]:
+    """The cold tier's codec (None without a cold tier): named, or `auto`, the measured choice with no
+    bit limit (quant/choice.py); with its measured task accuracy when it has one."""
+    if not config.kv_cold_bytes:
+        return None, None
+    choice: CodecChoice | None
+    if config.kv_cold_codec == "auto":
+        choice = choose_codec(None, num_kv_heads, head_dim, config.block_size)
+    else:
+        if config.kv_cold_codec not in CODEC_NAMES:
+            raise ConfigError(
+                f"kv_cold_codec must be auto or a KV codec name ({', '.join(CODEC_NAMES)}); "
+                f"got {config.kv_cold_codec!r}",
+                param="kv_cold_codec",
+            )
+        name = config.kv_cold_codec
+        choice = codec_quality(name, num_kv_heads, head_dim, config.block_size, f"the cold tier ({name})")
+        if choice is None:
+            return name, None
+    (log.info if choice.meets else log.warning)("KV codec for %s", choice.describe())
+    return choice.codec, choice
 
 
 def load_model(config: ServeConfig, device: torch.device, dtype: torch.dtype) -> tuple[torch.nn.Module, Path]:
@@ -274,7 +312,10 @@ def build_parts(config: ServeConfig) -> EngineParts:
     head_dim = getattr(mc, "head_dim", None) or mc.hidden_size // mc.num_attention_heads
     # before the pool is allocated: a backend that cannot run this model here fails start-up, not a request
     backend = create_backend(config.attention_backend, device, head_dim=head_dim, dtype=dtype)
-    codec = resolve_codec_name(config, dtype)
+    codec, quality = resolve_codec(config, dtype, num_kv_heads, head_dim)
+    if quality is not None and (config.kv_cache_bits or not quality.meets):
+        (log.info if quality.meets else log.warning)("KV codec for %s", quality.describe())
+    cold_codec, cold_quality = resolve_cold_codec(config, num_kv_heads, head_dim)
     probe = create_layer_kv(codec, 1, config.block_size, num_kv_heads, head_dim, dtype, torch.device("cpu"))
     bytes_per_block = probe.bytes_per_block() * num_layers
     # block codecs (KIVI K) keep each running sequence's open block in full precision: reserve that
@@ -311,6 +352,9 @@ def build_parts(config: ServeConfig) -> EngineParts:
         device=str(device),
         dtype=str(dtype).replace("torch.", ""),
         kv_codec=codec,
+        kv_codec_quality=None if quality is None else quality.as_dict(),
+        kv_cold_codec=cold_codec,
+        kv_cold_codec_quality=None if cold_quality is None else cold_quality.as_dict(),
         attention_backend=backend.name,
         model_forward=forward_name,
         weight_precision=config.weight_precision,

@@ -33,17 +33,12 @@ def build_tiers(
     if not (config.kv_cold_bytes or config.kv_disk_dir or config.kv_redis_url):
         return None
     from kvserve.kvcache.tiers.disk import DiskTier
-    from kvserve.quant.registry import CODEC_NAMES
 
     cold = None
-    if config.kv_cold_bytes:
+    if info.kv_cold_codec is not None:  # resolved and checked at start-up (builder.resolve_cold_codec)
         from kvserve.kvcache.tiers.cold import ColdArea
 
-        if config.kv_cold_codec not in CODEC_NAMES:
-            raise ConfigError(
-                f"kv_cold_codec must be a KV codec name ({', '.join(CODEC_NAMES)}); got {config.kv_cold_codec!r}"
-            )
-        cold = ColdArea(layers, config.kv_cold_codec, config.kv_cold_bytes, device=info.device)
+        cold = ColdArea(layers, info.kv_cold_codec, config.kv_cold_bytes, device=info.device)
     disk = DiskTier(config.kv_disk_dir, config.kv_disk_bytes) if config.kv_disk_dir else None
     redis = None
     if config.kv_redis_url:

@@ -14,13 +14,6 @@ from kvserve.quant.kivi import KiviKeyCodec, KiviValueCodec
 from kvserve.quant.passthrough import PassthroughCodec
 from kvserve.quant.turbo import TurboCodec
 
-# kv_cache_bits -> codec: the lowest measured perplexity on SmolLM2-135M among codecs whose stored
-# bits per element (metadata included, block size 16) lie in [b, 1.1 b]: capacity first (the point
-# of a bit budget is tokens per byte), then quality. int8 KIVI (9.25 bits at block 16, the best
-# quality) and turbo3.5 stay available by name. Measurements, the command that made them and the
-# rule: docs/kv-quality.md (scripts/bench_kv_quality.py).
-BEST_CODEC_FOR_BITS = {16: "bf16", 8: "fp8_e4m3", 4: "turbo4", 3: "turbo3"}
-
 PASSTHROUGH_DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 KIVI_BITS = {"int8": 8, "int4": 4, "int3": 3, "int2": 2}
 TURBO_SPLITS = {"turbo4": ((1, 4),), "turbo3.5": ((2, 4), (2, 3)), "turbo3": ((1, 3),)}  # (1/share, bits)
@@ -93,12 +86,3 @@ def make_codec(name: str, num_kv_heads: int, head_dim: int, layer_idx: int = 0) 
             param="kv_cache_dtype",
         )
     return _BUILDERS[name](name, num_kv_heads, head_dim, layer_idx)
-
-
-def codec_for_bits(bits: int) -> str:
-    if bits not in BEST_CODEC_FOR_BITS:
-        raise ConfigError(
-            f"kv_cache_bits must be one of {sorted(BEST_CODEC_FOR_BITS)} (or 0), got {bits}",
-            param="kv_cache_bits",
-        )
-    return BEST_CODEC_FOR_BITS[bits]

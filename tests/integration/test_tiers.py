@@ -178,12 +178,14 @@ def test_demotion_frees_hot_blocks_and_promotion_equals_the_cold_codec(reference
     assert tier(llm, "cold").loads == 4 and len(engine.tiers.tiers.cold or []) == 0
     assert engine.stats().num_hit_tokens == 4 * CHUNK  # the first run computed everything
 
-    # the reference: the same chunks, hot, with their KV passed through turbo3 in place
+    # the reference: the same chunks, hot, with their KV passed through the cold codec in place
     ref = make()
     run(ref, prompt)
     chunks = sorted(ref.engine.store.chunks(), key=lambda c: c.depth)
+    cold_codec = engine.info.kv_cold_codec  # --kv-cold-codec auto: the measured choice (quant/choice.py)
+    assert cold_codec is not None and cold_codec == engine.tiers.tiers.cold.codec
     for chunk in chunks:
-        _roundtrip_in_place(ref, chunk.block_ids, "turbo3")
+        _roundtrip_in_place(ref, chunk.block_ids, cold_codec)
     ref.engine.check_integrity()
     want_ids, want_logits = run(ref, prompt)
     assert ids == want_ids

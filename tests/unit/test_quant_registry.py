@@ -3,7 +3,7 @@ import torch
 
 from kvserve.errors import ConfigError
 from kvserve.kvcache.kv_storage import DenseLayerKV
-from kvserve.quant.registry import BEST_CODEC_FOR_BITS, CODEC_NAMES, codec_for_bits, make_codec
+from kvserve.quant.registry import CODEC_NAMES, make_codec
 from kvserve.quant.storage import QuantizedLayerKV, create_layer_kv
 
 # Hand-computed bits per element for (H=8, D=128, block 16), every scale, zero and norm included.
@@ -72,11 +72,3 @@ def test_factory_picks_dense_for_passthrough():
     assert isinstance(create_layer_kv("bf16", 2, 16, 2, 64, torch.bfloat16, "cpu"), DenseLayerKV)
     kv = create_layer_kv("fp16", 2, 16, 2, 64, torch.float32, "cpu")  # storage dtype != compute dtype
     assert isinstance(kv, QuantizedLayerKV) and kv.bytes_per_block() == 2 * 16 * 2 * 64 * 2
-
-
-def test_best_codec_for_bits_names_real_codecs():
-    assert set(BEST_CODEC_FOR_BITS) == {16, 8, 4, 3}
-    for bits, name in BEST_CODEC_FOR_BITS.items():
-        assert codec_for_bits(bits) == name and name in CODEC_NAMES
-    with pytest.raises(ConfigError, match="kv_cache_bits"):
-        codec_for_bits(5)

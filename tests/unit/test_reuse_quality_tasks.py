@@ -81,3 +81,28 @@ def test_codec_results_are_judged_against_the_first_codec(capsys):
     assert table["turbo3"]["ttft_x_full"] == pytest.approx(1.0 / 1.1)
     rq.print_table("lookup", result, table)
     assert "| turbo3 | 4,680 | 4.92 | 0.500" in capsys.readouterr().out
+
+
+def test_a_codec_run_records_what_the_server_chooses_by(tmp_path, monkeypatch):
+    """--registry: each codec's accuracy x the reference's, merged per model and measure, is the file
+    kvserve/quant/choice.py picks --kv-cache-bits codecs from."""
+    from kvserve.quant import choice
+
+    table = {
+        "bf16": {"quality": 0.76, "x_full": 1.0, "bytes_per_token": 23040.0},
+        "int3": {"quality": 0.47, "x_full": 0.6184, "bytes_per_token": 6120.0},
+        "turbo3": {"quality": 0.3, "x_full": 0.3947, "bytes_per_token": 4680.0},
+    }
+    path = tmp_path / "acc.json"
+    args = {"model": "m1", "prompts": 200, "docs": 40, "seed": 0, "codecs": "bf16,int3,turbo3"}
+    rq.record_accuracy(str(path), args, "lookup", table, "a CPU")
+    rq.record_accuracy(str(path), {**args, "model": "m2"}, "lookup", {**table, "int3": {**table["int3"], "x_full": 0.5}}, "a CPU")  # fmt: skip
+    monkeypatch.setattr(choice, "ACCURACY_FILE", path)
+    choice._measurements.cache_clear()
+    try:
+        assert choice.measured_accuracy("int3") == {"m1": 0.6184, "m2": 0.5}
+        got = choice.choose_codec(3, 3, 64, 16)
+        assert (got.codec, got.meets) == ("int3", False)
+        assert "m1: 200 lookup prompts" in choice.measurement_source()
+    finally:
+        choice._measurements.cache_clear()

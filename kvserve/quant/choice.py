@@ -1,0 +1,159 @@
+"""Which KV codec a bit budget gets: chosen by the answers each codec keeps, per byte (issue 38).
+
+`--kv-cache-bits N` and the cold tier's default codec (`--kv-cold-codec auto`) pick, among the codecs
+of N bits that the serving model's head_dim can pack (a nominal width of at most N and more than the
+next smaller budget: 4 bits is int4, nvfp4, mxfp4, turbo4 and turbo3.5; a user asking for 8 bits is not
+served 4; the cold tier takes any width under 16),
+the one with the most capacity whose measured task accuracy is at least TARGET x bf16's on every
+measured model. Where none is, the best measured one within the budget is picked and its loss said
+(CodecChoice.meets False). Capacity is the codec's tokens per byte against bf16 at the model's head
+count and head_dim (metadata included), so it is computed, not measured.
+
+The accuracies live in codec_accuracy.json beside this file, written by the task benchmark (never by
+hand): `scripts/bench_reuse_quality.py --codecs bf16,... --registry kvserve/quant/codec_accuracy.json`
+records, per model and measure, each codec's accuracy relative to the run's first codec (bf16), with
+the run's prompts, machine and command. A codec with no measurement is never picked by a budget.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from functools import cache
+from pathlib import Path
+
+from kvserve.errors import ConfigError
+from kvserve.quant.registry import CODEC_NAMES, head_dim_problem, make_codec
+
+TARGET = 0.97  # x bf16's task accuracy, on every measured model
+ACCURACY_FILE = Path(__file__).with_name("codec_accuracy.json")
+BUDGETS = (16, 8, 4, 3)  # the values --kv-cache-bits takes (2 once a 2-bit codec is measured usable)
+
+# The quantizer's width in bits per value, scales and norms aside: what a bit budget is compared with.
+WIDTH = {
+    "fp32": 32.0,
+    "fp16": 16.0,
+    "bf16": 16.0,
+    "int8": 8.0,
+    "fp8_e4m3": 8.0,
+    "int4": 4.0,
+    "nvfp4": 4.0,
+    "mxfp4": 4.0,
+    "turbo4": 4.0,
+    "turbo3.5": 3.5,
+    "int3": 3.0,
+    "turbo3": 3.0,
+    "int2": 2.0,
+}
+assert set(WIDTH) == set(CODEC_NAMES), "every codec needs a nominal width"
+
+
+@dataclass(frozen=True)
+class CodecChoice:
+    codec: str
+    budget: int | None  # --kv-cache-bits, or None: named by the user, or the cold tier's pick
+    role: str  # what chose it, for the log: "--kv-cache-bits 4", "--kv-cache-dtype turbo3", "the cold tier"
+    capacity: float  # tokens per byte against bf16, this model's layout, metadata included
+    accuracy: dict[str, float]  # measured model -> task accuracy x bf16
+    meets: bool  # at least TARGET on every measured model
+
+    @property
+    def worst(self) -> float:
+        return min(self.accuracy.values())
+
+    def describe(self) -> str:
+        """One line for the start-up log: the codec, its figures, and whether it keeps the answers."""
+        figures = ", ".join(f"{m} {a:.3f}x" for m, a in sorted(self.accuracy.items()))
+        line = (
+            f"{self.role}: {self.codec}, {self.capacity:.2f}x bf16's tokens per byte; "
+            f"lookup accuracy against bf16 KV: {figures}"
+        )
+        if self.meets:
+            return f"{line} (meets {TARGET}x)"
+        if self.budget is None:
+            return f"{line}: it loses {1 - self.worst:.0%} of bf16's answers (below {TARGET}x)"
+        return (
+            f"{line}: NO codec within {self.budget} bits keeps {TARGET}x bf16's answers; this is the best "
+            f"measured one and loses {1 - self.worst:.0%} of them. Use a larger --kv-cache-bits to keep them"
+        )
+
+    def as_dict(self) -> dict[str, object]:
+        return {
+            "codec": self.codec,
+            "budget_bits": self.budget,
+            "capacity_x_bf16": round(self.capacity, 3),
+            "task_accuracy_x_bf16": self.accuracy,
+            "target": TARGET,
+            "meets_target": self.meets,
+            "source": measurement_source(),
+        }
+
+
+@cache
+def _measurements() -> dict:
+    with open(ACCURACY_FILE) as f:
+        return json.load(f)
+
+
+def measured_accuracy(codec: str) -> dict[str, float]:
+    """Model -> lookup accuracy of `codec` relative to bf16 KV (empty: never measured)."""
+    out = {}
+    for model, measures in _measurements()["models"].items():
+        ratio = measures.get("lookup", {}).get("x_reference", {}).get(codec)
+        if ratio is not None:
+            out[model] = float(ratio)
+    return out
+
+
+def measurement_source() -> str:
+    runs = [
+        f"{model}: {m['prompts']} {measure} prompts ({m['source']})"
+        for model, measures in sorted(_measurements()["models"].items())
+        for measure, m in sorted(measures.items())
+    ]
+    return "; ".join(runs)
+
+
+def capacity(codec: str, num_kv_heads: int, head_dim: int, block_size: int) -> float:
+    """Tokens per byte against bf16 for this layout (stored bits per value, metadata included)."""
+    return 16.0 / make_codec(codec, num_kv_heads, head_dim).bits_per_element(block_size)
+
+
+def codec_quality(
+    codec: str, num_kv_heads: int, head_dim: int, block_size: int, role: str
+) -> CodecChoice | None:
+    """The measured figures of a codec the user named (None: not measured)."""
+    accuracy = measured_accuracy(codec)
+    if not accuracy:
+        return None
+    cap = capacity(codec, num_kv_heads, head_dim, block_size)
+    return CodecChoice(codec, None, role, cap, accuracy, min(accuracy.values()) >= TARGET)
+
+
+def choose_codec(budget: int | None, num_kv_heads: int, head_dim: int, block_size: int) -> CodecChoice:
+    """The measured codec a budget gets (None: no bit limit, the cold tier) on this model's layout."""
+    if budget is not None and budget not in BUDGETS:
+        raise ConfigError(
+            f"kv_cache_bits must be one of {list(BUDGETS)} (or 0), got {budget}", param="kv_cache_bits"
+        )
+    if budget is None:  # the cold tier exists to hold more: a full-width codec is never its choice
+        low, high = 0.0, 15.0
+    else:
+        low, high = float(max([b for b in BUDGETS if b < budget], default=0)), float(budget)
+    candidates = []
+    for name in CODEC_NAMES:
+        accuracy = measured_accuracy(name)
+        if not low < WIDTH[name] <= high or not accuracy or head_dim_problem(name, head_dim) is not None:
+            continue
+        cap = capacity(name, num_kv_heads, head_dim, block_size)
+        role = "the cold tier" if budget is None else f"--kv-cache-bits {budget}"
+        candidates.append(CodecChoice(name, budget, role, cap, accuracy, min(accuracy.values()) >= TARGET))
+    if not candidates:
+        raise ConfigError(
+            f"no measured KV codec fits {budget} bits with head_dim {head_dim}; name one with --kv-cache-dtype",
+            param="kv_cache_bits",
+        )
+    passing = [c for c in candidates if c.meets]
+    if passing:  # the most tokens per byte among those that keep the answers; then the better one
+        return max(passing, key=lambda c: (round(c.capacity, 6), c.worst))
+    return max(candidates, key=lambda c: (c.worst, c.capacity))  # none keeps them: lose the fewest

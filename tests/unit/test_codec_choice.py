@@ -1,0 +1,105 @@
+"""--kv-cache-bits and the cold tier choose a codec by measured task accuracy per byte (issue 38)."""
+
+import json
+
+import pytest
+
+from kvserve.errors import ConfigError
+from kvserve.quant import choice
+from kvserve.quant.choice import TARGET, choose_codec, codec_quality, measured_accuracy
+from kvserve.quant.registry import CODEC_NAMES
+
+
+def lookup(x_reference: dict[str, float]) -> dict:
+    return {"lookup": {"prompts": 200, "source": "test", "x_reference": x_reference}}
+
+
+@pytest.fixture
+def measured(tmp_path, monkeypatch):
+    """Write an accuracy file ({model: {codec: x bf16}}) and point the chooser at it."""
+
+    def write(models: dict[str, dict[str, float]]) -> None:
+        path = tmp_path / "codec_accuracy.json"
+        path.write_text(json.dumps({"models": {m: lookup(x) for m, x in models.items()}}))
+        monkeypatch.setattr(choice, "ACCURACY_FILE", path)
+        choice._measurements.cache_clear()
+
+    yield write
+    choice._measurements.cache_clear()
+
+
+def test_a_budget_takes_the_most_capacity_that_keeps_the_answers(measured):
+    measured({"a": {"bf16": 1.0, "int4": 0.99, "turbo4": 0.82, "nvfp4": 0.98, "fp8_e4m3": 0.96, "int8": 1.0}})
+    four = choose_codec(4, 3, 64, 16)
+    # nvfp4 (4.67 bits) holds more per byte than int4 (5.25 bits) and keeps 0.98x; turbo4 holds the most
+    # but keeps 0.82x
+    assert (four.codec, four.meets) == ("nvfp4", True)
+    assert four.capacity == pytest.approx(16 / (4 + 8 / 16 + 32 / (3 * 64)))  # e4m3 per 16, fp32 per token
+    eight = choose_codec(8, 3, 64, 16)
+    assert (eight.codec, eight.meets) == ("int8", True)  # fp8 is smaller but loses 4 %
+    assert choose_codec(16, 3, 64, 16).codec == "bf16"
+
+
+def test_a_budget_is_never_served_by_a_narrower_codec(measured):
+    measured({"a": {"bf16": 1.0, "int4": 1.0, "fp8_e4m3": 0.5}})
+    got = choose_codec(8, 3, 64, 16)  # int4 keeps every answer in fewer bytes, but 8 bits were asked for
+    assert (got.codec, got.meets) == ("fp8_e4m3", False)
+
+
+def test_every_measured_model_must_keep_the_answers(measured):
+    measured(
+        {"a": {"bf16": 1.0, "int4": 1.0, "turbo4": 0.99}, "b": {"bf16": 1.0, "int4": 0.98, "turbo4": 0.90}}
+    )
+    got = choose_codec(4, 2, 64, 16)
+    assert got.codec == "int4" and got.accuracy == {"a": 1.0, "b": 0.98}
+
+
+def test_no_codec_keeping_the_answers_takes_the_best_and_says_its_loss(measured):
+    measured({"a": {"bf16": 1.0, "int3": 0.62, "turbo3": 0.39}})
+    got = choose_codec(3, 3, 64, 16)
+    assert (got.codec, got.meets, got.worst) == ("int3", False, 0.62)
+    text = got.describe()
+    assert "NO codec within 3 bits" in text and "loses 38%" in text and "larger --kv-cache-bits" in text
+    assert got.as_dict()["meets_target"] is False and got.as_dict()["target"] == TARGET
+
+
+def test_the_cold_tier_takes_any_narrow_width_never_a_full_one(measured):
+    measured({"a": {"bf16": 1.0, "fp16": 1.0, "int8": 1.0, "int4": 0.99, "turbo3": 0.5}})
+    got = choose_codec(None, 3, 64, 16)
+    assert (got.codec, got.budget, got.meets) == ("int4", None, True)
+    assert "the cold tier" in got.describe()
+
+
+def test_a_codec_the_layout_cannot_pack_is_never_chosen(measured):
+    measured({"a": {"bf16": 1.0, "turbo4": 1.0, "int4": 0.98}})
+    assert choose_codec(4, 2, 64, 16).codec == "turbo4"
+    assert choose_codec(4, 2, 48, 16).codec == "int4"  # turbo needs a power-of-two head_dim
+
+
+def test_unmeasured_codecs_and_budgets(measured):
+    measured({"a": {"bf16": 1.0}})
+    assert measured_accuracy("int4") == {} and codec_quality("int4", 3, 64, 16, "x") is None
+    with pytest.raises(ConfigError, match="no measured KV codec fits 4 bits"):
+        choose_codec(4, 3, 64, 16)
+    with pytest.raises(ConfigError, match="kv_cache_bits must be one of"):
+        choose_codec(5, 3, 64, 16)
+
+
+def test_the_shipped_measurements_name_real_codecs_and_keep_bf16_at_16_bits():
+    data = json.loads(choice.ACCURACY_FILE.read_text())
+    for model, measures in data["models"].items():
+        run = measures["lookup"]
+        assert run["reference"] == "bf16" and run["x_reference"]["bf16"] == 1.0, model
+        assert set(run["x_reference"]) <= set(CODEC_NAMES) and run["prompts"] >= 200
+    assert choose_codec(16, 3, 64, 16).codec == "bf16"
+    for bits in (8, 4, 3):
+        got = choose_codec(bits, 3, 64, 16)
+        assert choice.WIDTH[got.codec] <= bits and got.accuracy
+
+
+def test_a_named_lossy_codec_says_its_loss(measured):
+    measured({"a": {"bf16": 1.0, "turbo3": 0.39}})
+    got = codec_quality("turbo3", 3, 64, 16, "--kv-cache-dtype turbo3")
+    assert got is not None and not got.meets
+    assert got.describe().startswith("--kv-cache-dtype turbo3: turbo3, ")
+    assert "it loses 61% of bf16's answers" in got.describe()
