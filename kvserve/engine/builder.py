@@ -151,6 +151,7 @@ def resolve_codec(
     codec; auto = the model dtype. With the codec, its measured task accuracy when it has one."""
     if config.kv_cache_bits:
         choice = choose_codec(config.kv_cache_bits, num_kv_heads, head_dim, config.block_size)
+        (log.info if choice.meets else log.warning)("KV codec for %s", choice.describe())
         return choice.codec, choice
     if config.kv_cache_dtype == "auto":
         name = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}[dtype]
@@ -161,7 +162,10 @@ def resolve_codec(
         if config.kv_cache_dtype == "auto"
         else f"--kv-cache-dtype {name}"
     )
-    return name, codec_quality(name, num_kv_heads, head_dim, config.block_size, role)
+    quality = codec_quality(name, num_kv_heads, head_dim, config.block_size, role)
+    if quality is not None and not quality.meets:  # a named lossy codec says its loss
+        log.warning("KV codec for %s", quality.describe())
+    return name, quality
 
 
 def resolve_cold_codec(
@@ -313,8 +317,6 @@ def build_parts(config: ServeConfig) -> EngineParts:
     # before the pool is allocated: a backend that cannot run this model here fails start-up, not a request
     backend = create_backend(config.attention_backend, device, head_dim=head_dim, dtype=dtype)
     codec, quality = resolve_codec(config, dtype, num_kv_heads, head_dim)
-    if quality is not None and (config.kv_cache_bits or not quality.meets):
-        (log.info if quality.meets else log.warning)("KV codec for %s", quality.describe())
     cold_codec, cold_quality = resolve_cold_codec(config, num_kv_heads, head_dim)
     probe = create_layer_kv(codec, 1, config.block_size, num_kv_heads, head_dim, dtype, torch.device("cpu"))
     bytes_per_block = probe.bytes_per_block() * num_layers

@@ -55,11 +55,15 @@ class CodecChoice:
     role: str  # what chose it, for the log: "--kv-cache-bits 4", "--kv-cache-dtype turbo3", "the cold tier"
     capacity: float  # tokens per byte against bf16, this model's layout, metadata included
     accuracy: dict[str, float]  # measured model -> task accuracy x bf16
-    meets: bool  # at least TARGET on every measured model
 
     @property
     def worst(self) -> float:
         return min(self.accuracy.values())
+
+    @property
+    def meets(self) -> bool:
+        """At least TARGET on every measured model."""
+        return self.worst >= TARGET
 
     def describe(self) -> str:
         """One line for the start-up log: the codec, its figures, and whether it keeps the answers."""
@@ -126,8 +130,7 @@ def codec_quality(
     accuracy = measured_accuracy(codec)
     if not accuracy:
         return None
-    cap = capacity(codec, num_kv_heads, head_dim, block_size)
-    return CodecChoice(codec, None, role, cap, accuracy, min(accuracy.values()) >= TARGET)
+    return CodecChoice(codec, None, role, capacity(codec, num_kv_heads, head_dim, block_size), accuracy)
 
 
 def choose_codec(budget: int | None, num_kv_heads: int, head_dim: int, block_size: int) -> CodecChoice:
@@ -140,14 +143,14 @@ def choose_codec(budget: int | None, num_kv_heads: int, head_dim: int, block_siz
         low, high = 0.0, 15.0
     else:
         low, high = float(max([b for b in BUDGETS if b < budget], default=0)), float(budget)
+    role = "the cold tier" if budget is None else f"--kv-cache-bits {budget}"
     candidates = []
     for name in CODEC_NAMES:
         accuracy = measured_accuracy(name)
         if not low < WIDTH[name] <= high or not accuracy or head_dim_problem(name, head_dim) is not None:
             continue
         cap = capacity(name, num_kv_heads, head_dim, block_size)
-        role = "the cold tier" if budget is None else f"--kv-cache-bits {budget}"
-        candidates.append(CodecChoice(name, budget, role, cap, accuracy, min(accuracy.values()) >= TARGET))
+        candidates.append(CodecChoice(name, budget, role, cap, accuracy))
     if not candidates:
         raise ConfigError(
             f"no measured KV codec fits {budget} bits with head_dim {head_dim}; name one with --kv-cache-dtype",
