@@ -178,7 +178,7 @@ class Scheduler:
             num_cached = len(admission.matched) * self.chunk_size
             if admission.num_new_tokens == 0 and num_cached < seq.num_tokens:
                 break  # the budget left ends before the next block boundary: next step
-            if not self.admissions.reserve(admission):
+            if not self._reserve(seq, admission, batch):
                 if self.admissions.can_ever_fit(admission):
                     break  # wait for memory: admit nothing younger either (FCFS)
                 self._refuse(seq, batch)
@@ -188,6 +188,20 @@ class Scheduler:
                 batch.items.append(item)
                 budget -= item.num_new_tokens
         return budget
+
+    def _reserve(self, seq: Sequence, admission: Admission, batch: ScheduledBatch) -> bool:
+        """Reserve the admission's memory; a request (not background work) preempts running
+        background sequences, newest first, until it fits: they run only in idle steps, and no step is
+        idle while a request waits, so a request waiting on their blocks would wait forever."""
+        while not self.admissions.reserve(admission):
+            if seq.request.background:
+                return False
+            victim = next((s for s in reversed(self.running) if s.request.background), None)
+            if victim is None:
+                return False
+            self.preempt(victim)
+            batch.preempted.append(victim)
+        return True
 
     def _repair_piece(self, seq: Sequence, repair: Repair, budget: int) -> ScheduledSeq | None:
         """The next rows of a content-reuse repair that fit the budget (scheduler/repair.py)."""

@@ -13,6 +13,7 @@ import torch
 
 from kvserve import LLM, SamplingParams
 from kvserve.engine.audit import first_token_kl
+from kvserve.engine.stats import num_evictable_blocks
 from kvserve.request import Request, ReuseOptions
 from kvserve.scheduler.batch import ScheduledBatch
 from tests.integration.helpers import corpus_token_ids, generate_with_logits
@@ -28,7 +29,8 @@ NONE = ReuseOptions(reuse="any", recompute_strategy="none")
 def make(**kw) -> LLM:
     kw.setdefault("pieces", "fixed")
     kw.setdefault("reuse_min_saving", -10.0)  # take every match unless a test checks the choice
-    return LLM(model="tiny-random-llama", chunk_size=CHUNK, max_cache_bytes=50_000_000, **kw)
+    kw.setdefault("max_cache_bytes", 50_000_000)
+    return LLM(model="tiny-random-llama", chunk_size=CHUNK, **kw)
 
 
 def rag_prompt(llm: LLM, docs: list[list[int]], order: list[int], seed: int) -> list[int]:
@@ -340,4 +342,30 @@ def test_an_audit_waiting_past_the_request_timeout_still_completes(monkeypatch):
     engine.run_background()
     assert [r.request_id for r in engine.auditor.results] == [served.request_id]
     assert engine.auditor.num_dropped == 0
+    engine.check_integrity()
+
+
+def test_a_request_preempts_an_audit_holding_the_blocks_it_needs():
+    """An audit admitted in an idle step keeps its blocks while requests run (it steps only when the
+    engine is idle); a request that needed them waited for them, the engine never went idle, and
+    the server hung (the CI dashboard test). Requests preempt background work for memory."""
+    llm = make(audit_rate=1.0, max_cache_bytes=64 * 16 * 1024)  # a 64-block pool
+    engine = llm.engine
+    docs = warmed(llm, num_docs=2)  # 16 pinned blocks
+    params = SamplingParams(max_tokens=3, temperature=0, ignore_eos=True)
+    llm.generate([rag_prompt(llm, docs, [0, 1], seed=1)], params)
+    llm.generate([rag_prompt(llm, docs, [1, 0], seed=1)], params, reuse=NONE)
+    engine.step()  # idle: the audit is admitted and computes its first piece
+    (audit,) = engine.scheduler.running
+    assert audit.request.background and audit.kv.block_ids
+    free = engine.pool.num_free_blocks + num_evictable_blocks(engine)
+    long = corpus_token_ids(llm, (free + 4) * 16, seed=50)  # needs more than is free or evictable
+    engine.add_request(Request("long", long, params, reuse=NONE))
+    for _ in range(100):
+        if any(o.request_id == "long" and o.finished for o in engine.step()):
+            break
+    else:
+        pytest.fail("the request waited forever on the blocks of an audit that waits for an idle step")
+    engine.run_background()
+    assert len(engine.auditor.results) == 1 and engine.auditor.num_dropped == 0
     engine.check_integrity()
