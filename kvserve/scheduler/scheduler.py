@@ -172,6 +172,8 @@ class Scheduler:
         """Admit from `candidates` in order while budget, sequence slots and memory last; returns
         the budget left."""
         for seq in candidates:
+            if len(self.running) >= self.max_num_seqs and not seq.request.background:
+                self._preempt_background(batch)
             if budget == 0 or len(self.running) >= self.max_num_seqs:
                 break
             admission = self.admissions.match(seq, budget, self.granularity)
@@ -191,16 +193,21 @@ class Scheduler:
 
     def _reserve(self, seq: Sequence, admission: Admission, batch: ScheduledBatch) -> bool:
         """Reserve the admission's memory; a request (not background work) preempts running
-        background sequences, newest first, until it fits: they run only in idle steps, and no step is
-        idle while a request waits, so a request waiting on their blocks would wait forever."""
+        background sequences, newest first, until it fits."""
         while not self.admissions.reserve(admission):
-            if seq.request.background:
+            if seq.request.background or not self._preempt_background(batch):
                 return False
-            victim = next((s for s in reversed(self.running) if s.request.background), None)
-            if victim is None:
-                return False
-            self.preempt(victim)
-            batch.preempted.append(victim)
+        return True
+
+    def _preempt_background(self, batch: ScheduledBatch) -> bool:
+        """Preempt the newest running background sequence (False: none runs). A request needing its
+        slot or blocks must not wait for them: background work steps only while no request runs or
+        waits, so it would never finish and give them back."""
+        victim = next((s for s in reversed(self.running) if s.request.background), None)
+        if victim is None:
+            return False
+        self.preempt(victim)
+        batch.preempted.append(victim)
         return True
 
     def _repair_piece(self, seq: Sequence, repair: Repair, budget: int) -> ScheduledSeq | None:

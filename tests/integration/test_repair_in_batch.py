@@ -369,3 +369,25 @@ def test_a_request_preempts_an_audit_holding_the_blocks_it_needs():
     engine.run_background()
     assert len(engine.auditor.results) == 1 and engine.auditor.num_dropped == 0
     engine.check_integrity()
+
+
+def test_a_request_preempts_an_audit_holding_the_last_sequence_slot():
+    """The same wait for a sequence slot: with --max-num-seqs 1 and an audit running, a request must
+    still be served, and the audit completes afterwards."""
+    llm = make(audit_rate=1.0, max_num_seqs=1)
+    engine = llm.engine
+    docs = warmed(llm, num_docs=2)
+    params = SamplingParams(max_tokens=3, temperature=0, ignore_eos=True)
+    llm.generate([rag_prompt(llm, docs, [0, 1], seed=1)], params)
+    llm.generate([rag_prompt(llm, docs, [1, 0], seed=1)], params, reuse=NONE)
+    engine.step()
+    assert [s.request.background for s in engine.scheduler.running] == [True]
+    engine.add_request(Request("next", corpus_token_ids(llm, 40, seed=51), params, reuse=NONE))
+    for _ in range(100):
+        if any(o.request_id == "next" and o.finished for o in engine.step()):
+            break
+    else:
+        pytest.fail("the request waited forever for the slot of an audit that waits for an idle step")
+    engine.run_background()
+    assert len(engine.auditor.results) == 1 and engine.auditor.num_dropped == 0
+    engine.check_integrity()
