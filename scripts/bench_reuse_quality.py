@@ -424,24 +424,41 @@ def run_codecs(measure: str, args: argparse.Namespace, codecs: list[str], rng: r
 
 def record_accuracy(path: str, args: dict, measure: str, table: dict, machine: str) -> None:
     """Merge one codec run into the accuracy file the server chooses codecs by (kvserve/quant/choice.py):
-    per model and measure, each codec's task accuracy relative to the run's reference codec."""
+    per model and measure, each codec's task accuracy relative to the run's reference codec. A run on
+    the same prompts (same size, seed and reference, and the reference scored the same) adds its codecs
+    to the entry; any other run replaces it."""
     try:
         with open(path) as f:
             data = json.load(f)
     except FileNotFoundError:
         data = {"models": {}}
-    data.setdefault("models", {}).setdefault(args["model"], {})[measure] = {
+    reference = next(iter(table))
+    entry = {
         "prompts": args["prompts"],
         "docs": args["docs"],
         "seed": args["seed"],
-        "reference": next(iter(table)),
+        "reference": reference,
         "machine": machine,
-        "source": f"scripts/bench_reuse_quality.py --model {args['model']} --measures {measure} "
-        f"--prompts {args['prompts']} --docs {args['docs']} --seed {args['seed']} --codecs {args['codecs']}",
         "accuracy": {c: round(e["quality"], 4) for c, e in table.items()},
         "x_reference": {c: round(e["x_full"], 4) for c, e in table.items()},
         "bytes_per_token": {c: e["bytes_per_token"] for c, e in table.items()},
     }
+    measures = data.setdefault("models", {}).setdefault(args["model"], {})
+    old = measures.get(measure)
+    same = ("prompts", "docs", "seed", "reference")
+    if (
+        old
+        and all(old[k] == entry[k] for k in same)
+        and old["accuracy"].get(reference) == entry["accuracy"][reference]
+    ):
+        for key in ("accuracy", "x_reference", "bytes_per_token"):
+            entry[key] = {**old[key], **entry[key]}
+    codecs = [reference, *(c for c in entry["accuracy"] if c != reference)]
+    entry["source"] = (
+        f"scripts/bench_reuse_quality.py --model {args['model']} --measures {measure} --prompts {args['prompts']} "
+        f"--docs {args['docs']} --seed {args['seed']} --codecs {','.join(codecs)}"
+    )
+    measures[measure] = entry
     with open(path, "w") as f:
         json.dump(data, f, indent=1, sort_keys=True)
         f.write("\n")

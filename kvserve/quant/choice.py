@@ -43,7 +43,10 @@ WIDTH = {
     "turbo3.5": 3.5,
     "int3": 3.0,
     "turbo3": 3.0,
+    "turbo-k4v2": 3.0,  # the mean of K's and V's widths
+    "turbo-k3v2": 2.5,
     "int2": 2.0,
+    "turbo2": 2.0,
 }
 assert set(WIDTH) == set(CODEC_NAMES), "every codec needs a nominal width"
 

@@ -16,7 +16,15 @@ from kvserve.quant.turbo import TurboCodec
 
 PASSTHROUGH_DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 KIVI_BITS = {"int8": 8, "int4": 4, "int3": 3, "int2": 2}
-TURBO_SPLITS = {"turbo4": ((1, 4),), "turbo3.5": ((2, 4), (2, 3)), "turbo3": ((1, 3),)}  # (1/share, bits)
+TURBO_SPLITS = {
+    "turbo4": ((1, 4),),
+    "turbo3.5": ((2, 4), (2, 3)),
+    "turbo3": ((1, 3),),
+    "turbo2": ((1, 2),),
+}  # (1/share, bits)
+# K and V at different widths, (K codec, V codec): K's error moves every attention weight, V's only
+# averages into the output, so K gets the wider codes (KIVI's and KVQuant's finding)
+TURBO_KV = {"turbo-k4v2": ("turbo4", "turbo2"), "turbo-k3v2": ("turbo3", "turbo2")}
 
 
 def head_dim_problem(name: str, head_dim: int) -> str | None:
@@ -27,7 +35,7 @@ def head_dim_problem(name: str, head_dim: int) -> str | None:
         block = Nvfp4Codec.block if name == "nvfp4" else Mxfp4Codec.block
         if head_dim % block:
             return f"head_dim a multiple of its {block}-value scale block"
-    if name in TURBO_SPLITS and (head_dim < 16 or head_dim & (head_dim - 1)):
+    if (name in TURBO_SPLITS or name in TURBO_KV) and (head_dim < 16 or head_dim & (head_dim - 1)):
         return "head_dim a power of two >= 16 (Hadamard rotation)"
     return None
 
@@ -55,8 +63,12 @@ def _fp4(name: str, h: int, d: int, layer_idx: int) -> KVCodec:
 
 
 def _turbo(name: str, h: int, d: int, layer_idx: int) -> KVCodec:
-    splits = tuple((d // share, bits) for share, bits in TURBO_SPLITS[name])
-    return KVCodec(name, TurboCodec(h, d, splits, layer_idx), TurboCodec(h, d, splits, layer_idx))
+    k_name, v_name = TURBO_KV.get(name, (name, name))
+
+    def codec(turbo: str) -> TurboCodec:
+        return TurboCodec(h, d, tuple((d // share, bits) for share, bits in TURBO_SPLITS[turbo]), layer_idx)
+
+    return KVCodec(name, codec(k_name), codec(v_name))
 
 
 _BUILDERS: dict[str, Callable[[str, int, int, int], KVCodec]] = {
@@ -66,6 +78,7 @@ _BUILDERS: dict[str, Callable[[str, int, int, int], KVCodec]] = {
     "nvfp4": _fp4,
     "mxfp4": _fp4,
     **dict.fromkeys(TURBO_SPLITS, _turbo),
+    **dict.fromkeys(TURBO_KV, _turbo),
 }
 CODEC_NAMES = tuple(_BUILDERS)
 

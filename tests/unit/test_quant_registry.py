@@ -21,6 +21,9 @@ EXPECTED_BITS = {
     "turbo4": 4 + 16 / 128,  # fp16 norm
     "turbo3.5": 3.5 + 16 / 128,
     "turbo3": 3 + 16 / 128,
+    "turbo2": 2 + 16 / 128,
+    "turbo-k4v2": ((4 + 16 / 128) + (2 + 16 / 128)) / 2,  # K turbo4, V turbo2
+    "turbo-k3v2": ((3 + 16 / 128) + (2 + 16 / 128)) / 2,
 }
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import random
 import sys
 from pathlib import Path
@@ -106,3 +107,21 @@ def test_a_codec_run_records_what_the_server_chooses_by(tmp_path, monkeypatch):
         assert "m1: 200 lookup prompts" in choice.measurement_source()
     finally:
         choice._measurements.cache_clear()
+
+
+def test_a_second_codec_run_on_the_same_prompts_adds_its_codecs(tmp_path):
+    """A later run of more codecs (the reference scored the same: the same prompts) merges into the
+    entry; a run on other prompts replaces it."""
+    ref = {"quality": 0.765, "x_full": 1.0, "bytes_per_token": 23040.0}
+    first = {"bf16": ref, "int4": {"quality": 0.8, "x_full": 1.0458, "bytes_per_token": 7560.0}}
+    second = {"bf16": ref, "turbo3": {"quality": 0.7, "x_full": 0.915, "bytes_per_token": 4680.0}}
+    path = tmp_path / "acc.json"
+    args = {"model": "m", "prompts": 200, "docs": 40, "seed": 0, "codecs": "bf16,int4"}
+    rq.record_accuracy(str(path), args, "lookup", first, "a CPU")
+    rq.record_accuracy(str(path), {**args, "codecs": "bf16,turbo3"}, "lookup", second, "a CPU")
+    entry = json.loads(path.read_text())["models"]["m"]["lookup"]
+    assert entry["x_reference"] == {"bf16": 1.0, "int4": 1.0458, "turbo3": 0.915}
+    assert entry["source"].endswith("--codecs bf16,int4,turbo3")
+    rq.record_accuracy(str(path), {**args, "seed": 1}, "lookup", second, "a CPU")
+    entry = json.loads(path.read_text())["models"]["m"]["lookup"]
+    assert set(entry["accuracy"]) == {"bf16", "turbo3"} and entry["seed"] == 1

@@ -1,4 +1,5 @@
-"""ColdArea: idle cached chunks re-encoded into a compact codec (turbo3 by default), in process.
+"""ColdArea: idle cached chunks re-encoded into a compact codec (--kv-cold-codec; `auto` picks by measured
+task accuracy per byte, kvserve/quant/choice.py), in process.
 
 Demotion reads a chunk's K/V from every hot layer (`gather`), encodes it with the cold codec by
 writing it into a cold-codec LayerKV of that layer, and keeps the packed block tensors
