@@ -51,6 +51,9 @@ STRATEGIES: dict[str, ReuseOptions | None] = {
     "cacheblend 0.10": ReuseOptions(reuse="any", recompute_strategy="cacheblend", recompute_ratio=0.10),
     "cacheblend 0.15": ReuseOptions(reuse="any", recompute_strategy="cacheblend", recompute_ratio=0.15),
     "cacheblend 0.30": ReuseOptions(reuse="any", recompute_strategy="cacheblend", recompute_ratio=0.30),
+    "query R=4 0.45": ReuseOptions(
+        reuse="any", recompute_strategy="query", recompute_tokens=4, recompute_ratio=0.45
+    ),
     # selection study: the check layer (0 = unranked: moved and fresh K agree there), seam-aware
     "cacheblend 0.15 check 0": ReuseOptions(
         reuse="any", recompute_strategy="cacheblend", recompute_ratio=0.15, blend_check_layer=0
@@ -263,54 +266,54 @@ def zipf_prompts(llm: LLM, docs: list[list[int]], n: int, s: float, rng: random.
 
 def zipf_suite(args: argparse.Namespace, results: dict) -> None:
     """Documents never warmed: each is first met inside a request. Exact-only reuse and `--reuse any`
-    (server defaults otherwise: selective repair, cost-aware choice) on the same prompts, alternating."""
+    under each of --zipf-strategies (cost-aware choice) on the same prompts, in turns per prompt."""
     rng = random.Random(1)
-    engines = {
-        "exact-only": LLM(model=args.model, pieces=args.pieces, max_cache_bytes=2_000_000_000),
-        "reuse any": LLM(
-            model=args.model,
-            pieces=args.pieces,
-            max_cache_bytes=2_000_000_000,
-            reuse="any",
-            recompute_strategy="selective",  # the default before `auto` (quality first)
-        ),
-    }
+    engines = {"exact-only": LLM(model=args.model, pieces=args.pieces, max_cache_bytes=2_000_000_000)}
+    for name in args.zipf_strategies.split(","):
+        opts = STRATEGIES[name]
+        assert opts is not None, "full prefill is the exact-only engine"
+        knobs = {
+            k: v for k, v in dataclasses.asdict(opts).items() if k.startswith("recompute_") and v is not None
+        }
+        engines[f"reuse any ({name})"] = LLM(
+            model=args.model, pieces=args.pieces, max_cache_bytes=2_000_000_000, reuse="any", **knobs
+        )
     docs = make_documents(engines["exact-only"], args.zipf_docs, rng, fill=True)
     prompts = zipf_prompts(engines["exact-only"], docs, args.zipf_prompts, args.zipf_s, rng)
     for llm in engines.values():
         run(llm, prompts[0][-16:], None, 1)  # warm-up of the code paths
     ttft: dict[str, list[float]] = {name: [] for name in engines}
     outputs: dict[str, list[list[int]]] = {name: [] for name in engines}
+    names = list(engines)
     for i, prompt in enumerate(prompts):
-        for name in list(engines)[:: 1 if i % 2 == 0 else -1]:  # alternate which goes first
+        for name in names[i % len(names) :] + names[: i % len(names)]:  # who goes first rotates
             out, _ = run(engines[name], prompt, None, args.zipf_max_tokens)
             ttft[name].append(out.metrics.ttft_s or 0.0)
             outputs[name].append(out.token_ids)
-    exact, any_ = (statistics.median(ttft[n]) for n in engines)
-    agree = statistics.fmean(
-        sum(a == b for a, b in zip(x, y)) / len(y)
-        for x, y in zip(outputs["reuse any"], outputs["exact-only"])
-    )
-    same = statistics.fmean(float(x == y) for x, y in zip(outputs["reuse any"], outputs["exact-only"]))
-    stats = engines["reuse any"].stats().content_reuse
+    exact = statistics.median(ttft["exact-only"])
     avg_len = statistics.fmean(len(p) for p in prompts)
     print(
         f"\n## zipf: {len(prompts)} prompts of {avg_len:.0f} tokens on average over {len(docs)} documents "
         f"(Zipf s={args.zipf_s}), none warmed; {machine_line()}\n"
     )
-    print("| engine | TTFT p50 ms | TTFT mean ms | vs exact-only (p50) |\n|---|---|---|---|")
-    for name in engines:
-        p50 = statistics.median(ttft[name])
-        print(
-            f"| {name} | {p50 * 1000:.0f} | {statistics.fmean(ttft[name]) * 1000:.0f} | {exact / p50:.2f}x |"
-        )
     print(
-        f"\nreuse any vs exact-only: greedy agreement over {args.zipf_max_tokens} tokens {agree:.2f}, "
-        f"identical outputs {same:.2f}; plans {stats.plans}; approx reused tokens {stats.num_approx_hit_tokens}"
+        f"| engine | TTFT p50 ms | TTFT mean ms | vs exact-only (p50) | greedy agreement ({args.zipf_max_tokens} "
+        "tokens) | identical outputs | plans |\n|---|---|---|---|---|---|---|"
     )
-    results["zipf"] = {
-        "ttft": ttft, "speedup_p50": exact / any_, "agreement": agree, "identical": same, "plans": stats.plans,
-    }  # fmt: skip
+    rows: dict[str, dict] = {}
+    for name, llm in engines.items():
+        p50 = statistics.median(ttft[name])
+        pairs = list(zip(outputs[name], outputs["exact-only"]))
+        agree = statistics.fmean(sum(a == b for a, b in zip(x, y)) / len(y) for x, y in pairs)
+        same = statistics.fmean(float(x == y) for x, y in pairs)
+        plans = llm.stats().content_reuse.plans if name != "exact-only" else {}
+        rows[name] = {"ttft": ttft[name], "speedup_p50": exact / p50, "agreement": agree, "identical": same,
+                      "plans": plans}  # fmt: skip
+        print(
+            f"| {name} | {p50 * 1000:.0f} | {statistics.fmean(ttft[name]) * 1000:.0f} | {exact / p50:.2f}x | "
+            f"{agree:.2f} | {same:.2f} | {plans or '-'} |"
+        )
+    results["zipf"] = rows
 
 
 def itl_suite(args: argparse.Namespace, results: dict) -> None:
@@ -412,6 +415,11 @@ def main() -> None:
     ap.add_argument("--zipf-prompts", type=int, default=200)
     ap.add_argument("--zipf-s", type=float, default=1.1)
     ap.add_argument("--zipf-max-tokens", type=int, default=16)
+    ap.add_argument(
+        "--zipf-strategies",
+        default="selective R=16,query R=4 0.45",
+        help="comma-separated repair strategies, each an engine beside exact-only",
+    )
     ap.add_argument("--threads", type=int, default=0, help="torch intra-op threads (0 = torch's default)")
     ap.add_argument("--json", default="")
     ap.add_argument("--plot", default="")
