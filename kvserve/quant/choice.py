@@ -23,7 +23,7 @@ from functools import cache
 from pathlib import Path
 
 from kvserve.errors import ConfigError
-from kvserve.quant.registry import CODEC_NAMES, head_dim_problem, make_codec
+from kvserve.quant.registry import CODEC_NAMES, MIXED_KV, head_dim_problem, make_codec
 
 TARGET = 0.97  # x bf16's task accuracy, on every measured model
 ACCURACY_FILE = Path(__file__).with_name("codec_accuracy.json")
@@ -43,11 +43,10 @@ WIDTH = {
     "turbo3.5": 3.5,
     "int3": 3.0,
     "turbo3": 3.0,
-    "turbo-k4v2": 3.0,  # the mean of K's and V's widths
-    "turbo-k3v2": 2.5,
     "int2": 2.0,
     "turbo2": 2.0,
 }
+WIDTH.update({name: (WIDTH[k] + WIDTH[v]) / 2 for name, (k, v) in MIXED_KV.items()})  # K's and V's mean
 assert set(WIDTH) == set(CODEC_NAMES), "every codec needs a nominal width"
 
 

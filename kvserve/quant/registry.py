@@ -22,9 +22,17 @@ TURBO_SPLITS = {
     "turbo3": ((1, 3),),
     "turbo2": ((1, 2),),
 }  # (1/share, bits)
-# K and V at different widths, (K codec, V codec): K's error moves every attention weight, V's only
-# averages into the output, so K gets the wider codes (KIVI's and KVQuant's finding)
-TURBO_KV = {"turbo-k4v2": ("turbo4", "turbo2"), "turbo-k3v2": ("turbo3", "turbo2")}
+# K from one codec, V from another: (K codec, V codec). K's error moves every attention weight and V's
+# only averages into the output, so K gets the wider codes (KIVI's and KVQuant's finding); KIVI's
+# per-channel K beats a rotation at the same width, a rotation beats KIVI's per-token V.
+MIXED_KV = {
+    "kturbo4-vturbo2": ("turbo4", "turbo2"),
+    "kturbo3-vturbo2": ("turbo3", "turbo2"),
+    "kint4-vturbo2": ("int4", "turbo2"),
+    "kint3-vturbo3": ("int3", "turbo3"),
+    "kint3-vturbo2": ("int3", "turbo2"),
+    "kint2-vturbo2": ("int2", "turbo2"),
+}
 
 
 def head_dim_problem(name: str, head_dim: int) -> str | None:
@@ -35,7 +43,9 @@ def head_dim_problem(name: str, head_dim: int) -> str | None:
         block = Nvfp4Codec.block if name == "nvfp4" else Mxfp4Codec.block
         if head_dim % block:
             return f"head_dim a multiple of its {block}-value scale block"
-    if (name in TURBO_SPLITS or name in TURBO_KV) and (head_dim < 16 or head_dim & (head_dim - 1)):
+    if name in MIXED_KV:
+        return next((p for part in MIXED_KV[name] if (p := head_dim_problem(part, head_dim))), None)
+    if name in TURBO_SPLITS and (head_dim < 16 or head_dim & (head_dim - 1)):
         return "head_dim a power of two >= 16 (Hadamard rotation)"
     return None
 
@@ -63,12 +73,14 @@ def _fp4(name: str, h: int, d: int, layer_idx: int) -> KVCodec:
 
 
 def _turbo(name: str, h: int, d: int, layer_idx: int) -> KVCodec:
-    k_name, v_name = TURBO_KV.get(name, (name, name))
+    splits = tuple((d // share, bits) for share, bits in TURBO_SPLITS[name])
+    return KVCodec(name, TurboCodec(h, d, splits, layer_idx), TurboCodec(h, d, splits, layer_idx))
 
-    def codec(turbo: str) -> TurboCodec:
-        return TurboCodec(h, d, tuple((d // share, bits) for share, bits in TURBO_SPLITS[turbo]), layer_idx)
 
-    return KVCodec(name, codec(k_name), codec(v_name))
+def _mixed(name: str, h: int, d: int, layer_idx: int) -> KVCodec:
+    k_name, v_name = MIXED_KV[name]
+    k = _BUILDERS[k_name](k_name, h, d, layer_idx).k
+    return KVCodec(name, k, _BUILDERS[v_name](v_name, h, d, layer_idx).v)
 
 
 _BUILDERS: dict[str, Callable[[str, int, int, int], KVCodec]] = {
@@ -78,7 +90,7 @@ _BUILDERS: dict[str, Callable[[str, int, int, int], KVCodec]] = {
     "nvfp4": _fp4,
     "mxfp4": _fp4,
     **dict.fromkeys(TURBO_SPLITS, _turbo),
-    **dict.fromkeys(TURBO_KV, _turbo),
+    **dict.fromkeys(MIXED_KV, _mixed),
 }
 CODEC_NAMES = tuple(_BUILDERS)
 

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from kvserve import LLM, SamplingParams
-from kvserve.quant.registry import CODEC_NAMES, KIVI_BITS, head_dim_problem
+from kvserve.quant.registry import CODEC_NAMES, head_dim_problem
 from kvserve.quant.storage import create_layer_kv
 from kvserve.request import ReuseOptions
 from kvserve.scheduler.batch import BlendPlan
@@ -200,5 +200,5 @@ def _bytes_for_blocks(codec: str, num_blocks: int) -> int:
     """max_cache_bytes that gives tiny-random-llama (4 layers, 2 KV heads) about num_blocks blocks."""
     kv = create_layer_kv(codec, 1, 16, 2, HEAD_DIM, torch.float32)
     per_block = 4 * kv.bytes_per_block()
-    open_block_reserve = 4 * 4 * 16 * 2 * HEAD_DIM * 4 if codec in KIVI_BITS else 0  # 4 seqs' fp32 K blocks
+    open_block_reserve = 4 * 4 * 16 * 2 * HEAD_DIM * 4 * (not kv.per_token)  # 4 seqs' fp32 K blocks
     return num_blocks * per_block + open_block_reserve

@@ -22,8 +22,13 @@ EXPECTED_BITS = {
     "turbo3.5": 3.5 + 16 / 128,
     "turbo3": 3 + 16 / 128,
     "turbo2": 2 + 16 / 128,
-    "turbo-k4v2": ((4 + 16 / 128) + (2 + 16 / 128)) / 2,  # K turbo4, V turbo2
-    "turbo-k3v2": ((3 + 16 / 128) + (2 + 16 / 128)) / 2,
+    # K from the first codec, V from the second: the mean of the two halves above
+    "kturbo4-vturbo2": ((4 + 16 / 128) + (2 + 16 / 128)) / 2,
+    "kturbo3-vturbo2": ((3 + 16 / 128) + (2 + 16 / 128)) / 2,
+    "kint4-vturbo2": ((4 + 32 / 16) + (2 + 16 / 128)) / 2,
+    "kint3-vturbo3": ((3 + 32 / 16) + (3 + 16 / 128)) / 2,
+    "kint3-vturbo2": ((3 + 32 / 16) + (2 + 16 / 128)) / 2,
+    "kint2-vturbo2": ((2 + 32 / 16) + (2 + 16 / 128)) / 2,
 }
 
 
