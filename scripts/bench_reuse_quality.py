@@ -51,6 +51,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from machine import describe  # noqa: E402
 
 from kvserve import LLM, SamplingParams  # noqa: E402
+from kvserve.engine.audit import MAX_PENDING  # noqa: E402
 from kvserve.request import RequestOutput, ReuseOptions  # noqa: E402
 
 STRATEGIES: dict[str, ReuseOptions | None] = {
@@ -334,6 +335,8 @@ def run_measure(
             if opts is not None:
                 record[name] = out.text
         samples.append(record)
+        if len(llm.engine.auditor.pending) >= MAX_PENDING // 2:
+            llm.engine.run_background()  # between prompts: no TTFT measured here waits on it
         if args.progress and (i + 1) % args.progress == 0:
             print(f"  {measure}: {i + 1}/{len(prompts)} prompts", file=sys.stderr, flush=True)
     llm.engine.run_background()  # the audits' recomputes, fed the served tokens
