@@ -49,7 +49,7 @@ test: lint typecheck
 	$(VENV)/bin/pytest -m "not slow" -q
 
 test-slow: setup
-	$(VENV)/bin/pytest -m slow -q
+	$(VENV)/bin/pytest -m slow -q -o timeout=0
 
 bench: setup
 	$(PY) scripts/bench_prefix_reuse.py
