@@ -345,49 +345,46 @@ def test_an_audit_waiting_past_the_request_timeout_still_completes(monkeypatch):
     engine.check_integrity()
 
 
-def test_a_request_preempts_an_audit_holding_the_blocks_it_needs():
-    """An audit admitted in an idle step keeps its blocks while requests run (it steps only when the
-    engine is idle); a request that needed them waited for them, the engine never went idle, and
-    the server hung (the CI dashboard test). Requests preempt background work for memory."""
-    llm = make(audit_rate=1.0, max_cache_bytes=64 * 16 * 1024)  # a 64-block pool
-    engine = llm.engine
-    docs = warmed(llm, num_docs=2)  # 16 pinned blocks
-    params = SamplingParams(max_tokens=3, temperature=0, ignore_eos=True)
-    llm.generate([rag_prompt(llm, docs, [0, 1], seed=1)], params)
-    llm.generate([rag_prompt(llm, docs, [1, 0], seed=1)], params, reuse=NONE)
-    engine.step()  # idle: the audit is admitted and computes its first piece
-    (audit,) = engine.scheduler.running
-    assert audit.request.background and audit.kv.block_ids
-    free = engine.pool.num_free_blocks + num_evictable_blocks(engine)
-    long = corpus_token_ids(llm, (free + 4) * 16, seed=50)  # needs more than is free or evictable
-    engine.add_request(Request("long", long, params, reuse=NONE))
-    for _ in range(100):
-        if any(o.request_id == "long" and o.finished for o in engine.step()):
-            break
-    else:
-        pytest.fail("the request waited forever on the blocks of an audit that waits for an idle step")
-    engine.run_background()
-    assert len(engine.auditor.results) == 1 and engine.auditor.num_dropped == 0
-    engine.check_integrity()
+PARAMS3 = SamplingParams(max_tokens=3, temperature=0, ignore_eos=True)
 
 
-def test_a_request_preempts_an_audit_holding_the_last_sequence_slot():
-    """The same wait for a sequence slot: with --max-num-seqs 1 and an audit running, a request must
-    still be served, and the audit completes afterwards."""
-    llm = make(audit_rate=1.0, max_num_seqs=1)
-    engine = llm.engine
+def _audit_running(llm: LLM) -> None:
+    """A reordered prompt served from content hits, its audit admitted in the idle step after it."""
     docs = warmed(llm, num_docs=2)
-    params = SamplingParams(max_tokens=3, temperature=0, ignore_eos=True)
-    llm.generate([rag_prompt(llm, docs, [0, 1], seed=1)], params)
-    llm.generate([rag_prompt(llm, docs, [1, 0], seed=1)], params, reuse=NONE)
-    engine.step()
-    assert [s.request.background for s in engine.scheduler.running] == [True]
-    engine.add_request(Request("next", corpus_token_ids(llm, 40, seed=51), params, reuse=NONE))
+    llm.generate([rag_prompt(llm, docs, [0, 1], seed=1)], PARAMS3)
+    llm.generate([rag_prompt(llm, docs, [1, 0], seed=1)], PARAMS3, reuse=NONE)
+    llm.engine.step()  # idle: the audit is admitted and computes its first piece
+    (audit,) = llm.engine.scheduler.running
+    assert audit.request.background and audit.kv.block_ids
+
+
+def _serve_then_audit(llm: LLM, prompt: list[int], what: str) -> None:
+    """`prompt` finishes while the audit waits, then the audit completes."""
+    engine = llm.engine
+    engine.add_request(Request("next", prompt, PARAMS3, reuse=NONE))
     for _ in range(100):
         if any(o.request_id == "next" and o.finished for o in engine.step()):
             break
     else:
-        pytest.fail("the request waited forever for the slot of an audit that waits for an idle step")
+        pytest.fail(f"the request waited forever for {what} of an audit that waits for an idle step")
     engine.run_background()
     assert len(engine.auditor.results) == 1 and engine.auditor.num_dropped == 0
     engine.check_integrity()
+
+
+def test_a_request_preempts_an_audit_holding_the_blocks_it_needs():
+    """An audit admitted in an idle step keeps its blocks while requests run (it steps only when the
+    engine is idle); a request that needed them waited for them, the engine never went idle, and
+    the server hung (the CI dashboard test). Requests preempt background work for memory."""
+    llm = make(audit_rate=1.0, max_cache_bytes=64 * 16 * 1024)  # a 64-block pool, 16 of them pinned
+    _audit_running(llm)
+    free = llm.engine.pool.num_free_blocks + num_evictable_blocks(llm.engine)
+    long = corpus_token_ids(llm, (free + 4) * 16, seed=50)  # needs more than is free or evictable
+    _serve_then_audit(llm, long, "the blocks")
+
+
+def test_a_request_preempts_an_audit_holding_the_last_sequence_slot():
+    """The same wait for a sequence slot (--max-num-seqs 1)."""
+    llm = make(audit_rate=1.0, max_num_seqs=1)
+    _audit_running(llm)
+    _serve_then_audit(llm, corpus_token_ids(llm, 40, seed=51), "the slot")
