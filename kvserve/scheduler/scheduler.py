@@ -199,12 +199,14 @@ class Scheduler:
                 return False
         return True
 
+    def _background_victim(self) -> Sequence | None:
+        """The newest running background sequence: the first to give up its blocks."""
+        return next((s for s in reversed(self.running) if s.request.background), None)
+
     def _preempt_background(self, batch: ScheduledBatch) -> bool:
-        """Preempt the newest running background sequence (False: none runs). A request needing its
-        slot or blocks must not wait for them: background work steps only while no request runs or
-        waits, so it would never finish and give them back."""
-        victim = next((s for s in reversed(self.running) if s.request.background), None)
-        if victim is None:
+        """Preempt the newest running background sequence (False: none runs): it steps only while no
+        request runs or waits, so a request waiting on its slot or blocks would wait forever."""
+        if (victim := self._background_victim()) is None:
             return False
         self.preempt(victim)
         batch.preempted.append(victim)
@@ -232,8 +234,7 @@ class Scheduler:
         while need > self.pool.num_free_blocks:
             if self.store.evict(need - self.pool.num_free_blocks):
                 continue
-            # background sequences go first, then the newest
-            victim = next((s for s in reversed(self.running) if s.request.background), self.running[-1])
+            victim = self._background_victim() or self.running[-1]  # background work first, then the newest
             if victim is seq and len(self.running) == 1:
                 # alone and still short: only pinned chunks hold the rest of the pool
                 self._refuse(seq, batch)
