@@ -377,6 +377,7 @@ def run_codecs(measure: str, args: argparse.Namespace, codecs: list[str], rng: r
             model=args.model, enable_prefix_caching=False, kv_cache_dtype=codec, max_cache_bytes=500_000_000
         )
         bytes_per_token[codec] = float(llm.engine.info.bytes_per_token)
+        compute_dtype = llm.engine.info.dtype  # the same for every codec: one process, one --dtype auto
         if codec == codecs[0]:  # one tokenizer for every codec: encode once
             enc = Encoder(llm.tokenizer)
             for d in docs:
@@ -416,6 +417,7 @@ def run_codecs(measure: str, args: argparse.Namespace, codecs: list[str], rng: r
     return {
         "rows": rows,
         "reference": codecs[0],
+        "compute_dtype": compute_dtype,
         "bytes_per_token": bytes_per_token,
         "docs": len(docs),
         "seeding_prompts": 0,
@@ -425,11 +427,13 @@ def run_codecs(measure: str, args: argparse.Namespace, codecs: list[str], rng: r
     }
 
 
-def record_accuracy(path: str, args: dict, measure: str, table: dict, machine: str) -> None:
+def record_accuracy(
+    path: str, args: dict, measure: str, table: dict, machine: str, compute_dtype: str
+) -> None:
     """Merge one codec run into the accuracy file the server chooses codecs by (kvserve/quant/choice.py):
     per model and measure, each codec's task accuracy relative to the run's reference codec. A run on
-    the same prompts (same size, seed and reference, and the reference scored the same) adds its codecs
-    to the entry; any other run replaces it."""
+    the same prompts and compute dtype (same size, seed, reference and dtype, and the reference scored
+    the same) adds its codecs to the entry; any other run replaces it."""
     try:
         with open(path) as f:
             data = json.load(f)
@@ -442,16 +446,17 @@ def record_accuracy(path: str, args: dict, measure: str, table: dict, machine: s
         "seed": args["seed"],
         "reference": reference,
         "machine": machine,
+        "compute_dtype": compute_dtype,
         "accuracy": {c: round(e["quality"], 4) for c, e in table.items()},
         "x_reference": {c: round(e["x_full"], 4) for c, e in table.items()},
         "bytes_per_token": {c: e["bytes_per_token"] for c, e in table.items()},
     }
     measures = data.setdefault("models", {}).setdefault(args["model"], {})
     old = measures.get(measure)
-    same = ("prompts", "docs", "seed", "reference")
+    same = ("prompts", "docs", "seed", "reference", "compute_dtype")
     if (
         old
-        and all(old[k] == entry[k] for k in same)
+        and all(old.get(k) == entry[k] for k in same)
         and old["accuracy"].get(reference) == entry["accuracy"][reference]
     ):
         for key in ("accuracy", "x_reference", "bytes_per_token"):
@@ -634,6 +639,16 @@ def plot(results: dict, path: str) -> None:
     fig.savefig(path, dpi=110)
 
 
+def pareto_front(points: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    """The (bytes, accuracy) points no other point beats on both (fewer or equal bytes and higher or
+    equal accuracy, one of them strictly), by bytes ascending."""
+    front: list[tuple[float, float]] = []
+    for size, acc in sorted(points, key=lambda p: (p[0], -p[1])):
+        if not front or acc > front[-1][1]:
+            front.append((size, acc))
+    return front
+
+
 def plot_codecs(ax, results: dict, m: str) -> None:  # type: ignore[no-untyped-def]
     """Quality (x the reference codec) against bytes per token: the Pareto front of issue 38."""
     table = results["tables"][m]
@@ -643,6 +658,9 @@ def plot_codecs(ax, results: dict, m: str) -> None:  # type: ignore[no-untyped-d
         ax.annotate(
             name, (e["bytes_per_token"], e["x_full"]), fontsize=7, xytext=(4, 3), textcoords="offset points"
         )
+    front = pareto_front([(e["bytes_per_token"], e["x_full"]) for e in table.values()])
+    ax.plot(*zip(*front, strict=True), color="tab:green", lw=1, drawstyle="steps-post", label="Pareto front")
+    ax.legend(fontsize=7, loc="lower right")
     ax.axhline(0.97, color="gray", lw=0.8, ls="--")
     ax.axhline(0.90, color="gray", lw=0.8, ls=":")
     ax.set_xlabel("KV bytes per token")
@@ -696,7 +714,8 @@ def main() -> None:
             plot(saved, args.plot)
         if args.registry and saved["codecs"]:
             for measure, table in saved["tables"].items():
-                record_accuracy(args.registry, saved["args"], measure, table, saved["machine"])
+                dtype = saved["raw"][measure].get("compute_dtype", "unrecorded")
+                record_accuracy(args.registry, saved["args"], measure, table, saved["machine"], dtype)
         return
     if args.prompts < 1 or args.docs < 6:
         ap.error("--prompts must be >= 1 and --docs >= 6 (a prompt holds up to 6 documents)")
@@ -730,7 +749,9 @@ def main() -> None:
         results["tables"][measure] = table
         results["raw"][measure] = result
         if codecs and args.registry:
-            record_accuracy(args.registry, vars(args), measure, table, results["machine"])
+            record_accuracy(
+                args.registry, vars(args), measure, table, results["machine"], result["compute_dtype"]
+            )
         if args.json:
             with open(args.json, "w") as f:
                 json.dump(results, f, indent=1)

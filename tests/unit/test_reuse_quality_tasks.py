@@ -96,12 +96,12 @@ def test_a_codec_run_records_what_the_server_chooses_by(tmp_path, monkeypatch):
     }
     path = tmp_path / "acc.json"
     args = {"model": "m1", "prompts": 200, "docs": 40, "seed": 0, "codecs": "bf16,int3,turbo3"}
-    rq.record_accuracy(str(path), args, "lookup", table, "a CPU")
-    rq.record_accuracy(str(path), {**args, "model": "m2"}, "lookup", {**table, "int3": {**table["int3"], "x_full": 0.5}}, "a CPU")  # fmt: skip
+    rq.record_accuracy(str(path), args, "lookup", table, "a CPU", "bfloat16")
+    rq.record_accuracy(str(path), {**args, "model": "m2"}, "lookup", {**table, "int3": {**table["int3"], "x_full": 0.5}}, "a CPU", "bfloat16")  # fmt: skip
     monkeypatch.setattr(choice, "ACCURACY_FILE", path)
     choice._measurements.cache_clear()
     try:
-        assert choice.measured_accuracy("int3") == {"m1": 0.6184, "m2": 0.5}
+        assert choice.measured_accuracy("int3") == {"m1 lookup": 0.6184, "m2 lookup": 0.5}
         got = choice.choose_codec(3, 3, 64, 16)
         assert (got.codec, got.meets) == ("int3", False)
         assert "m1: 200 lookup prompts" in choice.measurement_source()
@@ -117,11 +117,27 @@ def test_a_second_codec_run_on_the_same_prompts_adds_its_codecs(tmp_path):
     second = {"bf16": ref, "turbo3": {"quality": 0.7, "x_full": 0.915, "bytes_per_token": 4680.0}}
     path = tmp_path / "acc.json"
     args = {"model": "m", "prompts": 200, "docs": 40, "seed": 0, "codecs": "bf16,int4"}
-    rq.record_accuracy(str(path), args, "lookup", first, "a CPU")
-    rq.record_accuracy(str(path), {**args, "codecs": "bf16,turbo3"}, "lookup", second, "a CPU")
+    rq.record_accuracy(str(path), args, "lookup", first, "a CPU", "bfloat16")
+    rq.record_accuracy(str(path), {**args, "codecs": "bf16,turbo3"}, "lookup", second, "a CPU", "bfloat16")
     entry = json.loads(path.read_text())["models"]["m"]["lookup"]
     assert entry["x_reference"] == {"bf16": 1.0, "int4": 1.0458, "turbo3": 0.915}
     assert entry["source"].endswith("--codecs bf16,int4,turbo3")
-    rq.record_accuracy(str(path), {**args, "seed": 1}, "lookup", second, "a CPU")
+    rq.record_accuracy(str(path), {**args, "seed": 1}, "lookup", second, "a CPU", "bfloat16")
     entry = json.loads(path.read_text())["models"]["m"]["lookup"]
     assert set(entry["accuracy"]) == {"bf16", "turbo3"} and entry["seed"] == 1
+    rq.record_accuracy(str(path), {**args, "seed": 1}, "lookup", first, "a CPU", "float32")
+    entry = json.loads(path.read_text())["models"]["m"]["lookup"]  # another compute dtype: not merged
+    assert set(entry["accuracy"]) == {"bf16", "int4"} and entry["compute_dtype"] == "float32"
+
+
+def test_the_pareto_front_keeps_only_codecs_nothing_beats_on_both_bytes_and_accuracy():
+    points = [
+        (23040, 1.0),
+        (12240, 1.02),
+        (13320, 0.99),
+        (6120, 0.98),
+        (7560, 1.04),
+        (4680, 0.73),
+        (4680, 0.5),
+    ]
+    assert rq.pareto_front(points) == [(4680, 0.73), (6120, 0.98), (7560, 1.04)]
