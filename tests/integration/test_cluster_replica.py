@@ -28,8 +28,9 @@ def replica() -> Any:
     r.backend.shutdown()
 
 
-def _requests(n: int, prompt: list[int], tag: str) -> list[Request]:
-    return [Request(f"{tag}-{i}", prompt, SamplingParams(max_tokens=3, temperature=0)) for i in range(n)]
+def _requests(n: int, prompt: list[int], tag: str, max_tokens: int = 3) -> list[Request]:
+    params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
+    return [Request(f"{tag}-{i}", prompt, params) for i in range(n)]
 
 
 def test_generate_admits_then_streams_and_refuses_before_admitting(replica: EngineReplica) -> None:
@@ -57,7 +58,9 @@ def test_generate_admits_then_streams_and_refuses_before_admitting(replica: Engi
 
 def test_a_full_replica_refuses_before_admitting(replica: EngineReplica) -> None:
     async def run() -> None:
-        held = replica.generate(_requests(2, list(range(30)), "held"))
+        # long enough that the held requests are still running when the late one comes (3 tokens of the
+        # tiny model could finish first and free the queue)
+        held = replica.generate(_requests(2, list(range(30)), "held", max_tokens=400))
         assert isinstance(await held.__anext__(), Accepted)
         with pytest.raises(OverloadedError):
             await replica.generate(_requests(1, [5, 6], "late")).__anext__()
