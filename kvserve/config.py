@@ -81,7 +81,7 @@ class ServeConfig:
     kv_cache_bits: int = field(
         default=0,
         metadata={
-            "help": "pick the codec by measured task accuracy per byte for 16, 8, 4 or 3 bits (0 = use kv_cache_dtype)"
+            "help": "pick the codec by measured task accuracy per byte for 16, 8, 4, 3 or 2 bits (0 = use kv_cache_dtype)"
         },
     )
     max_pinned_fraction: float = field(
@@ -301,8 +301,8 @@ def validate(cfg: ServeConfig) -> None:
         raise ConfigError(
             f"chunk_size must be a multiple of block_size (got {cfg.chunk_size} vs {cfg.block_size})"
         )
-    if cfg.kv_cache_bits not in (0, 16, 8, 4, 3):
-        raise ConfigError(f"kv_cache_bits must be 16, 8, 4 or 3 (got {cfg.kv_cache_bits})")
+    if cfg.kv_cache_bits not in (0, 16, 8, 4, 3, 2):
+        raise ConfigError(f"kv_cache_bits must be 16, 8, 4, 3 or 2 (got {cfg.kv_cache_bits})")
     positive = ("max_cache_bytes", "max_num_seqs", "max_num_batched_tokens", "max_queue_size")
     for name in positive:
         if getattr(cfg, name) <= 0:

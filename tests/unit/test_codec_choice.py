@@ -51,7 +51,29 @@ def test_every_measured_model_must_keep_the_answers(measured):
         {"a": {"bf16": 1.0, "int4": 1.0, "turbo4": 0.99}, "b": {"bf16": 1.0, "int4": 0.98, "turbo4": 0.90}}
     )
     got = choose_codec(4, 2, 64, 16)
-    assert got.codec == "int4" and got.accuracy == {"a": 1.0, "b": 0.98}
+    assert got.codec == "int4" and got.accuracy == {"a lookup": 1.0, "b lookup": 0.98}
+
+
+def test_every_answer_scored_measure_counts_and_free_form_does_not(tmp_path, monkeypatch):
+    """Multi-hop is scored by answers as lookup is; free form by likeness to bf16's own text, which any
+    rewording lowers, so it is reported and not chosen by."""
+    run = {
+        "lookup": {"bf16": 1.0, "int4": 1.0, "turbo4": 0.99},
+        "multihop": {"bf16": 1.0, "int4": 0.98, "turbo4": 0.9},
+    }
+    run["freeform"] = {"bf16": 1.0, "int4": 0.6, "turbo4": 0.5}
+    path = tmp_path / "codec_accuracy.json"
+    measures = {m: {"prompts": 200, "source": "test", "x_reference": x} for m, x in run.items()}
+    path.write_text(json.dumps({"models": {"a": measures}}))
+    monkeypatch.setattr(choice, "ACCURACY_FILE", path)
+    choice._measurements.cache_clear()
+    try:
+        got = choose_codec(4, 2, 64, 16)
+        assert (got.codec, got.meets) == ("int4", True)  # turbo4 loses multi-hop answers
+        assert got.accuracy == {"a lookup": 1.0, "a multihop": 0.98}
+        assert "a multihop 0.980x" in got.describe()
+    finally:
+        choice._measurements.cache_clear()
 
 
 def test_no_codec_keeping_the_answers_takes_the_best_and_says_its_loss(measured):
@@ -92,7 +114,7 @@ def test_the_shipped_measurements_name_real_codecs_and_keep_bf16_at_16_bits():
         assert run["reference"] == "bf16" and run["x_reference"]["bf16"] == 1.0, model
         assert set(run["x_reference"]) <= set(CODEC_NAMES) and run["prompts"] >= 200
     assert choose_codec(16, 3, 64, 16).codec == "bf16"
-    for bits in (8, 4, 3):
+    for bits in choice.BUDGETS[1:]:
         got = choose_codec(bits, 3, 64, 16)
         assert choice.WIDTH[got.codec] <= bits and got.accuracy
 
