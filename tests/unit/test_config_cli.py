@@ -53,6 +53,9 @@ def test_bad_values_are_errors() -> None:
         _config("--chunk-size", "24")
     with pytest.raises(SystemExit):
         build_parser().parse_args(["--port", "eighty"])
+    with pytest.raises(ConfigError, match="kv_cache_bits must be 16, 8, 4, 3 or 2"):
+        _config("--kv-cache-bits", "5")
+    assert _config("--kv-cache-bits", "2").kv_cache_bits == 2
 
 
 def test_describe_names_the_choices() -> None:
