@@ -5,10 +5,11 @@ of N bits that the serving model's head_dim can pack (a nominal width of at most
 next smaller budget: 4 bits is int4, nvfp4, mxfp4, turbo4 and turbo3.5; a user asking for 8 bits is not
 served 4; the cold tier takes any width under 16),
 the one with the most capacity whose measured task accuracy is at least TARGET x bf16's on every
-measured model and SCORED measure. Where none is, the best measured one within the budget is picked
-and its loss said (CodecChoice.meets False). A K/V codec's width is the mean of its two halves
-(kint3-vturbo3 is a 3-bit codec). Capacity is the codec's tokens per byte against bf16 at the model's head
-count and head_dim (metadata included), so it is computed, not measured.
+measured model (answers kept over the SCORED measures' prompts). Where none is, the best measured
+one within the budget is picked and its loss said (CodecChoice.meets False). A K/V codec's width is
+the mean of its two halves (kint3-vturbo3 is a 3-bit codec). Capacity is the codec's tokens per byte
+against bf16 at the model's head count and head_dim (metadata included), so it is computed, not
+measured.
 
 The accuracies live in codec_accuracy.json beside this file, written by the task benchmark (never by
 hand): `scripts/bench_reuse_quality.py --codecs bf16,... --registry kvserve/quant/codec_accuracy.json`
@@ -26,7 +27,7 @@ from pathlib import Path
 from kvserve.errors import ConfigError
 from kvserve.quant.registry import CODEC_NAMES, MIXED_KV, head_dim_problem, make_codec
 
-TARGET = 0.97  # x bf16's task accuracy, on every measured model and measure
+TARGET = 0.97  # x bf16's task accuracy, on every measured model
 # The measures a codec is chosen by: those scored against the documents' answers. Free form is scored
 # by its likeness to bf16's own text, which any change of wording lowers; it is reported, not chosen by.
 SCORED = ("lookup", "multihop")
@@ -60,7 +61,7 @@ class CodecChoice:
     budget: int | None  # --kv-cache-bits, or None: named by the user, or the cold tier's pick
     role: str  # what chose it, for the log: "--kv-cache-bits 4", "--kv-cache-dtype turbo3", "the cold tier"
     capacity: float  # tokens per byte against bf16, this model's layout, metadata included
-    accuracy: dict[str, float]  # "model measure" -> task accuracy x bf16
+    accuracy: dict[str, float]  # model -> task accuracy x bf16 (measured_accuracy)
 
     @property
     def worst(self) -> float:
@@ -68,7 +69,7 @@ class CodecChoice:
 
     @property
     def meets(self) -> bool:
-        """At least TARGET on every measured model and measure."""
+        """At least TARGET on every measured model."""
         return self.worst >= TARGET
 
     def describe(self) -> str:
@@ -76,7 +77,7 @@ class CodecChoice:
         figures = ", ".join(f"{m} {a:.3f}x" for m, a in sorted(self.accuracy.items()))
         line = (
             f"{self.role}: {self.codec}, {self.capacity:.2f}x bf16's tokens per byte; "
-            f"task accuracy against bf16 KV: {figures}"
+            f"task accuracy (lookup and multi-hop answers kept) against bf16 KV: {figures}"
         )
         if self.meets:
             return f"{line} (meets {TARGET}x)"
@@ -106,14 +107,20 @@ def _measurements() -> dict:
 
 
 def measured_accuracy(codec: str) -> dict[str, float]:
-    """'model measure' -> task accuracy of `codec` relative to bf16 KV, for every measure scored by
-    answers (SCORED); empty: never measured."""
+    """Model -> task accuracy of `codec` relative to bf16 KV: the answers it kept over every prompt of
+    the SCORED measures it was run on, against the answers bf16 KV kept on those prompts (pooled, so a
+    measure counts by its prompts and a low-scoring measure's few answers do not decide alone);
+    empty: never measured."""
     out = {}
     for model, measures in _measurements()["models"].items():
+        kept = reference = 0.0
         for measure in SCORED:
-            ratio = measures.get(measure, {}).get("x_reference", {}).get(codec)
-            if ratio is not None:
-                out[f"{model} {measure}"] = float(ratio)
+            run = measures.get(measure, {})
+            if codec in run.get("accuracy", {}):
+                kept += run["accuracy"][codec] * run["prompts"]
+                reference += run["accuracy"][run["reference"]] * run["prompts"]
+        if reference > 0:
+            out[model] = kept / reference
     return out
 
 

@@ -21,7 +21,7 @@ def test_a_bit_budget_reports_the_codec_it_chose_and_its_measured_loss(tmp_path:
     quality = config["kv_codec_quality"]
     assert config["kv_codec_chosen"] == want.codec == quality["codec"] and config["kv_cache_bits"] == 3
     assert quality["meets_target"] == want.meets and quality["task_accuracy_x_bf16"] == want.accuracy
-    assert "smollm2-135m lookup" in quality["task_accuracy_x_bf16"] and "lookup prompts" in quality["source"]
+    assert "smollm2-135m" in quality["task_accuracy_x_bf16"] and "lookup prompts" in quality["source"]
     assert f"KV codec for --kv-cache-bits 3: {want.codec}" in log
     if not want.meets:  # the loss is said where it is chosen
         assert "NO codec within 3 bits" in log and f"loses {1 - want.worst:.0%}" in log

@@ -11,7 +11,16 @@ from kvserve.quant.registry import CODEC_NAMES
 
 
 def lookup(x_reference: dict[str, float]) -> dict:
-    return {"lookup": {"prompts": 200, "source": "test", "x_reference": x_reference}}
+    """A lookup run whose reference (bf16) answered every prompt: accuracy == x bf16."""
+    return {
+        "lookup": {
+            "prompts": 200,
+            "reference": "bf16",
+            "source": "test",
+            "accuracy": x_reference,
+            "x_reference": x_reference,
+        }
+    }
 
 
 @pytest.fixture
@@ -51,27 +60,33 @@ def test_every_measured_model_must_keep_the_answers(measured):
         {"a": {"bf16": 1.0, "int4": 1.0, "turbo4": 0.99}, "b": {"bf16": 1.0, "int4": 0.98, "turbo4": 0.90}}
     )
     got = choose_codec(4, 2, 64, 16)
-    assert got.codec == "int4" and got.accuracy == {"a lookup": 1.0, "b lookup": 0.98}
+    assert got.codec == "int4" and got.accuracy == {"a": 1.0, "b": 0.98}
 
 
-def test_every_answer_scored_measure_counts_and_free_form_does_not(tmp_path, monkeypatch):
-    """Multi-hop is scored by answers as lookup is; free form by likeness to bf16's own text, which any
-    rewording lowers, so it is reported and not chosen by."""
-    run = {
-        "lookup": {"bf16": 1.0, "int4": 1.0, "turbo4": 0.99},
-        "multihop": {"bf16": 1.0, "int4": 0.98, "turbo4": 0.9},
+def test_a_model_s_accuracy_pools_the_answers_of_every_answer_scored_measure(tmp_path, monkeypatch):
+    """Lookup and multi-hop count by their prompts (the answers kept over all of them, against bf16's);
+    free form is scored by likeness to bf16's own text, which any rewording lowers, and does not count."""
+    runs = {
+        "lookup": (200, {"bf16": 0.8, "int4": 0.8, "turbo4": 0.8, "fp8_e4m3": 0.8}),
+        "multihop": (200, {"bf16": 0.3, "int4": 0.3, "turbo4": 0.2, "fp8_e4m3": 0.29}),
+        "freeform": (200, {"bf16": 1.0, "int4": 0.6, "turbo4": 0.5, "fp8_e4m3": 0.5}),
     }
-    run["freeform"] = {"bf16": 1.0, "int4": 0.6, "turbo4": 0.5}
+    measures = {
+        m: {"prompts": n, "reference": "bf16", "source": "test", "accuracy": acc}
+        for m, (n, acc) in runs.items()
+    }
     path = tmp_path / "codec_accuracy.json"
-    measures = {m: {"prompts": 200, "source": "test", "x_reference": x} for m, x in run.items()}
     path.write_text(json.dumps({"models": {"a": measures}}))
     monkeypatch.setattr(choice, "ACCURACY_FILE", path)
     choice._measurements.cache_clear()
     try:
-        got = choose_codec(4, 2, 64, 16)
-        assert (got.codec, got.meets) == ("int4", True)  # turbo4 loses multi-hop answers
-        assert got.accuracy == {"a lookup": 1.0, "a multihop": 0.98}
-        assert "a multihop 0.980x" in got.describe()
+        four = choose_codec(4, 2, 64, 16)
+        assert (four.codec, four.meets) == ("int4", True)  # turbo4 loses 20 of bf16's 220 answers
+        assert measured_accuracy("turbo4") == {"a": pytest.approx(200 / 220)}
+        # fp8 loses 2 of multi-hop's 60 answers (0.967x there) but keeps 218 of 220 over both measures
+        eight = choose_codec(8, 2, 64, 16)
+        assert eight.codec == "fp8_e4m3" and eight.accuracy["a"] == pytest.approx(218 / 220) and eight.meets
+        assert "a 0.991x" in eight.describe()
     finally:
         choice._measurements.cache_clear()
 

@@ -97,11 +97,14 @@ def test_a_codec_run_records_what_the_server_chooses_by(tmp_path, monkeypatch):
     path = tmp_path / "acc.json"
     args = {"model": "m1", "prompts": 200, "docs": 40, "seed": 0, "codecs": "bf16,int3,turbo3"}
     rq.record_accuracy(str(path), args, "lookup", table, "a CPU", "bfloat16")
-    rq.record_accuracy(str(path), {**args, "model": "m2"}, "lookup", {**table, "int3": {**table["int3"], "x_full": 0.5}}, "a CPU", "bfloat16")  # fmt: skip
+    rq.record_accuracy(str(path), {**args, "model": "m2"}, "lookup", {**table, "int3": {**table["int3"], "quality": 0.38, "x_full": 0.5}}, "a CPU", "bfloat16")  # fmt: skip
     monkeypatch.setattr(choice, "ACCURACY_FILE", path)
     choice._measurements.cache_clear()
     try:
-        assert choice.measured_accuracy("int3") == {"m1 lookup": 0.6184, "m2 lookup": 0.5}
+        assert choice.measured_accuracy("int3") == {
+            "m1": pytest.approx(0.47 / 0.76),
+            "m2": pytest.approx(0.5),
+        }
         got = choice.choose_codec(3, 3, 64, 16)
         assert (got.codec, got.meets) == ("int3", False)
         assert "m1: 200 lookup prompts" in choice.measurement_source()
