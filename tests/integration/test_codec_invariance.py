@@ -25,7 +25,7 @@ GREEDY = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
 CODECS = ["auto", "bf16", "fp16", "fp8_e4m3", "int8", "int4", "int2", "nvfp4", "turbo4", "turbo3.5", "turbo3"]
 CODECS += ["turbo2"]
 # mixed K/V codecs: both kinds of K (KIVI's per block, a rotation's per token) beside a per-token V
-CODECS += ["kint3-vturbo3", "kturbo4-vturbo2"]
+CODECS += ["kint3-vturbo3", "kturbo4-vturbo2", "kint2-vturbo2"]
 # bf16 compute (the dtype auto picks on CPUs with AMX / AVX-512 BF16): linear through row_linear_bf16, KV
 # in bf16 (auto) or quantized from bf16 rows; one codec of each reader and quantizer family
 BF16_CODECS = ["auto", "fp8_e4m3", "int8", "int4", "turbo4"]
