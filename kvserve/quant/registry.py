@@ -22,9 +22,10 @@ TURBO_SPLITS = {
     "turbo3": ((1, 3),),
     "turbo2": ((1, 2),),
 }  # (1/share, bits)
-# K from one codec, V from another: (K codec, V codec). K's error moves every attention weight and V's
-# only averages into the output, so K gets the wider codes (KIVI's and KVQuant's finding); KIVI's
-# per-channel K beats a rotation at the same width, a rotation beats KIVI's per-token V.
+# K from one codec, V from another: (K codec, V codec). KIVI's per-channel K beats a rotation at the same
+# width (it keeps K's per-channel offsets out of the codes), a rotation beats KIVI's per-token V. The
+# premise that K deserves the wider codes held only in part: V at 2 bits costs SmolLM2's answers too
+# (docs/kv-quality.md).
 MIXED_KV = {
     "kturbo4-vturbo2": ("turbo4", "turbo2"),
     "kturbo3-vturbo2": ("turbo3", "turbo2"),
