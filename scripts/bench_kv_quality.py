@@ -15,7 +15,7 @@ import importlib.util
 import json
 import math
 import os
-import platform
+import sys
 import time
 from pydoc_data.topics import topics
 
@@ -26,6 +26,9 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from kvserve.quant.base import KVCodec
 from kvserve.quant.registry import CODEC_NAMES, make_codec
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from machine import describe  # noqa: E402
 
 GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 BLOCK_SIZE = 16
@@ -245,9 +248,7 @@ def main() -> None:
         print(f"{name}: {row} ({time.time() - t0:.0f} s)", flush=True)
     table = format_table(rows, ref_ppl)
     best = best_per_budget(rows)
-    machine = (
-        f"{platform.processor() or platform.machine()}, torch {torch.__version__}, {args.threads} thread(s)"
-    )
+    machine = describe()
     print(f"\nunquantized fp32 KV: PPL {ref_ppl:.3f}; {machine}; {time.time() - t0:.0f} s\n{table}")
     print(f"best by PPL per budget (b <= bits/elem <= 1.1 b): {best}")
     print(format_targets(rows, ref_ppl, best))

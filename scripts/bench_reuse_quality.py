@@ -374,7 +374,11 @@ def run_codecs(measure: str, args: argparse.Namespace, codecs: list[str], rng: r
     samples = [{"prompt": i, "answers": p.answers} for i, p in enumerate(prompts[: args.keep_samples])]
     for codec in codecs:
         llm = LLM(
-            model=args.model, enable_prefix_caching=False, kv_cache_dtype=codec, max_cache_bytes=500_000_000
+            model=args.model,
+            enable_prefix_caching=False,
+            kv_cache_dtype=codec,
+            block_size=args.block_size,
+            max_cache_bytes=500_000_000,
         )
         bytes_per_token[codec] = float(llm.engine.info.bytes_per_token)
         compute_dtype = llm.engine.info.dtype  # the same for every codec: one process, one --dtype auto
@@ -688,6 +692,12 @@ def main() -> None:
         default="",
         help="comma-separated KV codecs (the first is the reference, e.g. bf16,fp8_e4m3,int4,turbo4): "
         "full prefill under each instead of the reuse strategies (issue 38)",
+    )
+    ap.add_argument(
+        "--block-size",
+        type=int,
+        default=16,
+        help="with --codecs: tokens per KV block (a KIVI K codec's group)",
     )
     ap.add_argument("--threads", type=int, default=0)
     ap.add_argument("--progress", type=int, default=25, help="print progress every N prompts (0: never)")
