@@ -42,13 +42,17 @@ WIDTH = {
     "int8": 8.0,
     "fp8_e4m3": 8.0,
     "int4": 4.0,
+    "int4dq": 4.0,
     "nvfp4": 4.0,
     "mxfp4": 4.0,
     "turbo4": 4.0,
     "turbo3.5": 3.5,
     "int3": 3.0,
+    "int3dq": 3.0,
     "turbo3": 3.0,
+    "turbo2.5": 2.5,
     "int2": 2.0,
+    "int2dq": 2.0,
     "turbo2": 2.0,
 }
 WIDTH.update({name: (WIDTH[k] + WIDTH[v]) / 2 for name, (k, v) in MIXED_KV.items()})  # K's and V's mean

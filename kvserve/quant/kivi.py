@@ -25,28 +25,74 @@ def quantize_asym(x: torch.Tensor, dim: int, bits: int) -> tuple[torch.Tensor, t
     return codes, scale, zero
 
 
-class KiviKeyCodec(TensorCodec):
-    """Block codec: x [n, block_size, H, D]; scale and zero per (block, head, channel)."""
+def round_down_half(x: torch.Tensor) -> torch.Tensor:
+    """x in fp16, rounded toward -inf (at most x)."""
+    h = x.half()
+    return torch.where(h.float() > x, torch.nextafter(h, torch.full_like(h, -torch.inf)), h)
 
-    def __init__(self, num_kv_heads: int, head_dim: int, bits: int):
+
+class KiviKeyCodec(TensorCodec):
+    """Block codec: x [n, block_size, H, D]; scale and zero per (block, head, channel).
+
+    meta_bits 16: scale and zero in fp16, KIVI's own (4 bytes a channel a block: 2 bits per value at
+    16-token blocks, as much as int2's codes). meta_bits 8 ("double quantization", as QLoRA does for
+    its weight scales): each is a uint8 code on a per-(block, head) fp16 grid, 1 bit per value. The
+    zero is rounded down onto its grid and the scale up onto its grid before the codes are computed
+    against them, so the coarser metadata widens a channel's range a little and never clips it.
+    """
+
+    def __init__(self, num_kv_heads: int, head_dim: int, bits: int, meta_bits: int = 16):
         super().__init__(num_kv_heads, head_dim)
-        self.bits = bits
+        assert meta_bits in (8, 16)
+        self.bits, self.meta_bits = bits, meta_bits
 
     def field_specs(self, block_size: int) -> FieldSpecs:
         h, d = self.num_kv_heads, self.head_dim
-        return {
-            "codes": ((block_size, h, d * self.bits // 8), torch.uint8),
-            "scale": ((h, d), torch.float16),
-            "zero": ((h, d), torch.float16),
-        }
+        codes: FieldSpecs = {"codes": ((block_size, h, d * self.bits // 8), torch.uint8)}
+        if self.meta_bits == 16:
+            return codes | {"scale": ((h, d), torch.float16), "zero": ((h, d), torch.float16)}
+        grid = {name: ((h,), torch.float16) for name in ("zero_lo", "zero_step", "scale_step")}
+        return codes | {"scale": ((h, d), torch.uint8), "zero": ((h, d), torch.uint8)} | grid
 
     def encode(self, x: torch.Tensor) -> Packed:
-        codes, scale, zero = quantize_asym(x, dim=-3, bits=self.bits)  # codes [n, bs, H, D]
-        return {"codes": pack_bits(codes, self.bits), "scale": scale.squeeze(-3), "zero": zero.squeeze(-3)}
+        if self.meta_bits == 16:
+            codes, scale, zero = quantize_asym(x, dim=-3, bits=self.bits)  # codes [n, bs, H, D]
+            return {
+                "codes": pack_bits(codes, self.bits),
+                "scale": scale.squeeze(-3),
+                "zero": zero.squeeze(-3),
+            }
+        x = x.float()
+        lo, hi = x.amin(-3), x.amax(-3)  # [n, H, D]
+        zero_lo = round_down_half(lo.amin(-1, keepdim=True))  # [n, H, 1]
+        zero_step = safe_scale(divide(lo.amax(-1, keepdim=True) - zero_lo.float(), 255).half().float())
+        zero_code = torch.floor((lo - zero_lo.float()) / zero_step).clamp_(0, 255)
+        zero = zero_lo.float() + zero_code * zero_step  # at most lo, as decode computes it
+        qmax = (1 << self.bits) - 1
+        scale = divide(hi - zero, qmax)
+        # One part in 1024 over the largest scale / 255, so fp16 rounding cannot put a channel off the grid.
+        scale_step = safe_scale((divide(scale.amax(-1, keepdim=True), 255) * (1 + 2**-10)).half().float())
+        scale_code = torch.ceil(scale / scale_step).clamp_(0, 255)
+        step = safe_scale(scale_code * scale_step).unsqueeze(-3)
+        codes = torch.round((x - zero.unsqueeze(-3)) / step).clamp_(0, qmax).to(torch.uint8)
+        return {
+            "codes": pack_bits(codes, self.bits),
+            "scale": scale_code.to(torch.uint8),
+            "zero": zero_code.to(torch.uint8),
+            "zero_lo": zero_lo.squeeze(-1),
+            "zero_step": zero_step.half().squeeze(-1),
+            "scale_step": scale_step.half().squeeze(-1),
+        }
 
     def decode(self, packed: Packed) -> torch.Tensor:
         codes = unpack_bits(packed["codes"], self.bits).float()  # [n, bs, H, D]
-        return codes * packed["scale"].float().unsqueeze(-3) + packed["zero"].float().unsqueeze(-3)
+        if self.meta_bits == 16:
+            return codes * packed["scale"].float().unsqueeze(-3) + packed["zero"].float().unsqueeze(-3)
+        zero = packed["zero_lo"].float().unsqueeze(-1) + packed["zero"].float() * packed[
+            "zero_step"
+        ].float().unsqueeze(-1)
+        scale = packed["scale"].float() * packed["scale_step"].float().unsqueeze(-1)
+        return codes * scale.unsqueeze(-3) + zero.unsqueeze(-3)
 
 
 class KiviValueCodec(PerTokenCodec):

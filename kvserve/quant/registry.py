@@ -16,10 +16,14 @@ from kvserve.quant.turbo import TurboCodec
 
 PASSTHROUGH_DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 KIVI_BITS = {"int8": 8, "int4": 4, "int3": 3, "int2": 2}
+# KIVI with K's per-channel scale and zero stored as 8-bit codes (kivi.KiviKeyCodec meta_bits 8): 1 bit
+# per K value instead of 2 at 16-token blocks. V is KIVI's (its fp16 scale and zero are per 64 channels).
+KIVI_DQ_BITS = {"int4dq": 4, "int3dq": 3, "int2dq": 2}
 TURBO_SPLITS = {
     "turbo4": ((1, 4),),
     "turbo3.5": ((2, 4), (2, 3)),
     "turbo3": ((1, 3),),
+    "turbo2.5": ((2, 3), (2, 2)),
     "turbo2": ((1, 2),),
 }  # (1/share, bits)
 # K from one codec, V from another: (K codec, V codec). KIVI's per-channel K beats a rotation at the same
@@ -33,12 +37,15 @@ MIXED_KV = {
     "kint3-vturbo3": ("int3", "turbo3"),
     "kint3-vturbo2": ("int3", "turbo2"),
     "kint2-vturbo2": ("int2", "turbo2"),
+    "kint3dq-vturbo3": ("int3dq", "turbo3"),
+    "kint3dq-vturbo2.5": ("int3dq", "turbo2.5"),
+    "kint3dq-vturbo2": ("int3dq", "turbo2"),
 }
 
 
 def head_dim_problem(name: str, head_dim: int) -> str | None:
     """What `name` needs of head_dim that it does not get, or None when it can pack head_dim."""
-    if name in KIVI_BITS and head_dim % 16:
+    if (name in KIVI_BITS or name in KIVI_DQ_BITS) and head_dim % 16:
         return "head_dim a multiple of 16"
     if name in ("nvfp4", "mxfp4"):
         block = Nvfp4Codec.block if name == "nvfp4" else Mxfp4Codec.block
@@ -59,9 +66,9 @@ def _passthrough(name: str, h: int, d: int, layer_idx: int) -> KVCodec:
 
 
 def _kivi(name: str, h: int, d: int, layer_idx: int) -> KVCodec:
-    bits = KIVI_BITS[name]
+    bits, meta_bits = (KIVI_BITS[name], 16) if name in KIVI_BITS else (KIVI_DQ_BITS[name], 8)
     group = next(g for g in (64, 32, 16) if d % g == 0)  # V channels sharing one scale and zero
-    return KVCodec(name, KiviKeyCodec(h, d, bits), KiviValueCodec(h, d, bits, group))
+    return KVCodec(name, KiviKeyCodec(h, d, bits, meta_bits), KiviValueCodec(h, d, bits, group))
 
 
 def _fp8(name: str, h: int, d: int, layer_idx: int) -> KVCodec:
@@ -87,6 +94,7 @@ def _mixed(name: str, h: int, d: int, layer_idx: int) -> KVCodec:
 _BUILDERS: dict[str, Callable[[str, int, int, int], KVCodec]] = {
     **dict.fromkeys(PASSTHROUGH_DTYPES, _passthrough),
     **dict.fromkeys(KIVI_BITS, _kivi),
+    **dict.fromkeys(KIVI_DQ_BITS, _kivi),
     "fp8_e4m3": _fp8,
     "nvfp4": _fp4,
     "mxfp4": _fp4,

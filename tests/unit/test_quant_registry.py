@@ -15,12 +15,17 @@ EXPECTED_BITS = {
     "int4": ((4 + 32 / 16) + (4 + 32 / 64)) / 2,  # V: fp16 scale+zero per 64 channels
     "int3": ((3 + 32 / 16) + (3 + 32 / 64)) / 2,
     "int2": ((2 + 32 / 16) + (2 + 32 / 64)) / 2,
+    # K: uint8 scale+zero per channel per block, plus three fp16 grid values per head per block
+    "int4dq": ((4 + 16 / 16 + 48 / (16 * 128)) + (4 + 32 / 64)) / 2,
+    "int3dq": ((3 + 16 / 16 + 48 / (16 * 128)) + (3 + 32 / 64)) / 2,
+    "int2dq": ((2 + 16 / 16 + 48 / (16 * 128)) + (2 + 32 / 64)) / 2,
     "fp8_e4m3": 8 + 32 / 128,  # fp32 scale per (token, head)
     "nvfp4": 4 + 8 / 16 + 32 / (8 * 128),  # e4m3 per 16, fp32 global per token
     "mxfp4": 4 + 8 / 32,  # ue8m0 per 32
     "turbo4": 4 + 16 / 128,  # fp16 norm
     "turbo3.5": 3.5 + 16 / 128,
     "turbo3": 3 + 16 / 128,
+    "turbo2.5": 2.5 + 16 / 128,
     "turbo2": 2 + 16 / 128,
     # K from the first codec, V from the second: the mean of the two halves above
     "kturbo4-vturbo2": ((4 + 16 / 128) + (2 + 16 / 128)) / 2,
@@ -29,6 +34,9 @@ EXPECTED_BITS = {
     "kint3-vturbo3": ((3 + 32 / 16) + (3 + 16 / 128)) / 2,
     "kint3-vturbo2": ((3 + 32 / 16) + (2 + 16 / 128)) / 2,
     "kint2-vturbo2": ((2 + 32 / 16) + (2 + 16 / 128)) / 2,
+    "kint3dq-vturbo3": ((3 + 16 / 16 + 48 / (16 * 128)) + (3 + 16 / 128)) / 2,
+    "kint3dq-vturbo2.5": ((3 + 16 / 16 + 48 / (16 * 128)) + (2.5 + 16 / 128)) / 2,
+    "kint3dq-vturbo2": ((3 + 16 / 16 + 48 / (16 * 128)) + (2 + 16 / 128)) / 2,
 }
 
 
