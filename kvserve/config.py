@@ -91,7 +91,7 @@ class ServeConfig:
     eviction_policy: str = field(
         default="lru_freq", metadata={"help": "lru_freq (LRU with frequency awareness) or lru"}
     )
-    # --- KV tiers below the pool (kvcache/tiers/) ------------------------------------------------
+    # --- KV tiers below the pool (tiers/) ------------------------------------------------
     kv_cold_bytes: int = field(
         default=0,
         metadata={

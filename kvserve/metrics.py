@@ -17,8 +17,8 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 
 from kvserve.engine.precision import PRECISIONS
 from kvserve.engine.stats import ContentReuseStats, EngineStats, WeightStats
-from kvserve.kvcache.tiers.manager import TierStats
 from kvserve.request import RequestOutput
+from kvserve.tiers.manager import TierStats
 
 WINDOW_S = 60.0
 _LATENCY_BUCKETS = (

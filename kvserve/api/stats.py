@@ -64,7 +64,7 @@ def stats_body(
 
 def process_stats() -> dict[str, Any]:
     """This process's garbage collector: the start-up heap frozen out of its reach
-    (kvserve.cli.freeze_startup_heap) and the collections per generation 0, 1, 2."""
+    (kvserve.serving.freeze_startup_heap) and the collections per generation 0, 1, 2."""
     return {
         "gc_frozen_objects": gc.get_freeze_count(),
         "gc_collections": [g["collections"] for g in gc.get_stats()],

@@ -73,7 +73,7 @@ def quantized_copy(
 ) -> LayerKV:
     """The batch's KV in a `codec` pool (kvserve/quant/), each sequence's tokens written in order, so
     a sequence's last partial block stays open (int8 KIVI keeps that block's K in its shadow)."""
-    from kvserve.quant.storage import create_layer_kv
+    from kvserve.kvcache.quantized_storage import create_layer_kv
 
     out = create_layer_kv(
         codec, kv.num_blocks, kv.block_size, kv.num_kv_heads, kv.head_dim, compute_dtype, kv.k_cache.device

@@ -219,7 +219,7 @@ class Ingress:
         self.config = config
         self.backend = ClusterBackend(engines, config, cluster)
         await self.backend.start()
-        from kvserve.cli import freeze_startup_heap
+        from kvserve.serving import freeze_startup_heap
 
         freeze_startup_heap()  # a Ray actor: the ingress's heap too, out of the full collections
 

@@ -43,21 +43,12 @@ class EngineReplica:
         """`threads`: torch's CPU threads (the CPUs Ray reserved; None: as inherited)."""
         import torch
 
-        from kvserve.cli import describe, freeze_startup_heap, warm_up
-        from kvserve.engine.async_engine import AsyncEngine
-        from kvserve.engine.engine import Engine
-        from kvserve.metrics import Metrics
+        from kvserve.serving import freeze_startup_heap, start_backend
 
         if threads is not None:
             torch.set_num_threads(threads)
-        engine = Engine(config)
         self.replica = replica_id()
-        print(f"[replica {self.replica}]\n{describe(config, engine.info)}", flush=True)
-        warm_up(engine, config.warm)
-        metrics = Metrics(config.served_model_name or config.model, engine.info.max_model_len)
-        async_engine = AsyncEngine(engine, config.max_queue_size, observer=metrics.observe)
-        async_engine.start()
-        self.backend = LocalBackend(async_engine, metrics, config)
+        self.backend: LocalBackend = start_backend(config, banner=f"[replica {self.replica}]\n")
         if self.replica != "local":  # a Ray actor, this process's only engine (not a test's)
             freeze_startup_heap()
 

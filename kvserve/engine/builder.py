@@ -18,6 +18,7 @@ from kvserve.attention.registry import create_backend
 from kvserve.config import ServeConfig
 from kvserve.errors import ConfigError, InvalidRequestError
 from kvserve.kvcache.kv_storage import DenseLayerKV, LayerKV
+from kvserve.kvcache.quantized_storage import QuantizedLayerKV, create_layer_kv
 from kvserve.models.fused_llama import FusedLlamaForward, unsupported_reason
 from kvserve.models.hf_adapter import ATTN_IMPLEMENTATION, check_supported
 from kvserve.models.loader import model_fingerprint, resolve_model_path
@@ -25,7 +26,6 @@ from kvserve.models.nested import weight_bytes as model_weight_bytes
 from kvserve.models.random_weights import is_random_model, load_random_model
 from kvserve.quant.choice import CodecChoice, choose_codec, codec_quality
 from kvserve.quant.registry import CODEC_NAMES
-from kvserve.quant.storage import QuantizedLayerKV, create_layer_kv
 from kvserve.request import REUSE_OPTION_NAMES, ReuseOptions
 from kvserve.tokenizer import Tokenizer
 

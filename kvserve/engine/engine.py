@@ -35,7 +35,6 @@ from kvserve.engine.prompt_logprobs import record
 from kvserve.engine.repair import Repairer
 from kvserve.engine.sampler import sample_one
 from kvserve.engine.stats import EngineStats
-from kvserve.engine.tiering import IDLE_SWEEP_S, EngineTiers, build_tiers
 from kvserve.errors import InvalidRequestError
 from kvserve.kvcache.block_pool import BlockPool
 from kvserve.kvcache.chunk_store import ChunkStore
@@ -49,6 +48,7 @@ from kvserve.scheduler.cost import CostModel
 from kvserve.scheduler.scheduler import Scheduler
 from kvserve.scheduler.sequence import SeqCache, SeqOutput, Sequence
 from kvserve.structured import GrammarCompiler
+from kvserve.tiers.engine_side import IDLE_SWEEP_S, EngineTiers, build_tiers
 from kvserve.tokenizer import IncrementalDetokenizer
 
 log = logging.getLogger("kvserve.engine")

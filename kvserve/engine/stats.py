@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from kvserve.engine.audit import AuditSummary
-from kvserve.kvcache.tiers.manager import TierStats
+from kvserve.tiers.manager import TierStats
 
 if TYPE_CHECKING:
     from kvserve.engine.engine import Engine
@@ -128,7 +128,7 @@ class EngineStats:
     num_generated_tokens: int
     num_steps: int
     weights: WeightStats
-    # the hot pool and each tier below it (kvcache/tiers/), when any tier is configured
+    # the hot pool and each tier below it (tiers/), when any tier is configured
     tiers: list[TierStats] = dataclasses.field(default_factory=list)
 
     @property

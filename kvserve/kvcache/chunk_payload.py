@@ -17,7 +17,7 @@ few hundred bytes whatever the number of layers (safetensors, also a dependency,
 shape and offsets per tensor: layers x fields entries). The body is exactly
 sum(layer.bytes_per_block()) x n bytes.
 
-The payload carries no checksum: the tier entry around it does (kvcache/tiers/). `import_chunk`
+The payload carries no checksum: the tier entry around it does (tiers/). `import_chunk`
 checks everything it can about fit (version, block count, layer count, each layer's format against
 the target's, exact body length) before writing anything, and raises `ChunkPayloadError` otherwise;
 a rejected payload leaves the pool untouched.

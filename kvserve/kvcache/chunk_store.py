@@ -14,7 +14,7 @@ capped at `max_pinned_blocks`; `reserve_pins` books room for a warm before it ru
 
 Evictable == no users, no pin, no cached children; only evictable chunks are known to the eviction
 policy. Before a chunk is evicted (for room, or idle: `evict_idle`) the `on_evict` hooks see it with
-its blocks still intact: the KV tiers demote or write it there (kvcache/tiers/manager.py).
+its blocks still intact: the KV tiers demote or write it there (tiers/manager.py).
 """
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ class CachedChunk:
     num_children: int = 0  # cached chunks whose parent it is
     num_hits: int = 0
     last_used: float = 0.0  # time.monotonic() of its insertion or last acquire / release
-    token_hash: bytes | None = None  # kvcache/tiers/entry.token_ids_hash of its tokens (full chunks)
+    token_hash: bytes | None = None  # tiers/entry.token_ids_hash of its tokens (full chunks)
     # its KV is what an exact computation gives; False when it or a chunk before it was promoted from
     # the cold area (a lossy codec): such KV never goes to the disk or Redis tier
     exact: bool = True

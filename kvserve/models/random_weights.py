@@ -8,7 +8,7 @@ weight from that seed, so a 16 GB model takes seconds, not a disk round trip, an
 same device hold the same weights. The answers are noise; the shapes, the FLOPs and the bytes are
 the named model's.
 
-    python -m kvserve.models.random_weights llama-3.1-8b OUT_DIR     # make a directory to carry
+    python scripts/gpu/random_model.py llama-3.1-8b OUT_DIR         # make a directory to carry
     kvserve --model OUT_DIR                                           # or builtin "random:llama-3.1-8b"
 
 The vocabulary is the named model's (the logits' width and the lm_head's bytes), wider than the
@@ -18,7 +18,6 @@ and samples only ids the tokenizer has.
 
 from __future__ import annotations
 
-import argparse
 import json
 from pathlib import Path
 from typing import Any
@@ -105,25 +104,3 @@ def load_random_model(path: Path, device: torch.device, dtype: torch.dtype, **kw
             else:
                 param.normal_(0.0, std, generator=gen)
     return model
-
-
-def main() -> None:
-    ap = argparse.ArgumentParser(description="Write a random-weight model directory (no weights on disk).")
-    ap.add_argument("shape", choices=sorted(SHAPES))
-    ap.add_argument("out", type=Path)
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument(
-        "--tokenizer",
-        type=Path,
-        help="a directory holding the tokenizer (default: the builtin smollm2-135m's)",
-    )
-    args = ap.parse_args()
-    if args.tokenizer is None:
-        from kvserve.models.loader import resolve_model_path
-
-        args.tokenizer = resolve_model_path("smollm2-135m")
-    print(write_random_model(args.shape, args.out, args.tokenizer, args.seed))
-
-
-if __name__ == "__main__":
-    main()

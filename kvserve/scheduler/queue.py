@@ -6,7 +6,7 @@ sharing a system prompt are admitted next to each other. A sequence is held back
 - it is younger than the batch window, or
 - the next chunk it would compute is being computed right now by a running sequence (it will be
   cached in a step or two, and then this sequence reuses it instead of computing it again), or
-- its next chunks are being loaded from a KV tier below the pool (kvcache/tiers/manager.py).
+- its next chunks are being loaded from a KV tier below the pool (tiers/manager.py).
 """
 
 from __future__ import annotations

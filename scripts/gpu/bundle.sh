@@ -10,6 +10,6 @@ PYTHON=${PYTHON:-.venv/bin/python}
 BUNDLE=${BUNDLE:-.gpu-bundle}
 PYTHON=$PYTHON scripts/gpu/wheels.sh "$BUNDLE/wheels"
 for shape in llama-3.1-8b smollm2-135m; do
-  "$PYTHON" -m kvserve.models.random_weights "$shape" "$BUNDLE/models/$shape"
+  "$PYTHON" scripts/gpu/random_model.py "$shape" "$BUNDLE/models/$shape"
 done
 du -sh "$BUNDLE"

@@ -147,7 +147,7 @@ def test_attention_probe_equals_a_softmax_over_the_pool():
     import torch
 
     from kvserve.attention.probe import AttentionProbe
-    from kvserve.quant.storage import create_layer_kv
+    from kvserve.kvcache.quantized_storage import create_layer_kv
 
     gen = torch.Generator().manual_seed(0)
     heads, kv_heads, d, bs, n = 4, 2, 16, 8, 21

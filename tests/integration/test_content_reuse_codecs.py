@@ -17,8 +17,8 @@ import pytest
 import torch
 
 from kvserve import LLM, SamplingParams
+from kvserve.kvcache.quantized_storage import create_layer_kv
 from kvserve.quant.registry import CODEC_NAMES, head_dim_problem
-from kvserve.quant.storage import create_layer_kv
 from kvserve.request import ReuseOptions
 from kvserve.scheduler.batch import BlendPlan
 from tests.integration.helpers import corpus_token_ids

@@ -63,7 +63,7 @@ def _budget(codec: str, num_blocks: int) -> int:
     head_dim 16) in `codec`, plus what a block codec reserves for open blocks (engine/builder.py)."""
     import torch
 
-    from kvserve.quant.storage import create_layer_kv
+    from kvserve.kvcache.quantized_storage import create_layer_kv
 
     layer = create_layer_kv(codec, 1, 16, 2, 16, torch.float32, torch.device("cpu"))
     codec_k = getattr(getattr(layer, "codec", None), "k", None)

@@ -16,7 +16,7 @@ def test_capacity_at_a_fixed_budget_matches_bits_per_element():
     """SmolLM2's shape (3 KV heads, head_dim 64): tokens held vs bf16 within 3 % of 16 / bits."""
     import torch
 
-    from kvserve.quant.storage import create_layer_kv
+    from kvserve.kvcache.quantized_storage import create_layer_kv
 
     def pool_tokens(codec: str) -> int:
         layer = create_layer_kv(codec, 1, 16, 3, 64, torch.float32, torch.device("cpu"))

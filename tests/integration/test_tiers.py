@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from kvserve import LLM, SamplingParams
-from kvserve.kvcache.tiers.entry import TierKey, encode_entry
+from kvserve.tiers.entry import TierKey, encode_entry
 from tests.integration.helpers import corpus_token_ids, generate_with_logits
 
 GREEDY = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
@@ -146,7 +146,7 @@ def _roundtrip_in_place(llm: LLM, block_ids: list[int], codec: str) -> None:
     """Replace the KV of `block_ids` in every layer by what `codec` stores of it (encode, decode),
     through a fresh storage of that codec: the reference for a promoted chunk."""
     from kvserve.kvcache.block_pool import slot_mapping
-    from kvserve.quant.storage import create_layer_kv
+    from kvserve.kvcache.quantized_storage import create_layer_kv
 
     ids = torch.tensor(block_ids)
     for idx, layer in enumerate(llm.engine.layers):

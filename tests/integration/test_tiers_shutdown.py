@@ -1,4 +1,4 @@
-"""The shutdown write (kvcache/tiers/shutdown_write.py) through the engine: closing an engine with a
+"""The shutdown write (tiers/shutdown_write.py) through the engine: closing an engine with a
 disk tier under --kv-disk-write evicted writes the hot chunks the disk lacks, most valuable first
 (the eviction policy's value, each chunk after its parent), within kv_disk_bytes and
 kv_disk_shutdown_write_s, and a restart on the same directory finds them with the exact answer."""
@@ -14,8 +14,8 @@ import torch
 
 from kvserve import LLM, SamplingParams
 from kvserve.kvcache.hashing import chunk_prefix_hashes, root_hash
-from kvserve.kvcache.tiers import shutdown_write
-from kvserve.kvcache.tiers.disk import DiskTier
+from kvserve.tiers import shutdown_write
+from kvserve.tiers.disk import DiskTier
 from tests.integration.helpers import corpus_token_ids, generate_with_logits
 
 GREEDY = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)

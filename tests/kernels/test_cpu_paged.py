@@ -82,7 +82,7 @@ def test_plan_spans_views_and_gathers(monkeypatch):
 def test_quantized_pool_matches_reference(codec, use_extension):
     """Quantized pools: read in place (ext: int8, fp8), through a dense copy (ext: int4, turbo4,
     mxfp4) or LayerKV.gather (torch); the reference reads the same dequantized values."""
-    quant_storage = pytest.importorskip("kvserve.quant.storage")
+    quant_storage = pytest.importorskip("kvserve.kvcache.quantized_storage")
     lens = [(1, 70), (9, 40), (1, 5)]
     query, dense, meta = make_batch(lens, 6, 2, 64, 16, torch.float32, "shuffled")
     kv = quant_storage.create_layer_kv(codec, dense.num_blocks, 16, 2, 64, torch.float32)

@@ -137,7 +137,7 @@ def quantized_batch(codec, lens, h, h_kv, d, bs, dtype, layout="mixed", seed=0):
     (then the pool forgets its blocks, as after freeing them); each sequence's positions are then
     written in order, so a sequence whose length is not a multiple of bs ends in an open int8 block
     whose K lives in `open_k` while its K codes still hold garbage."""
-    from kvserve.quant.storage import create_layer_kv
+    from kvserve.kvcache.quantized_storage import create_layer_kv
 
     query, dense, meta = make_batch(lens, h, h_kv, d, bs, dtype, layout, seed)
     kv = create_layer_kv(codec, dense.num_blocks, bs, h_kv, d, dtype)
@@ -180,7 +180,7 @@ def test_paged_kv_reads_8bit_pools_in_place(codec):
 @pytest.mark.parametrize("codec", ["int4", "turbo4", "nvfp4"])
 def test_paged_kv_is_none_for_other_codecs(codec):
     from kvserve.kernels.paged_kv import paged_kv
-    from kvserve.quant.storage import create_layer_kv
+    from kvserve.kvcache.quantized_storage import create_layer_kv
 
     assert paged_kv(create_layer_kv(codec, 4, 16, 2, 64, torch.float16), torch.float16) is None
 

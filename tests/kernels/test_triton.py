@@ -129,7 +129,7 @@ def test_compiles_for_sm90_and_sm80_without_gpu():
 def test_quantized_pool(codec, kind):
     """fp8, int8 and mxfp4 decode read codes and scales in place; prefill steps read fp8 in place and
     take a dense copy of int8 and mxfp4."""
-    quant_storage = pytest.importorskip("kvserve.quant.storage")
+    quant_storage = pytest.importorskip("kvserve.kvcache.quantized_storage")
     lens = [(1, 40), (1, 9)] if kind == "decode" else [(1, 30), (6, 20)]
     query, dense, meta = make_batch(lens, 8, 2, 64, 16, torch.float16, "shuffled")
     kv = quant_storage.create_layer_kv(codec, dense.num_blocks, 16, 2, 64, torch.float16)
@@ -148,7 +148,7 @@ def _int8_pool(lens, h, h_kv, d, bs, dtype, layout="shuffled", seed=0):
     does: full blocks close (K per-channel codes), each sequence's last partial block stays open
     (K in its full-precision shadow). -> query, QuantizedLayerKV, meta (all on the CPU)."""
     from kvserve.kvcache.block_pool import slot_mapping
-    from kvserve.quant.storage import create_layer_kv
+    from kvserve.kvcache.quantized_storage import create_layer_kv
 
     query, dense, meta = make_batch(lens, h, h_kv, d, bs, dtype, layout, seed)
     kv = create_layer_kv("int8", dense.num_blocks, bs, h_kv, d, dtype)
@@ -225,7 +225,7 @@ def test_int8_decode_reads_codes_in_place(monkeypatch):
     read and the dense copy all raise. Open blocks hold stale codes, scales and zeros (as a reused
     block would), which the kernel must ignore in favour of the shadow."""
     from kvserve.attention import triton_backend
-    from kvserve.quant.storage import PackedBlocks, QuantizedLayerKV
+    from kvserve.kvcache.quantized_storage import PackedBlocks, QuantizedLayerKV
 
     query, kv, meta = _int8_pool([(1, 40), (1, 33)], 6, 2, 64, 16, torch.float16)
     open_blocks = torch.tensor(sorted(kv.open_k.slots))
@@ -310,7 +310,7 @@ def test_e4m3_conversions_are_exact(kernel):
 def _fp8_pool(lens, h, h_kv, d, bs, dtype, layout="shuffled", seed=0):
     """make_batch's KV written into an fp8_e4m3 pool, slot by slot. -> query, QuantizedLayerKV, meta
     (all on the CPU)."""
-    from kvserve.quant.storage import create_layer_kv
+    from kvserve.kvcache.quantized_storage import create_layer_kv
 
     query, dense, meta = make_batch(lens, h, h_kv, d, bs, dtype, layout, seed)
     kv = create_layer_kv("fp8_e4m3", dense.num_blocks, bs, h_kv, d, dtype)
@@ -357,7 +357,7 @@ def _mxfp4_pool(lens, h, h_kv, d, bs, dtype, layout="shuffled", seed=0):
     different UE8M0 exponents, written into an mxfp4 pool slot by slot, the garbage past each
     sequence's end included (a kernel reading past seq_len shows up). -> query, QuantizedLayerKV,
     meta (all on the CPU)."""
-    from kvserve.quant.storage import create_layer_kv
+    from kvserve.kvcache.quantized_storage import create_layer_kv
 
     query, dense, meta = make_batch(lens, h, h_kv, d, bs, dtype, layout, seed)
     gen = torch.Generator().manual_seed(seed + 1)
@@ -414,7 +414,7 @@ def test_mxfp4_decode_reads_codes_in_place(monkeypatch):
     copy all raise."""
     from kvserve.attention import triton_backend
     from kvserve.kernels.paged_kv import paged_kv
-    from kvserve.quant.storage import PackedBlocks, QuantizedLayerKV
+    from kvserve.kvcache.quantized_storage import PackedBlocks, QuantizedLayerKV
 
     query, kv, meta = _mxfp4_pool([(1, 40), (1, 33)], 6, 2, 64, 16, torch.float16)
     view = paged_kv(kv, torch.float16)
@@ -489,7 +489,7 @@ def _mxfp4_tile_kernel(codes_ptr, scale_ptr, out_ptr, N: tl.constexpr, HEAD_DIM:
 def test_mxfp4_tile_is_gather_bit_for_bit(dtype, d):
     """The kernel's dequantized tile equals what QuantizedLayerKV.gather hands the reference, bit for
     bit, over groups from 2^-30 to 2^15 (fp16 subnormals and infinities included)."""
-    from kvserve.quant.storage import create_layer_kv
+    from kvserve.kvcache.quantized_storage import create_layer_kv
 
     gen = torch.Generator().manual_seed(0)
     x = torch.randn(64, 2, d // 32, 32, generator=gen)  # 4 blocks of 16 tokens, 2 KV heads: 128 rows

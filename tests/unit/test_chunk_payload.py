@@ -10,8 +10,8 @@ import torch
 from kvserve import LLM
 from kvserve.kvcache.chunk_payload import VERSION, ChunkPayloadError, _read_header, export_chunk, import_chunk
 from kvserve.kvcache.kv_storage import LayerKV
+from kvserve.kvcache.quantized_storage import create_layer_kv
 from kvserve.quant.registry import CODEC_NAMES
-from kvserve.quant.storage import create_layer_kv
 
 BS, H, D, NUM_BLOCKS, NUM_LAYERS = 8, 2, 32, 12, 3
 SRC_FULL, SRC_SEALED = [2, 5, 7], 3  # three complete blocks, then a tail's block of 3 rows, sealed

@@ -7,9 +7,10 @@ from pathlib import Path
 
 import pytest
 
-from kvserve.cli import build_parser, config_from_args, describe
+from kvserve.cli import build_parser, config_from_args
 from kvserve.config import ServeConfig
 from kvserve.errors import ConfigError
+from kvserve.serving import describe
 
 
 def _config(*argv: str) -> ServeConfig:

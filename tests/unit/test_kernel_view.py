@@ -12,8 +12,8 @@ from kvserve.kernels.paged_kv import PagedKV as ReexportedPagedKV
 from kvserve.kernels.paged_kv import paged_kv
 from kvserve.kvcache.kernel_view import PagedKV
 from kvserve.kvcache.kv_storage import DenseLayerKV
+from kvserve.kvcache.quantized_storage import QuantizedLayerKV, create_layer_kv
 from kvserve.quant.registry import CODEC_NAMES, PASSTHROUGH_DTYPES
-from kvserve.quant.storage import QuantizedLayerKV, create_layer_kv
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 ROOT = Path(__file__).resolve().parents[2] / "kvserve"

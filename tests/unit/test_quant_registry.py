@@ -3,8 +3,8 @@ import torch
 
 from kvserve.errors import ConfigError
 from kvserve.kvcache.kv_storage import DenseLayerKV
+from kvserve.kvcache.quantized_storage import QuantizedLayerKV, create_layer_kv
 from kvserve.quant.registry import CODEC_NAMES, make_codec
-from kvserve.quant.storage import QuantizedLayerKV, create_layer_kv
 
 # Hand-computed bits per element for (H=8, D=128, block 16), every scale, zero and norm included.
 EXPECTED_BITS = {

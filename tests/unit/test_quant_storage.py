@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from kvserve.quant.storage import QuantizedLayerKV
+from kvserve.kvcache.quantized_storage import QuantizedLayerKV
 
 BS, H, D = 16, 2, 64
 

@@ -16,8 +16,8 @@ import random
 import pytest
 import torch
 
+from kvserve.kvcache.quantized_storage import QuantizedLayerKV
 from kvserve.quant.registry import CODEC_NAMES, KIVI_BITS
-from kvserve.quant.storage import QuantizedLayerKV
 
 BS, H, D = 16, 2, 64
 NUM_BLOCKS = 8
@@ -171,7 +171,7 @@ def test_held_block_keeps_filling_after_release_and_frees_clean(name):
 def test_seal_encodes_a_partly_written_block_from_its_written_rows(codec: str):
     """A sealed block equals the block encoded with its unwritten rows copied from its first written
     row (so they widen no channel range), and drops its full-precision shadow."""
-    from kvserve.quant.storage import create_layer_kv
+    from kvserve.kvcache.quantized_storage import create_layer_kv
 
     torch.manual_seed(0)
     kv = create_layer_kv(codec, 4, 16, 2, 16, torch.float32, "cpu")

@@ -13,8 +13,8 @@ if not torch.cuda.is_available():
 pytest.importorskip("triton")
 
 from kvserve.kernels.triton.quant_write import fp8_quant_write, int8_value_quant_write  # noqa: E402
+from kvserve.kvcache.quantized_storage import PackedBlocks  # noqa: E402
 from kvserve.quant.registry import make_codec  # noqa: E402
-from kvserve.quant.storage import PackedBlocks  # noqa: E402
 
 pytestmark = pytest.mark.triton
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -103,7 +103,7 @@ def test_layer_kv_fused_writes_equal_the_torch_codec(codec, dtype):
     the torch codec stores: slot -1 rows unwritten, every field bit for bit (int8: V fused, K through
     the block path), for a prompt then single decode tokens, as the engine writes them."""
     from kvserve.kernels.triton.quant_write import fused_writer
-    from kvserve.quant.storage import QuantizedLayerKV
+    from kvserve.kvcache.quantized_storage import QuantizedLayerKV
 
     pools = {fused: QuantizedLayerKV(codec, NUM_BLOCKS, BS, H, D, dtype, DEVICE) for fused in (False, True)}
     pools[True].attach_fused_writes(fused_writer)
@@ -183,7 +183,7 @@ def test_builder_attaches_the_triton_writers_on_cuda_only():
     from kvserve.engine.builder import attach_row_writer
     from kvserve.kernels.triton.kv_write import dense_kv_write
     from kvserve.kvcache.kv_storage import DenseLayerKV
-    from kvserve.quant.storage import QuantizedLayerKV
+    from kvserve.kvcache.quantized_storage import QuantizedLayerKV
 
     def layers():
         return [

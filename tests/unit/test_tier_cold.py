@@ -13,8 +13,8 @@ import torch
 from kvserve.errors import ConfigError
 from kvserve.kvcache.block_pool import BlockPool
 from kvserve.kvcache.kv_storage import LayerKV
-from kvserve.kvcache.tiers.cold import ColdArea
-from kvserve.quant.storage import create_layer_kv
+from kvserve.kvcache.quantized_storage import create_layer_kv
+from kvserve.tiers.cold import ColdArea
 
 NUM_LAYERS, H, D, BS, CHUNK_BLOCKS, HOT_BLOCKS = 4, 2, 64, 16, 8, 40
 

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from kvserve.errors import ConfigError
-from kvserve.kvcache.tiers import (
+from kvserve.tiers import (
     CorruptEntry,
     CorruptReason,
     DiskTier,
@@ -26,7 +26,7 @@ from kvserve.kvcache.tiers import (
     encode_entry,
     token_ids_hash,
 )
-from kvserve.kvcache.tiers.entry import CHECKSUM_BYTES, HEADER_BYTES, entry_bytes
+from kvserve.tiers.entry import CHECKSUM_BYTES, HEADER_BYTES, entry_bytes
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
@@ -34,7 +34,7 @@ REPO_ROOT = Path(__file__).resolve().parents[2]
 # function of the key, so any file can be checked against what was written for its name.
 KEYS_SOURCE = """
 import hashlib
-from kvserve.kvcache.tiers.entry import TierKey, token_ids_hash
+from kvserve.tiers.entry import TierKey, token_ids_hash
 
 def chaos_key(i):
     return TierKey("fp-chaos", "turbo3", "ns|chaos", hashlib.sha256(b"chunk%d" % i).digest())
@@ -61,7 +61,7 @@ import os, random, sys, types
 pkg = types.ModuleType("kvserve")
 pkg.__path__ = [os.path.join(sys.argv[1], "kvserve")]
 sys.modules["kvserve"] = pkg
-from kvserve.kvcache.tiers.disk import DiskTier
+from kvserve.tiers.disk import DiskTier
 {KEYS_SOURCE}
 tier = DiskTier(sys.argv[2], max_bytes=int(sys.argv[3]))
 rng = random.Random(int(sys.argv[4]))
@@ -311,7 +311,7 @@ def test_two_instances_share_a_directory(tmp_path):
 def test_a_file_evicted_while_read_is_served_but_not_indexed(tmp_path, monkeypatch):
     """Regression: a file read by `get`, then evicted before `get` took the lock, was indexed
     although gone (the index disagreed with the directory)."""
-    from kvserve.kvcache.tiers import disk
+    from kvserve.tiers import disk
 
     writer = DiskTier(tmp_path, max_bytes=1 << 20)
     reader = DiskTier(tmp_path, max_bytes=1 << 20)
@@ -331,7 +331,7 @@ def test_a_file_evicted_while_read_is_served_but_not_indexed(tmp_path, monkeypat
 def test_a_put_landing_during_a_missed_get_stays_indexed(tmp_path, monkeypatch):
     """Regression: a get that missed (no file at open) and then took the lock after a put of the
     same name had landed dropped that put's entry from the index."""
-    from kvserve.kvcache.tiers import disk
+    from kvserve.tiers import disk
 
     tier = DiskTier(tmp_path, max_bytes=1 << 20)
 

@@ -17,8 +17,8 @@ import pytest
 import redis
 
 from kvserve.errors import ConfigError
-from kvserve.kvcache.tiers.entry import CorruptReason, TierKey, decode_entry, encode_entry, token_ids_hash
-from kvserve.kvcache.tiers.redis_tier import KEY_PREFIX, RedisTier, redact_url, redis_key
+from kvserve.tiers.entry import CorruptReason, TierKey, decode_entry, encode_entry, token_ids_hash
+from kvserve.tiers.redis_tier import KEY_PREFIX, RedisTier, redact_url, redis_key
 from tests.redis_server import RedisServer
 
 FAST_S = 0.2  # the most one call may take while Redis is down (the brief's bound)

@@ -36,7 +36,7 @@ import torch
 from kvserve.errors import ConfigError
 from kvserve.kvcache.block_pool import slot_mapping
 from kvserve.kvcache.kv_storage import LayerKV
-from kvserve.quant.storage import create_layer_kv
+from kvserve.kvcache.quantized_storage import create_layer_kv
 
 log = logging.getLogger("kvserve.tiers")
 

@@ -30,7 +30,7 @@ from io import BufferedReader
 from pathlib import Path
 
 from kvserve.errors import ConfigError
-from kvserve.kvcache.tiers.entry import (
+from kvserve.tiers.entry import (
     CorruptEntry,
     TierKey,
     decode_entry_view,

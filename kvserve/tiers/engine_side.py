@@ -1,4 +1,4 @@
-"""The engine's side of the KV tiers (kvcache/tiers/manager.py): building them from the config,
+"""The engine's side of the KV tiers (tiers/manager.py): building them from the config,
 looking up each waiting sequence's chunks once before it is scheduled, importing finished loads,
 demoting idle chunks, and the registration hook that writes new chunks through.
 
@@ -14,10 +14,10 @@ from kvserve.config import ServeConfig
 from kvserve.errors import ConfigError
 from kvserve.kvcache.chunk_store import CachedChunk, ChunkStore
 from kvserve.kvcache.kv_storage import LayerKV
-from kvserve.kvcache.tiers.entry import token_ids_hash
-from kvserve.kvcache.tiers.manager import KVTiers, LoadItem, LoadJob
 from kvserve.scheduler.scheduler import Scheduler
 from kvserve.scheduler.sequence import Sequence
+from kvserve.tiers.entry import token_ids_hash
+from kvserve.tiers.manager import KVTiers, LoadItem, LoadJob
 
 if TYPE_CHECKING:
     from kvserve.engine.builder import RuntimeInfo
@@ -32,18 +32,18 @@ def build_tiers(
     """The tiers the config asks for (None: none). A bad codec, directory or URL is a ConfigError."""
     if not (config.kv_cold_bytes or config.kv_disk_dir or config.kv_redis_url):
         return None
-    from kvserve.kvcache.tiers.disk import DiskTier
+    from kvserve.tiers.disk import DiskTier
 
     cold = None
     if info.kv_cold_codec is not None:  # resolved and checked at start-up (builder.resolve_cold_codec)
-        from kvserve.kvcache.tiers.cold import ColdArea
+        from kvserve.tiers.cold import ColdArea
 
         cold = ColdArea(layers, info.kv_cold_codec, config.kv_cold_bytes, device=info.device)
     disk = DiskTier(config.kv_disk_dir, config.kv_disk_bytes) if config.kv_disk_dir else None
     redis = None
     if config.kv_redis_url:
         try:
-            from kvserve.kvcache.tiers.redis_tier import RedisTier
+            from kvserve.tiers.redis_tier import RedisTier
         except ImportError as e:
             raise ConfigError(
                 f"kv_redis_url needs the redis client: pip install 'kvserve[redis]' ({e})"

@@ -1,10 +1,10 @@
 """KV tiers below the in-process pool: one entry format (entry.py), the stores that keep it (disk.py,
 redis_tier.py), the lossy cold area (cold.py) and KVTiers (manager.py), which the engine drives
-(engine/tiering.py). See docs/tiers.md.
+(tiers/engine_side.py). See docs/tiers.md.
 """
 
-from kvserve.kvcache.tiers.disk import DiskTier, DiskTierStats
-from kvserve.kvcache.tiers.entry import (
+from kvserve.tiers.disk import DiskTier, DiskTierStats
+from kvserve.tiers.entry import (
     CorruptEntry,
     CorruptReason,
     TierKey,

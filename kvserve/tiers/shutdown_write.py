@@ -23,10 +23,10 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from kvserve.kvcache.chunk_store import CachedChunk
-from kvserve.kvcache.tiers.entry import TierKey, entry_bytes
+from kvserve.tiers.entry import TierKey, entry_bytes
 
 if TYPE_CHECKING:
-    from kvserve.kvcache.tiers.disk import DiskTier
+    from kvserve.tiers.disk import DiskTier
 
 log = logging.getLogger("kvserve.tiers")
 

@@ -43,14 +43,14 @@ import torch
 from kvserve.kvcache.chunk_payload import ChunkLayout, ChunkPayloadError, export_chunk, parse_chunk
 from kvserve.kvcache.chunk_store import CachedChunk, ChunkStore
 from kvserve.kvcache.kv_storage import LayerKV
-from kvserve.kvcache.tiers.entry import TierKey
-from kvserve.kvcache.tiers.shutdown_write import ShutdownWrite, shutdown_order, write_hot_chunks
-from kvserve.kvcache.tiers.worker import BackgroundQueue
+from kvserve.tiers.entry import TierKey
+from kvserve.tiers.shutdown_write import ShutdownWrite, shutdown_order, write_hot_chunks
+from kvserve.tiers.worker import BackgroundQueue
 
 if TYPE_CHECKING:  # redis is an optional dependency: imported where a Redis tier is configured
-    from kvserve.kvcache.tiers.cold import ColdArea
-    from kvserve.kvcache.tiers.disk import DiskTier
-    from kvserve.kvcache.tiers.redis_tier import RedisTier
+    from kvserve.tiers.cold import ColdArea
+    from kvserve.tiers.disk import DiskTier
+    from kvserve.tiers.redis_tier import RedisTier
 
 log = logging.getLogger("kvserve.tiers")
 

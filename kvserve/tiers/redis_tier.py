@@ -39,7 +39,8 @@ from redis.connection import parse_url
 from redis.retry import Retry
 
 from kvserve.errors import ConfigError
-from kvserve.kvcache.tiers.entry import (
+from kvserve.redact import redact_url
+from kvserve.tiers.entry import (
     FORMAT_VERSION,
     CorruptEntry,
     TierKey,
@@ -47,7 +48,6 @@ from kvserve.kvcache.tiers.entry import (
     encode_entry,
     entry_buffer,
 )
-from kvserve.redact import redact_url
 
 log = logging.getLogger("kvserve.tiers")
 

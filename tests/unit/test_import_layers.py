@@ -1,0 +1,138 @@
+"""The layer rule (docs/architecture.md): a kvserve package imports only packages below it, and no
+module imports its way back to itself. Read from the source (every import statement, a function's
+lazy ones too; `if TYPE_CHECKING:` blocks aside, which never run)."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2] / "kvserve"
+
+# Top to bottom; a unit on a line imports only units on lower lines (and its own modules). A unit is
+# a package under kvserve/ or a module directly in it; "kvserve" is the package's own __init__.
+LAYERS = [
+    ["cli"],
+    ["cluster"],
+    ["serving"],
+    ["api"],
+    ["kvserve"],
+    ["llm", "metrics"],
+    ["engine"],
+    ["tiers"],
+    ["scheduler", "structured"],
+    ["models"],
+    ["attention"],
+    ["kernels"],
+    ["kvcache"],
+    ["quant"],
+    ["config", "request", "tokenizer"],
+    ["errors", "redact"],
+]
+LEVEL = {unit: level for level, units in enumerate(LAYERS) for unit in units}
+
+
+def module_name(path: Path) -> str:
+    parts = path.relative_to(ROOT.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+MODULES = {module_name(p): p for p in ROOT.rglob("*.py")}
+
+
+def unit(module: str) -> str:
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else "kvserve"
+
+
+def runtime_imports(module: str) -> set[str]:
+    """The kvserve modules `module` imports, outside `if TYPE_CHECKING:` blocks."""
+    path = MODULES[module]
+    tree = ast.parse(path.read_text())
+    skipped: set[int] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+            skipped.update(id(n) for n in ast.walk(node))
+    package = module if path.name == "__init__.py" else module.rpartition(".")[0]
+    found: set[str] = set()
+    for node in ast.walk(tree):
+        if id(node) in skipped:
+            continue
+        if isinstance(node, ast.Import):
+            names = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                anchor = package.split(".")[: len(package.split(".")) - node.level + 1]
+                base = ".".join(anchor + ([node.module] if node.module else []))
+            names = [f"{base}.{a.name}" for a in node.names]  # a submodule, or a name in `base`
+        else:
+            continue
+        for name in names:
+            while name and name not in MODULES:
+                name = name.rpartition(".")[0]
+            if name and name != module:
+                found.add(name)
+    return found
+
+
+GRAPH = {module: runtime_imports(module) for module in MODULES}
+
+
+def test_every_unit_has_a_layer():
+    assert {unit(m) for m in MODULES} == set(LEVEL)
+
+
+def test_packages_import_only_packages_below_them():
+    upward = [
+        f"{a} imports {b} ({unit(b)} is not below {unit(a)})"
+        for a, targets in sorted(GRAPH.items())
+        for b in sorted(targets)
+        if unit(a) != unit(b) and LEVEL[unit(b)] <= LEVEL[unit(a)]
+    ]
+    assert not upward, "\n".join(upward)
+
+
+def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    state: dict[str, int] = {}  # 1: on the current path, 2: done
+    path: list[str] = []
+
+    def visit(node: str) -> list[str] | None:
+        state[node], _ = 1, path.append(node)
+        for nxt in sorted(graph.get(node, ())):
+            if state.get(nxt) == 1:
+                return path[path.index(nxt) :] + [nxt]
+            if nxt not in state and (cycle := visit(nxt)):
+                return cycle
+        state[node], _ = 2, path.pop()
+        return None
+
+    for node in sorted(graph):
+        if node not in state and (cycle := visit(node)):
+            return cycle
+    return None
+
+
+def test_no_module_imports_its_way_back_to_itself():
+    cycle = find_cycle(GRAPH)
+    assert cycle is None, " -> ".join(cycle or [])
+
+
+@pytest.mark.parametrize(
+    "graph,cycle",
+    [
+        ({"a": {"b"}, "b": {"c"}, "c": {"a"}}, ["a", "b", "c", "a"]),
+        ({"a": {"b", "c"}, "b": {"c"}, "c": set()}, None),
+    ],
+)
+def test_the_cycle_finder_finds_cycles(graph, cycle):
+    assert find_cycle(graph) == cycle
+
+
+def test_the_rule_reads_lazy_imports_and_skips_type_checking_ones():
+    # engine/stats.py names Engine under TYPE_CHECKING only; builder.py imports models lazily too
+    assert "kvserve.engine.engine" not in GRAPH["kvserve.engine.stats"]
+    assert "kvserve.tiers.manager" in GRAPH["kvserve.engine.stats"]
+    assert any(m.startswith("kvserve.models.") for m in GRAPH["kvserve.engine.builder"])
