@@ -436,8 +436,8 @@ def record_accuracy(
 ) -> None:
     """Merge one codec run into the accuracy file the server chooses codecs by (kvserve/quant/choice.py):
     per model and measure, each codec's task accuracy relative to the run's reference codec. A run on
-    the same prompts and compute dtype (same size, seed, reference and dtype, and the reference scored
-    the same) adds its codecs to the entry; any other run replaces it."""
+    the same prompts, compute dtype and block size (same size, seed, reference, dtype and block size,
+    and the reference scored the same) adds its codecs to the entry; any other run replaces it."""
     try:
         with open(path) as f:
             data = json.load(f)
@@ -451,16 +451,17 @@ def record_accuracy(
         "reference": reference,
         "machine": machine,
         "compute_dtype": compute_dtype,
+        "block_size": args.get("block_size", 16),  # a KIVI K codec's group: its accuracy depends on it
         "accuracy": {c: round(e["quality"], 4) for c, e in table.items()},
         "x_reference": {c: round(e["x_full"], 4) for c, e in table.items()},
         "bytes_per_token": {c: e["bytes_per_token"] for c, e in table.items()},
     }
     measures = data.setdefault("models", {}).setdefault(args["model"], {})
     old = measures.get(measure)
-    same = ("prompts", "docs", "seed", "reference", "compute_dtype")
+    same = ("prompts", "docs", "seed", "reference", "compute_dtype", "block_size")
     if (
         old
-        and all(old.get(k) == entry[k] for k in same)
+        and all(old.get(k, 16 if k == "block_size" else None) == entry[k] for k in same)
         and old["accuracy"].get(reference) == entry["accuracy"][reference]
     ):
         for key in ("accuracy", "x_reference", "bytes_per_token"):
@@ -468,7 +469,7 @@ def record_accuracy(
     codecs = [reference, *(c for c in entry["accuracy"] if c != reference)]
     entry["source"] = (
         f"scripts/bench_reuse_quality.py --model {args['model']} --measures {measure} --prompts {args['prompts']} "
-        f"--docs {args['docs']} --seed {args['seed']} --codecs {','.join(codecs)}"
+        f"--docs {args['docs']} --seed {args['seed']} --block-size {entry['block_size']} --codecs {','.join(codecs)}"
     )
     measures[measure] = entry
     with open(path, "w") as f:

@@ -14,7 +14,9 @@ measured.
 The accuracies live in codec_accuracy.json beside this file, written by the task benchmark (never by
 hand): `scripts/bench_reuse_quality.py --codecs bf16,... --registry kvserve/quant/codec_accuracy.json`
 records, per model and measure, each codec's accuracy relative to the run's first codec (bf16), with
-the run's prompts, machine and command. A codec with no measurement is never picked by a budget.
+the run's prompts, machine, block size and command. A codec with no measurement is never picked by a
+budget; a codec with a KIVI K (one scale and zero per block) counts as measured only at the block size
+it was measured at.
 """
 
 from __future__ import annotations
@@ -110,16 +112,24 @@ def _measurements() -> dict:
         return json.load(f)
 
 
-def measured_accuracy(codec: str) -> dict[str, float]:
+def block_size_matters(codec: str) -> bool:
+    """Whether `codec`'s accuracy depends on the block size: its K is a block codec (KIVI's per-channel
+    K takes one scale and zero per block, and a wider group costs answers: docs/kv-quality.md)."""
+    return not make_codec(codec, 1, 64).k.per_token
+
+
+def measured_accuracy(codec: str, block_size: int = 16) -> dict[str, float]:
     """Model -> task accuracy of `codec` relative to bf16 KV: the answers it kept over every prompt of
     the SCORED measures it was run on, against the answers bf16 KV kept on those prompts (pooled, so a
     measure counts by its prompts and a low-scoring measure's few answers do not decide alone);
-    empty: never measured."""
+    empty: never measured (at `block_size`, for a codec whose accuracy depends on it)."""
     out = {}
     for model, measures in _measurements()["models"].items():
         kept = reference = 0.0
         for measure in SCORED:
             run = measures.get(measure, {})
+            if block_size_matters(codec) and run.get("block_size", 16) != block_size:
+                continue
             if codec in run.get("accuracy", {}):
                 kept += run["accuracy"][codec] * run["prompts"]
                 reference += run["accuracy"][run["reference"]] * run["prompts"]
@@ -146,7 +156,7 @@ def codec_quality(
     codec: str, num_kv_heads: int, head_dim: int, block_size: int, role: str
 ) -> CodecChoice | None:
     """The measured figures of a codec the user named (None: not measured)."""
-    accuracy = measured_accuracy(codec)
+    accuracy = measured_accuracy(codec, block_size)
     if not accuracy:
         return None
     return CodecChoice(codec, None, role, capacity(codec, num_kv_heads, head_dim, block_size), accuracy)
@@ -165,8 +175,10 @@ def choose_codec(budget: int | None, num_kv_heads: int, head_dim: int, block_siz
     role = "the cold tier" if budget is None else f"--kv-cache-bits {budget}"
     candidates = []
     for name in CODEC_NAMES:
-        accuracy = measured_accuracy(name)
-        if not low < WIDTH[name] <= high or not accuracy or head_dim_problem(name, head_dim) is not None:
+        if not low < WIDTH[name] <= high or head_dim_problem(name, head_dim) is not None:
+            continue
+        accuracy = measured_accuracy(name, block_size)
+        if not accuracy:
             continue
         cap = capacity(name, num_kv_heads, head_dim, block_size)
         candidates.append(CodecChoice(name, budget, role, cap, accuracy))

@@ -108,6 +108,12 @@ def test_a_codec_run_records_what_the_server_chooses_by(tmp_path, monkeypatch):
         got = choice.choose_codec(3, 3, 64, 16)
         assert (got.codec, got.meets) == ("int3", False)
         assert "m1: 200 lookup prompts" in choice.measurement_source()
+        # int3's K takes one scale and zero per block: measured at 16-token blocks, not at 64; turbo3
+        # is per token and the same at any block size
+        assert choice.measured_accuracy("int3", 64) == {}
+        assert choice.codec_quality("int3", 3, 64, 64, "--kv-cache-dtype int3") is None
+        assert choice.measured_accuracy("turbo3", 64) == choice.measured_accuracy("turbo3", 16) != {}
+        assert choice.choose_codec(3, 3, 64, 64).codec == "turbo3"
     finally:
         choice._measurements.cache_clear()
 
@@ -131,6 +137,10 @@ def test_a_second_codec_run_on_the_same_prompts_adds_its_codecs(tmp_path):
     rq.record_accuracy(str(path), {**args, "seed": 1}, "lookup", first, "a CPU", "float32")
     entry = json.loads(path.read_text())["models"]["m"]["lookup"]  # another compute dtype: not merged
     assert set(entry["accuracy"]) == {"bf16", "int4"} and entry["compute_dtype"] == "float32"
+    assert entry["block_size"] == 16  # the default
+    rq.record_accuracy(str(path), {**args, "seed": 1, "block_size": 64}, "lookup", second, "a CPU", "float32")
+    entry = json.loads(path.read_text())["models"]["m"]["lookup"]  # another block size: not merged
+    assert set(entry["accuracy"]) == {"bf16", "turbo3"} and entry["block_size"] == 64
 
 
 def test_the_pareto_front_keeps_only_codecs_nothing_beats_on_both_bytes_and_accuracy():
