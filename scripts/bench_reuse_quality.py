@@ -576,7 +576,49 @@ def print_codec_table(measure: str, result: dict, table: dict[str, dict[str, flo
         "TTFT p50 ms": lambda name, e: f"{e['ttft_p50_ms']:.0f}",
         "decode tok/s p50": lambda name, e: f"{e['decode_tps']:.1f}",
     }
+    if measure != "freeform":
+        rows = result["rows"]
+        cells[f"lost / gained vs {ref}"] = lambda name, e: "{} / {}".format(
+            *lost_gained(rows[ref]["correct"], rows[name]["correct"])
+        )
     print_rows(measure, table, cells)
+
+
+def lost_gained(reference: list[float], other: list[float]) -> tuple[int, int]:
+    """Prompts the reference answered and `other` did not, and the reverse."""
+    pairs = list(zip(reference, other, strict=True))
+    return sum(a > b for a, b in pairs), sum(a < b for a, b in pairs)
+
+
+def merge_runs(saved: list[dict]) -> dict:
+    """Saved codec runs of one model on the same prompts as one run: each measure's rows of every
+    codec, the first run's reference kept. Runs must agree on the model and seed, and each measure's
+    reference must have scored every prompt the same (the same prompts, deterministic); a codec in
+    two runs keeps its first run's rows. TTFT and decode speed then compare across runs, not in one."""
+    base = saved[0]
+    if not all(run["codecs"] for run in saved):
+        raise ValueError("--merge takes codec runs (--codecs) only")
+    if any((run["model"], run["seed"]) != (base["model"], base["seed"]) for run in saved):
+        raise ValueError("--merge takes runs of one model and seed")
+    merged = {**base, "tables": {}, "raw": {}, "merged_from": [run["args"] for run in saved]}
+    codecs: list[str] = []
+    for measure, first in base["raw"].items():
+        raw = {**first, "rows": dict(first["rows"]), "bytes_per_token": dict(first["bytes_per_token"])}
+        key = "rouge" if measure == "freeform" else "correct"
+        for run in saved[1:]:
+            other = run["raw"].get(measure)
+            if other is None:
+                continue
+            if other["rows"][other["reference"]][key] != raw["rows"][raw["reference"]][key]:
+                raise ValueError(f"{run['args'].get('json')}: its {measure} reference scored other prompts")
+            for codec, rows in other["rows"].items():
+                raw["rows"].setdefault(codec, rows)
+                raw["bytes_per_token"].setdefault(codec, other["bytes_per_token"][codec])
+        merged["raw"][measure] = raw
+        merged["tables"][measure] = summarise(measure, raw)
+        codecs += [c for c in raw["rows"] if c not in codecs]
+    merged["codecs"] = codecs
+    return merged
 
 
 def print_rows(measure: str, table: dict[str, dict[str, float]], cells: dict) -> None:
@@ -717,16 +759,32 @@ def main() -> None:
     ap.add_argument(
         "--replot", default="", help="only redraw --plot (and write --registry) from this --json file"
     )
+    ap.add_argument(
+        "--merge",
+        default="",
+        help="comma-separated --json files of codec runs on the same prompts: print, and write to --json, "
+        "--plot and --registry, their codecs as one run",
+    )
     args = ap.parse_args()
-    if args.replot:  # a saved run: redraw its plot, or record its codec accuracies
-        with open(args.replot) as f:
-            saved = json.load(f)
+    if args.merge or args.replot:  # saved runs: merge them, or redraw / record one
+        saved = []
+        for path in (args.merge or args.replot).split(","):
+            with open(path) as f:
+                saved.append(json.load(f))
+        run = merge_runs(saved) if args.merge else saved[0]
+        if args.merge:
+            print(f"## {run['model']}: {len(saved)} codec runs merged; {run['machine']}")
+            for measure, table in run["tables"].items():
+                print_table(measure, run["raw"][measure], table)
+            if args.json:
+                with open(args.json, "w") as f:
+                    json.dump(run, f, indent=1)
         if args.plot:
-            plot(saved, args.plot)
-        if args.registry and saved["codecs"]:
-            for measure, table in saved["tables"].items():
-                dtype = saved["raw"][measure].get("compute_dtype", "unrecorded")
-                record_accuracy(args.registry, saved["args"], measure, table, saved["machine"], dtype)
+            plot(run, args.plot)
+        if args.registry and run["codecs"]:
+            for measure, table in run["tables"].items():
+                dtype = run["raw"][measure].get("compute_dtype", "unrecorded")
+                record_accuracy(args.registry, run["args"], measure, table, run["machine"], dtype)
         return
     if args.prompts < 1 or args.docs < 6:
         ap.error("--prompts must be >= 1 and --docs >= 6 (a prompt holds up to 6 documents)")

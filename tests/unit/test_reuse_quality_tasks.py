@@ -154,3 +154,35 @@ def test_the_pareto_front_keeps_only_codecs_nothing_beats_on_both_bytes_and_accu
         (4680, 0.5),
     ]
     assert rq.pareto_front(points) == [(4680, 0.73), (6120, 0.98), (7560, 1.04)]
+
+
+def _codec_run(model: str, codecs: dict[str, list[float]], reference: str = "bf16") -> dict:
+    rows = {
+        c: {"correct": v, "ttft": [0.1] * len(v), "compute": [1.0] * len(v), "reused": [0.0] * len(v)}
+        for c, v in codecs.items()
+    }
+    raw = {"rows": rows, "reference": reference, "bytes_per_token": {c: 100.0 for c in codecs}}
+    return {
+        "model": model,
+        "seed": 0,
+        "codecs": list(codecs),
+        "args": {"json": f"{model}.json"},
+        "raw": {"lookup": raw},
+    }
+
+
+def test_merged_codec_runs_are_one_run_of_every_codec_and_refuse_other_prompts():
+    ref = [1.0, 1.0, 0.0, 1.0]
+    first = _codec_run("m", {"bf16": ref, "int4": [1.0, 0.0, 0.0, 1.0]})
+    second = _codec_run("m", {"bf16": ref, "turbo3": [0.0, 0.0, 1.0, 1.0], "int4": [0.0] * 4})
+    merged = rq.merge_runs([first, second])
+    assert merged["codecs"] == ["bf16", "int4", "turbo3"]
+    table = merged["tables"]["lookup"]
+    assert table["int4"]["x_full"] == pytest.approx(2 / 3)  # the first run's rows of a codec in both
+    assert table["turbo3"]["x_full"] == pytest.approx(2 / 3)
+    assert rq.lost_gained(ref, [0.0, 0.0, 1.0, 1.0]) == (2, 1)
+    other_prompts = _codec_run("m", {"bf16": [0.0, 1.0, 1.0, 1.0], "fp8": ref})
+    with pytest.raises(ValueError, match="reference scored other prompts"):
+        rq.merge_runs([first, other_prompts])
+    with pytest.raises(ValueError, match="one model"):
+        rq.merge_runs([first, _codec_run("m2", {"bf16": ref})])
