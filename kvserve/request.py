@@ -170,6 +170,11 @@ class SamplingParams:
         check_token_ids(self.stop_token_ids, vocab_size, "stop_token_ids")
 
     @property
+    def penalizes_history(self) -> bool:
+        """Whether sampling reads the tokens generated so far (repetition, presence, frequency)."""
+        return self.repetition_penalty != 1.0 or bool(self.presence_penalty or self.frequency_penalty)
+
+    @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
 
@@ -329,14 +334,21 @@ class WarmResult:
 
 @dataclass
 class RequestOutput:
-    """A delta (streaming) or cumulative (finished) view of one request's generation."""
+    """One request's output: a delta while it runs, one final summary when it ends.
+
+    A delta (finished False) carries only what is new since the previous output: new_token_ids,
+    new_text (which starts at character `text_offset` of the whole text), new_logprobs, and the
+    prompt's logprobs once; its token_ids, text and logprobs are empty, so an output costs the same
+    at the 4,000th token as at the first. The final output (finished True) carries its last delta
+    and the whole generation in token_ids, text and logprobs.
+    """
 
     request_id: str
     prompt_token_ids: list[int]
-    token_ids: list[int]  # all generated tokens so far
-    text: str  # all generated text so far (stop string removed)
-    new_token_ids: list[int]  # tokens added by this step
-    new_text: str  # text added by this step
+    token_ids: list[int]  # final: every generated token; a delta: empty
+    text: str  # final: the whole generated text (stop string removed); a delta: empty
+    new_token_ids: list[int]  # tokens added since the previous output
+    new_text: str  # text added since the previous output
     finished: bool
     finish_reason: FinishReason | None = None
     stop_reason: str | int | None = None  # the stop string or token id that ended it
@@ -347,13 +359,16 @@ class RequestOutput:
     compute_fraction: float | None = None  # repair forwards only: token-layers computed / full prefill's
     reuse_plan: str | None = None  # with content matches: "taken" or "declined: <why>" (cost-aware choice)
     estimated_saving: float | None = None  # the choice's estimate: 1 - repair time / exact-only time
-    logprobs: list[TokenLogprob] | None = None  # one per token in token_ids (cumulative)
-    # with SamplingParams.prompt_logprobs, once the whole prompt is computed: one per prompt token,
-    # None for the first (nothing precedes it); each scored by the logits at the position before it
+    logprobs: list[TokenLogprob] | None = None  # final: one per token in token_ids; a delta: None
+    # with SamplingParams.prompt_logprobs, once the whole prompt is computed (in one delta and in the
+    # final): one per prompt token, None for the first (nothing precedes it); each scored by the
+    # logits at the position before it
     prompt_logprobs: list[TokenLogprob | None] | None = None
     error: str | None = None
     metrics: RequestMetrics = field(default_factory=RequestMetrics)
     weight_precision: str | None = None  # NestedFP weights: "fp16" or "fp8", what it was computed at
+    new_logprobs: list[TokenLogprob] | None = None  # with SamplingParams.logprobs: one per new token
+    text_offset: int = 0  # characters of the whole text before new_text
 
     @property
     def num_prompt_tokens(self) -> int:

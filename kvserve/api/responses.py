@@ -205,10 +205,8 @@ def role_chunk(job: Job, choice: Choice) -> dict[str, Any]:
 def delta_chunk(job: Job, tok: Tokenizer, out: RequestOutput, prefix: str = "") -> dict[str, Any]:
     """The text (and logprobs) that `out` adds; `prefix` is echoed prompt text on the first chunk."""
     choice = job.choice_of(out.request_id)
-    entries = None
-    if out.logprobs is not None and out.new_token_ids:
-        entries = out.logprobs[len(out.logprobs) - len(out.new_token_ids) :]
-    offset = len(choice.echo_text) + len(out.text) - len(out.new_text)
+    entries = out.new_logprobs if out.new_token_ids else None
+    offset = len(choice.echo_text) + out.text_offset
     logprobs = _logprobs_of(job, tok, entries, offset) if entries else None
     if job.kind == "completion" and not choice.prompt_logprobs_sent:  # the choice's first chunk
         choice.prompt_logprobs_sent = True

@@ -436,13 +436,14 @@ class Engine:
         if seq.request.background:
             self._audit_step(seq, logits)
             return
-        if seq.reuse.strategy is not None and not seq.output_token_ids and self.auditor.wants(seq):
+        if seq.reuse.strategy is not None and seq.num_output_tokens == 0 and self.auditor.wants(seq):
             self.auditor.start(seq)
         params = seq.request.sampling_params
         stage = "sampling"
         try:
+            history = seq.output_token_ids if params.penalizes_history else []
             token, logprob = sample_one(
-                logits, params, seq.request.prompt_token_ids, seq.output_token_ids, seq.generator, allowed
+                logits, params, seq.request.prompt_token_ids, history, seq.generator, allowed
             )
             if seq.grammar is not None:
                 stage = "following its grammar"

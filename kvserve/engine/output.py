@@ -35,7 +35,7 @@ class OutputProcessor:
         out.text += delta
         if params.stop and delta and self._stop_string(seq, len(delta)):
             return FinishReason.STOP
-        if len(seq.output_token_ids) >= params.max_tokens or seq.num_tokens >= self.max_model_len:
+        if seq.num_output_tokens >= params.max_tokens or seq.num_tokens >= self.max_model_len:
             return FinishReason.LENGTH
         return None
 
@@ -66,7 +66,7 @@ class OutputProcessor:
         """What is new since the last emission; None if nothing is (e.g. a prefill piece)."""
         out = seq.out
         emit_to = max(out.num_emitted_chars, len(out.text) - self.holdback(seq))
-        if len(seq.output_token_ids) == out.num_emitted_tokens and emit_to == out.num_emitted_chars:
+        if seq.num_output_tokens == out.num_emitted_tokens and emit_to == out.num_emitted_chars:
             return None
         return self._make(seq, emit_to, finished=False)
 
@@ -74,27 +74,30 @@ class OutputProcessor:
         return self._make(seq, len(seq.out.text), finished=True)
 
     @staticmethod
-    def _prompt_logprobs(seq: Sequence) -> list[TokenLogprob | None] | None:
-        """Once every prompt token is scored: None for the first, then one per token."""
+    def _prompt_logprobs(seq: Sequence, finished: bool) -> list[TokenLogprob | None] | None:
+        """Once every prompt token is scored: None for the first, then one per token; in the first
+        output after that and in the final one."""
         if seq.request.sampling_params.prompt_logprobs is None or seq.wants_prompt_logits:
             return None
+        if seq.out.prompt_logprobs_emitted and not finished:
+            return None
+        seq.out.prompt_logprobs_emitted = True
         return [None, *seq.out.prompt_logprobs]
 
     def _make(self, seq: Sequence, emit_to: int, finished: bool) -> RequestOutput:
         out, reuse = seq.out, seq.reuse
-        outputs = seq.output_token_ids
-        new_token_ids = outputs[out.num_emitted_tokens :]
-        new_text = out.text[out.num_emitted_chars : emit_to]
-        logprobs = list(out.logprobs) if seq.request.sampling_params.logprobs is not None else None
-        out.num_emitted_tokens = len(outputs)
+        start, end, text_offset = out.num_emitted_tokens, seq.num_output_tokens, out.num_emitted_chars
+        wants_logprobs = seq.request.sampling_params.logprobs is not None
+        new_logprobs = out.logprobs[start:end] if wants_logprobs else None
+        out.num_emitted_tokens = end
         out.num_emitted_chars = emit_to
         return RequestOutput(
             request_id=seq.request_id,
             prompt_token_ids=seq.request.prompt_token_ids,
-            token_ids=list(outputs),
-            text=out.text[:emit_to],
-            new_token_ids=new_token_ids,
-            new_text=new_text,
+            token_ids=seq.output_token_ids if finished else [],
+            text=out.text[:emit_to] if finished else "",
+            new_token_ids=seq.token_ids[seq.num_prompt_tokens + start :],
+            new_text=out.text[text_offset:emit_to],
             finished=finished,
             finish_reason=out.finish_reason if finished else None,
             stop_reason=out.stop_reason if finished else None,
@@ -105,9 +108,11 @@ class OutputProcessor:
             compute_fraction=reuse.compute_fraction,
             reuse_plan=reuse.plan_reason,
             estimated_saving=reuse.estimated_saving,
-            logprobs=logprobs,
-            prompt_logprobs=self._prompt_logprobs(seq),
+            logprobs=list(out.logprobs) if wants_logprobs and finished else None,
+            prompt_logprobs=self._prompt_logprobs(seq, finished),
             error=out.error if finished else None,
             metrics=seq.request.metrics,
             weight_precision="+".join(sorted(seq.precisions_used)) or seq.precision,
+            new_logprobs=new_logprobs,
+            text_offset=text_offset,
         )

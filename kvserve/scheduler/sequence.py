@@ -77,6 +77,7 @@ class SeqOutput:
     prompt_logprobs: list[TokenLogprob] = field(default_factory=list)
     num_emitted_tokens: int = 0
     num_emitted_chars: int = 0
+    prompt_logprobs_emitted: bool = False  # a delta carried them (they go out once, and in the final)
     finish_reason: FinishReason | None = None
     stop_reason: str | int | None = None
     error: str | None = None
@@ -117,7 +118,12 @@ class Sequence:
 
     @property
     def output_token_ids(self) -> list[int]:
+        """A copy: it costs the output's length (num_output_tokens does not)."""
         return self.token_ids[self.num_prompt_tokens :]
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
 
     @property
     def num_tokens(self) -> int:

@@ -105,3 +105,31 @@ def test_streaming_deltas_concatenate_to_the_text(llm: LLM):
                 final = out
     assert "".join(deltas) == final.text
     assert "\ufffd" not in final.text
+
+
+def test_outputs_are_deltas_whose_size_does_not_grow_with_the_output(llm: LLM):
+    """Every output but the last carries only what is new (tokens, text from its offset, logprobs,
+    the prompt's logprobs once); the final one carries the whole generation. So the 200th token's
+    output is no bigger than the 20th's (pickled: what a cluster replica sends per token)."""
+    import pickle
+
+    from kvserve.request import Request
+
+    prompt = chat(llm, "Write a long story about a lighthouse keeper.")
+    params = SamplingParams(max_tokens=200, temperature=0, ignore_eos=True, logprobs=5, prompt_logprobs=2)
+    llm.engine.add_request(Request("d1", prompt, params))
+    outs = []
+    while not outs or not outs[-1].finished:
+        outs.extend(llm.engine.step())
+    *deltas, final = outs
+    assert all(not d.token_ids and not d.text and d.logprobs is None for d in deltas)
+    assert all(len(o.new_logprobs or []) == len(o.new_token_ids) for o in outs)
+    assert [t for o in outs for t in o.new_token_ids] == final.token_ids
+    assert [e for o in outs for e in o.new_logprobs or []] == final.logprobs
+    assert "".join(o.new_text for o in outs) == final.text
+    assert all(final.text[o.text_offset :].startswith(o.new_text) for o in outs)
+    assert [o for o in deltas if o.prompt_logprobs is not None] == deltas[:1]
+    assert final.prompt_logprobs is not None and len(final.prompt_logprobs) == len(prompt)
+    sizes = [len(pickle.dumps(o)) for o in deltas if len(o.new_token_ids) == 1]
+    assert len(final.token_ids) == 200 and len(sizes) > 150
+    assert max(sizes[-20:]) <= 1.1 * max(sizes[10:30])
