@@ -26,9 +26,11 @@ CODECS = ["auto", "bf16", "fp16", "fp8_e4m3", "int8", "int4", "int2", "nvfp4", "
 CODECS += ["turbo2"]
 # mixed K/V codecs: both kinds of K (KIVI's per block, a rotation's per token) beside a per-token V
 CODECS += ["kint3-vturbo3", "kturbo4-vturbo2", "kint2-vturbo2"]
+# KIVI K with 8-bit scale and zero (kivi.py meta_bits 8), alone and beside turbo2.5's V
+CODECS += ["int4dq", "kint3dq-vturbo2.5"]
 # bf16 compute (the dtype auto picks on CPUs with AMX / AVX-512 BF16): linear through row_linear_bf16, KV
 # in bf16 (auto) or quantized from bf16 rows; one codec of each reader and quantizer family
-BF16_CODECS = ["auto", "fp8_e4m3", "int8", "int4", "turbo4"]
+BF16_CODECS = ["auto", "fp8_e4m3", "int8", "int4", "int4dq", "turbo4"]
 # KIVI K is quantized per block when the block fills; until then rows read its exact K. These tests
 # hold for KIVI because the scheduler ends every prefill piece but a prompt's last on a block boundary
 # (Scheduler._piece_len): test_decode_next_to_long_prefill fails for int8/int4/int2 without it.

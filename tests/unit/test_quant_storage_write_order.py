@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from kvserve.kvcache.quantized_storage import QuantizedLayerKV
-from kvserve.quant.registry import CODEC_NAMES, KIVI_BITS
+from kvserve.quant.registry import CODEC_NAMES, make_codec
 
 BS, H, D = 16, 2, 64
 NUM_BLOCKS = 8
@@ -32,8 +32,9 @@ MOVED = list(range(3, 32)) + list(range(33, 39))
 FRESH = [0, 1, 2, 32, 39]
 REPAIR = list(range(3, 8)) + list(range(16, 19)) + [33, 34]
 
-BLOCK_CODECS = sorted(KIVI_BITS)  # int2, int3, int4, int8: K per channel over the whole block
-PER_TOKEN_CODECS = [n for n in CODEC_NAMES if n not in KIVI_BITS]
+# K per channel over the whole block (KIVI's K: int*, int*dq and the kint* pairs)
+BLOCK_CODECS = [n for n in CODEC_NAMES if not make_codec(n, H, D).k.per_token]
+PER_TOKEN_CODECS = [n for n in CODEC_NAMES if n not in BLOCK_CODECS]
 
 
 def _rows(seed: int) -> tuple[torch.Tensor, torch.Tensor]:
