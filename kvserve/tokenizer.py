@@ -9,6 +9,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from tokenizers.decoders import DecodeStream
+
 from kvserve.errors import InvalidRequestError
 
 VALID_ROLES = ("system", "developer", "user", "assistant", "tool")
@@ -208,17 +210,30 @@ def _text_of(message: dict[str, Any], index: int) -> str:
 class IncrementalDetokenizer:
     """Turns a growing list of token ids into text deltas that never split a UTF-8 character.
 
-    Decodes a small window [prefix_offset, len) and emits what goes beyond [prefix_offset, read_offset),
-    holding back text that ends in the replacement character (an incomplete byte sequence)."""
+    With a fast (Rust) tokenizer: tokenizers' DecodeStream, which buffers the bytes of a character
+    split across tokens. Otherwise (and as the reference the stream is tested against,
+    `window=True`): decodes a small window [prefix_offset, len) and emits what goes beyond
+    [prefix_offset, read_offset), holding back text that ends in the replacement character. Either way
+    the last few prompt tokens are context, for tokenizers that merge spaces; a delta costs the same
+    at any length of the output."""
 
-    def __init__(self, tokenizer: Tokenizer, prompt_tail: Sequence[int] = ()):
+    CONTEXT = 6  # prompt tokens of context
+
+    def __init__(self, tokenizer: Tokenizer, prompt_tail: Sequence[int] = (), window: bool = False):
         self.tokenizer = tokenizer
-        self.ids: list[int] = list(prompt_tail[-6:])  # context for tokenizers that merge spaces
+        context = list(prompt_tail[-self.CONTEXT :])
+        backend = None if window else getattr(tokenizer.hf, "backend_tokenizer", None)
+        self._backend, self._stream = backend, None
+        if backend is not None:
+            self._stream = DecodeStream(context, True)  # skip special tokens, as Tokenizer.decode does
+        self.ids: list[int] = context
         self.prefix_offset = 0
         self.read_offset = len(self.ids)
-        self.text = ""
 
     def add(self, token_id: int) -> str:
+        if self._stream is not None:
+            with self.tokenizer._lock:  # the backend is the HF tokenizer's: one caller at a time
+                return self._stream.step(self._backend, token_id) or ""
         self.ids.append(token_id)
         decode = self.tokenizer.decode
         prefix_text = decode(self.ids[self.prefix_offset : self.read_offset])
@@ -227,6 +242,7 @@ class IncrementalDetokenizer:
             delta = new_text[len(prefix_text) :]
             self.prefix_offset = self.read_offset
             self.read_offset = len(self.ids)
-            self.text += delta
+            del self.ids[: self.prefix_offset]  # only the window is read again
+            self.prefix_offset, self.read_offset = 0, self.read_offset - self.prefix_offset
             return delta
         return ""

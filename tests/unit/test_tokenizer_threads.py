@@ -86,3 +86,29 @@ def test_a_tokenizer_pickles_with_a_lock_of_its_own():
     copy = pickle.loads(pickle.dumps(tok))
     assert copy._lock is not tok._lock and not copy._lock.locked()
     assert copy.encode("hello world") == tok.encode("hello world")
+
+
+TEXTS = [
+    "Hello, café culture in Paris — naïve façade.",
+    "日本語のテキストと絵文字 🎉🚀 mixed with English.",
+    "  leading spaces\tand\ttabs\n\nnewlines",
+    "ümlaut ß ø å 😀😃 𝔘𝔫𝔦𝔠𝔬𝔡𝔢",
+    "def f(x):\n    return x ** 2  # code",
+]
+
+
+def test_the_streamed_detokenizer_equals_the_window_reference():
+    """DecodeStream (the fast path) gives the reference's deltas: multi-byte characters split across
+    tokens, prompt context, byte-fallback and special tokens in random id sequences."""
+    import random
+
+    for name in ("smollm2-135m", "tiny-random-llama"):
+        tok = Tokenizer(resolve_model_path(name))
+        assert IncrementalDetokenizer(tok)._stream is not None  # a fast tokenizer: the stream is used
+        cases = [(tok.encode(t)[:k], tok.encode(t)[k:]) for t in TEXTS for k in (0, 3)]
+        rng = random.Random(0)
+        cases += [([], [rng.randrange(tok.vocab_size) for _ in range(30)]) for _ in range(100)]
+        for tail, ids in cases:
+            fast = IncrementalDetokenizer(tok, tail)
+            slow = IncrementalDetokenizer(tok, tail, window=True)
+            assert [fast.add(i) for i in ids] == [slow.add(i) for i in ids], (name, tail, ids)
