@@ -81,15 +81,17 @@ def _add_unchecked(llm: LLM, request: Request) -> None:
 def test_a_detokenizer_fault_fails_only_its_request(llm: LLM, monkeypatch: pytest.MonkeyPatch):
     prompts = _prompts(llm)
     expected = dict(zip("abcd", _reference(llm, prompts)))
+    from kvserve.tokenizer import IncrementalDetokenizer
+
     poison = 4242
-    hf_decode = llm.tokenizer.decode
+    add = IncrementalDetokenizer.add
 
-    def decode(token_ids, skip_special_tokens=True):  # type: ignore[no-untyped-def]
-        if poison in list(token_ids):
+    def exploding_add(self, token_id):  # type: ignore[no-untyped-def]
+        if token_id == poison:
             raise RuntimeError("detokenizer exploded")
-        return hf_decode(token_ids, skip_special_tokens)
+        return add(self, token_id)
 
-    monkeypatch.setattr(llm.tokenizer, "decode", decode)
+    monkeypatch.setattr(IncrementalDetokenizer, "add", exploding_add)
     forced = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, logit_bias={poison: 100.0})
     requests = [Request(rid, p, GREEDY) for rid, p in zip("abcd", prompts)]
     done = _run(llm, [*requests[:2], Request("bad", prompts[1][:30], forced), *requests[2:]])
