@@ -74,6 +74,18 @@ class Tokenizer:
         with self._lock:
             return str(self.hf.decode(list(token_ids), skip_special_tokens=skip_special_tokens))
 
+    def decode_stream(self, prompt_tail: Sequence[int]) -> DecodeStream | None:
+        """A DecodeStream primed with `prompt_tail` (special tokens skipped, as `decode` does), or None
+        when the HF tokenizer has no fast (Rust) backend to step it with."""
+        if getattr(self.hf, "backend_tokenizer", None) is None:
+            return None
+        return DecodeStream(list(prompt_tail), True)
+
+    def step(self, stream: DecodeStream, token_id: int) -> str:
+        """The text `token_id` completes in `stream` ("" while a character is split across tokens)."""
+        with self._lock:
+            return stream.step(self.hf.backend_tokenizer, token_id) or ""
+
     def token_str(self, token_id: int) -> str:
         with self._lock:
             return str(self.hf.decode([token_id]))
@@ -212,37 +224,29 @@ class IncrementalDetokenizer:
 
     With a fast (Rust) tokenizer: tokenizers' DecodeStream, which buffers the bytes of a character
     split across tokens. Otherwise (and as the reference the stream is tested against,
-    `window=True`): decodes a small window [prefix_offset, len) and emits what goes beyond
-    [prefix_offset, read_offset), holding back text that ends in the replacement character. Either way
-    the last few prompt tokens are context, for tokenizers that merge spaces; a delta costs the same
-    at any length of the output."""
+    `window=True`): decodes the window of ids not yet emitted after the last emitted delta's ids,
+    and emits what goes beyond the text of those already emitted, holding back text that ends in the
+    replacement character. Either way the last few prompt tokens are context, for tokenizers that
+    merge spaces; a delta costs the same at any length of the output."""
 
     CONTEXT = 6  # prompt tokens of context
 
     def __init__(self, tokenizer: Tokenizer, prompt_tail: Sequence[int] = (), window: bool = False):
         self.tokenizer = tokenizer
         context = list(prompt_tail[-self.CONTEXT :])
-        backend = None if window else getattr(tokenizer.hf, "backend_tokenizer", None)
-        self._backend, self._stream = backend, None
-        if backend is not None:
-            self._stream = DecodeStream(context, True)  # skip special tokens, as Tokenizer.decode does
-        self.ids: list[int] = context
-        self.prefix_offset = 0
-        self.read_offset = len(self.ids)
+        self._stream = None if window else tokenizer.decode_stream(context)
+        self.ids: list[int] = context  # the window: the last emitted delta's ids, then the pending ones
+        self.read_offset = len(self.ids)  # ids before it were emitted
 
     def add(self, token_id: int) -> str:
         if self._stream is not None:
-            with self.tokenizer._lock:  # the backend is the HF tokenizer's: one caller at a time
-                return self._stream.step(self._backend, token_id) or ""
+            return self.tokenizer.step(self._stream, token_id)
         self.ids.append(token_id)
         decode = self.tokenizer.decode
-        prefix_text = decode(self.ids[self.prefix_offset : self.read_offset])
-        new_text = decode(self.ids[self.prefix_offset :])
+        prefix_text = decode(self.ids[: self.read_offset])
+        new_text = decode(self.ids)
         if len(new_text) > len(prefix_text) and not new_text.endswith("\ufffd"):
-            delta = new_text[len(prefix_text) :]
-            self.prefix_offset = self.read_offset
+            del self.ids[: self.read_offset]  # only the window is read again
             self.read_offset = len(self.ids)
-            del self.ids[: self.prefix_offset]  # only the window is read again
-            self.prefix_offset, self.read_offset = 0, self.read_offset - self.prefix_offset
-            return delta
+            return new_text[len(prefix_text) :]
         return ""

@@ -112,6 +112,7 @@ def _measurements() -> dict:
         return json.load(f)
 
 
+@cache
 def block_size_matters(codec: str) -> bool:
     """Whether `codec`'s accuracy depends on the block size: its K is a block codec (KIVI's per-channel
     K takes one scale and zero per block, and a wider group costs answers: docs/kv-quality.md)."""
@@ -124,11 +125,12 @@ def measured_accuracy(codec: str, block_size: int = 16) -> dict[str, float]:
     measure counts by its prompts and a low-scoring measure's few answers do not decide alone);
     empty: never measured (at `block_size`, for a codec whose accuracy depends on it)."""
     out = {}
+    any_block_size = not block_size_matters(codec)
     for model, measures in _measurements()["models"].items():
         kept = reference = 0.0
         for measure in SCORED:
             run = measures.get(measure, {})
-            if block_size_matters(codec) and run.get("block_size", 16) != block_size:
+            if not any_block_size and run.get("block_size", 16) != block_size:
                 continue
             if codec in run.get("accuracy", {}):
                 kept += run["accuracy"][codec] * run["prompts"]

@@ -25,6 +25,11 @@ def quantize_asym(x: torch.Tensor, dim: int, bits: int) -> tuple[torch.Tensor, t
     return codes, scale, zero
 
 
+def on_grid(code: torch.Tensor, step: torch.Tensor, origin: torch.Tensor | float = 0.0) -> torch.Tensor:
+    """origin + code * step in fp32: a value of an 8-bit grid, the same in encode and decode."""
+    return origin + code.float() * step.float()
+
+
 def round_down_half(x: torch.Tensor) -> torch.Tensor:
     """x in fp16, rounded toward -inf (at most x)."""
     h = x.half()
@@ -67,13 +72,13 @@ class KiviKeyCodec(TensorCodec):
         zero_lo = round_down_half(lo.amin(-1, keepdim=True))  # [n, H, 1]
         zero_step = safe_scale(divide(lo.amax(-1, keepdim=True) - zero_lo.float(), 255).half().float())
         zero_code = torch.floor((lo - zero_lo.float()) / zero_step).clamp_(0, 255)
-        zero = zero_lo.float() + zero_code * zero_step  # at most lo, as decode computes it
+        zero = on_grid(zero_code, zero_step, zero_lo.float())  # at most lo, as decode computes it
         qmax = (1 << self.bits) - 1
         scale = divide(hi - zero, qmax)
         # One part in 1024 over the largest scale / 255, so fp16 rounding cannot put a channel off the grid.
         scale_step = safe_scale((divide(scale.amax(-1, keepdim=True), 255) * (1 + 2**-10)).half().float())
         scale_code = torch.ceil(scale / scale_step).clamp_(0, 255)
-        step = safe_scale(scale_code * scale_step).unsqueeze(-3)
+        step = safe_scale(on_grid(scale_code, scale_step)).unsqueeze(-3)
         codes = torch.round((x - zero.unsqueeze(-3)) / step).clamp_(0, qmax).to(torch.uint8)
         return {
             "codes": pack_bits(codes, self.bits),
@@ -88,10 +93,9 @@ class KiviKeyCodec(TensorCodec):
         codes = unpack_bits(packed["codes"], self.bits).float()  # [n, bs, H, D]
         if self.meta_bits == 16:
             return codes * packed["scale"].float().unsqueeze(-3) + packed["zero"].float().unsqueeze(-3)
-        zero = packed["zero_lo"].float().unsqueeze(-1) + packed["zero"].float() * packed[
-            "zero_step"
-        ].float().unsqueeze(-1)
-        scale = packed["scale"].float() * packed["scale_step"].float().unsqueeze(-1)
+        grid = {name: packed[name].float().unsqueeze(-1) for name in ("zero_lo", "zero_step", "scale_step")}
+        zero = on_grid(packed["zero"], grid["zero_step"], grid["zero_lo"])
+        scale = on_grid(packed["scale"], grid["scale_step"])
         return codes * scale.unsqueeze(-3) + zero.unsqueeze(-3)
 
 
