@@ -280,6 +280,19 @@ def serve(llm: LLM, ids: list[int], opts: ReuseOptions | None, max_tokens: int):
     return out
 
 
+def serve_batched(llm: LLM, prompts: list[list[int]], max_tokens: int, batch: int, what: str, progress: int):  # type: ignore[no-untyped-def]
+    """Greedy outputs of `prompts`, `batch` of them at a time in one engine (continuous batching).
+    The engine is batch invariant (bitwise, for the codecs tests/integration/test_codec_invariance.py lists), so the
+    answers equal one-at-a-time serving's; only TTFT and decode speed then measure the batch."""
+    params = SamplingParams(max_tokens=max_tokens, temperature=0)
+    outs = []
+    for start in range(0, len(prompts), batch):
+        outs += llm.generate(prompts[start : start + batch], params)
+        if progress and (len(outs) // progress) > ((len(outs) - batch) // progress):
+            print(f"  {what}: {len(outs)}/{len(prompts)} prompts", file=sys.stderr, flush=True)
+    return outs
+
+
 def run_measure(
     measure: str,
     args: argparse.Namespace,
@@ -391,8 +404,10 @@ def run_codecs(measure: str, args: argparse.Namespace, codecs: list[str], rng: r
             warm_up = enc.prompt(docs, prompts[0].doc_ids, "warm-up")[:64]
         serve(llm, warm_up, None, 1)  # code paths only
         r = rows[codec] = {}
-        for i, p in enumerate(prompts):
-            out = serve(llm, p.ids, None, max_tokens)
+        outs = serve_batched(
+            llm, [p.ids for p in prompts], max_tokens, args.batch, f"{measure} {codec}", args.progress
+        )
+        for i, (p, out) in enumerate(zip(prompts, outs, strict=True)):
             if codec == codecs[0]:
                 reference.append(out)
             ref = reference[i]
@@ -411,8 +426,6 @@ def run_codecs(measure: str, args: argparse.Namespace, codecs: list[str], rng: r
                 r.setdefault("correct", []).append(float(correct(out.text, p.answers)))
             if i < args.keep_samples:
                 samples[i][codec] = out.text
-            if args.progress and (i + 1) % args.progress == 0:
-                print(f"  {measure} {codec}: {i + 1}/{len(prompts)} prompts", file=sys.stderr, flush=True)
         llm.close()
         del llm
         if args.json:  # the codecs so far, in case a long run is stopped
@@ -741,6 +754,13 @@ def main() -> None:
         type=int,
         default=16,
         help="with --codecs: tokens per KV block (a KIVI K codec's group)",
+    )
+    ap.add_argument(
+        "--batch",
+        type=int,
+        default=1,
+        help="with --codecs: prompts served at once (answers are the same, the engine being batch "
+        "invariant; TTFT and decode speed are then the batch's, not one prompt's)",
     )
     ap.add_argument("--threads", type=int, default=0)
     ap.add_argument("--progress", type=int, default=25, help="print progress every N prompts (0: never)")
