@@ -107,14 +107,14 @@ def run(
     llm: LLM, prompt: list[int], opts: ReuseOptions | None, max_tokens: int
 ) -> tuple[RequestOutput, torch.Tensor]:
     engine = llm.engine
-    engine.logits_sink = {}
+    engine.update.logits_sink = {}
     try:
         (out,) = llm.generate(
             [prompt], SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True), reuse=opts
         )
-        return out, engine.logits_sink[out.request_id][0]
+        return out, engine.update.logits_sink[out.request_id][0]
     finally:
-        engine.logits_sink = None
+        engine.update.logits_sink = None
 
 
 def kl(p_logits: torch.Tensor, q_logits: torch.Tensor) -> float:

@@ -4,7 +4,8 @@ Types are strict (`"5"` is not an integer, `true` is not a token id, `"yes"` is 
 are finite and inside their documented range (kvserve.request.RANGES, also stated in the OpenAPI
 document), unknown fields are 400s that name them, and no string may hold a lone UTF-16 surrogate
 (JSON allows "\\ud800"; no tokenizer, hash or response can carry it). Token ids are checked against
-the vocabulary by the routes (kvserve.request.check_token_ids)."""
+the vocabulary once, by the engine's intake when a request is submitted (engine/intake.py); the
+ids of /detokenize and of /v1/warm's prompt_token_ids by their routes, which name their fields."""
 
 from __future__ import annotations
 

@@ -216,11 +216,10 @@ def _generation_routes(app: FastAPI, state: ServerState) -> None:
         body = await state.body(http, CompletionRequest)
         state.check_model(body.model)
         params = await state.on_body_thread(body.to_sampling_params)
-        params.check_vocab(state.vocab_size)
         raw = body.prompts()
         prompts, echo = await state.off_loop(_completion_prompts, state.tokenizer, raw, body.echo)
-        for prompt in prompts:
-            check_token_ids(prompt, state.vocab_size, "prompt")
+        # token ids (the prompts', logit_bias, stop_token_ids) are checked once, by the engine's
+        # intake (Engine.check_request) when the job is submitted
         job, requests = _make_job("completion", state, prompts, params, body, echo, body.logprobs)
         return await _run(state, job, requests, body.stream, body.include_usage, http)
 
@@ -238,7 +237,6 @@ def _generation_routes(app: FastAPI, state: ServerState) -> None:
         params = await state.on_body_thread(body.to_sampling_params, state.info.max_model_len - len(prompt))
         if calling is not None and calling.structured is not None:
             params = dataclasses.replace(params, structured=calling.structured)
-        params.check_vocab(state.vocab_size)
         job, requests = _make_job("chat", state, [prompt], params, body, [""], params.logprobs, calling)
         return await _run(state, job, requests, body.stream, body.include_usage, http)
 

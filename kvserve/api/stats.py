@@ -9,7 +9,8 @@ from typing import Any
 
 from kvserve.config import ServeConfig
 from kvserve.engine.async_engine import QueueCounters
-from kvserve.engine.stats import ChunkRow, EngineStats
+from kvserve.engine.stats import EngineStats
+from kvserve.kvcache.stats import ChunkRow
 from kvserve.metrics import Metrics
 from kvserve.redact import public_config
 

@@ -14,7 +14,7 @@ from typing import Any
 from kvserve.api.stats import process_stats
 from kvserve.cluster import routing
 from kvserve.cluster.config import ClusterConfig
-from kvserve.engine.stats import TOP_CHUNKS
+from kvserve.kvcache.stats import TOP_CHUNKS
 from kvserve.metrics import Metrics
 
 _CACHE_SUMS = (

@@ -225,7 +225,7 @@ class AsyncEngine:
         """All or none (Engine.add_requests); on a refusal the queue slots are released too. The aborted
         ones' final outputs find no route and are dropped."""
         try:
-            engine.add_requests(requests)
+            engine.add_requests(requests, checked=True)  # submit ran check_request
         except BaseException:
             self._release(len(requests))
             raise

@@ -123,18 +123,22 @@ class Auditor:
 
     def start(self, seq: Sequence) -> None:
         """Trace `seq` from its first token on."""
-        self.tracing[seq.request_id] = Trace(seq.reuse.strategy or "", list(seq.reuse.hit_keys))
+        assert seq.report is not None  # it was served
+        self.tracing[seq.request_id] = Trace(seq.report.strategy or "", list(seq.report.hit_keys))
 
-    def observe(self, seq: Sequence, logits: torch.Tensor, token: int) -> Request | None:
-        """A traced request sampled `token` from `logits`; at its K-th token, the audit's request."""
+    def observe(
+        self, seq: Sequence, logits: torch.Tensor, token: int, weight_precision: str | None
+    ) -> Request | None:
+        """A traced request sampled `token` from `logits` (computed at `weight_precision`); at its
+        K-th token, the audit's request."""
         trace = self.tracing.get(seq.request_id)
         if trace is None:
             return None
         trace.logits.append(logits.detach().float().clone())
         trace.tokens.append(token)
-        return self._submit(seq) if len(trace.tokens) >= self.num_tokens else None
+        return self._submit(seq, weight_precision) if len(trace.tokens) >= self.num_tokens else None
 
-    def end(self, seq: Sequence, served: bool) -> Request | None:
+    def end(self, seq: Sequence, served: bool, weight_precision: str | None) -> Request | None:
         """A traced request finished: the audit of what it served (None: nothing to audit, or it
         failed: `served` False)."""
         trace = self.tracing.get(seq.request_id)
@@ -143,9 +147,9 @@ class Auditor:
         if not served or not trace.tokens:
             del self.tracing[seq.request_id]
             return None
-        return self._submit(seq)
+        return self._submit(seq, weight_precision)
 
-    def _submit(self, seq: Sequence) -> Request | None:
+    def _submit(self, seq: Sequence, weight_precision: str | None) -> Request | None:
         """The background request that recomputes `seq`'s prompt in full and is fed its served
         tokens (None: too many wait)."""
         trace = self.tracing.pop(seq.request_id)
@@ -162,7 +166,7 @@ class Auditor:
             cache_salt=seq.request.cache_salt,
             reuse=ReuseOptions(reuse="prefix"),
             background=True,
-            weight_precision=seq.step_precision,  # what its served tokens were computed at
+            weight_precision=weight_precision,  # what its served tokens were computed at
         )
 
     def step(self, request_id: str, full_logits: torch.Tensor) -> tuple[int | None, list[bytes]]:

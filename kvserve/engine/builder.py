@@ -16,8 +16,12 @@ import torch
 from kvserve.attention.base import AttentionBackend
 from kvserve.attention.registry import create_backend
 from kvserve.config import ServeConfig
+from kvserve.engine.repair import Repairer
 from kvserve.errors import ConfigError, InvalidRequestError
 from kvserve.kvcache.kv_storage import DenseLayerKV, LayerKV
+from kvserve.kvcache.manager import KVCacheManager
+from kvserve.kvcache.piece_index import PieceIndex
+from kvserve.kvcache.pieces import line_end_ids
 from kvserve.kvcache.quantized_storage import QuantizedLayerKV, create_layer_kv
 from kvserve.models.fused_llama import FusedLlamaForward, unsupported_reason
 from kvserve.models.hf_adapter import ATTN_IMPLEMENTATION, check_supported
@@ -27,6 +31,9 @@ from kvserve.models.random_weights import is_random_model, load_random_model
 from kvserve.quant.choice import CodecChoice, choose_codec, codec_quality
 from kvserve.quant.registry import CODEC_NAMES
 from kvserve.request import REUSE_OPTION_NAMES, ReuseOptions
+from kvserve.scheduler.content import ContentMatcher
+from kvserve.scheduler.cost import CostModel
+from kvserve.scheduler.scheduler import Scheduler
 from kvserve.tokenizer import Tokenizer
 
 log = logging.getLogger("kvserve.engine")
@@ -413,6 +420,44 @@ def check_content_reuse(model: Any) -> tuple[Any, str]:
         return None, f"RoPE self-check failed ({detail})"
     log.info("RoPE self-check passed: %s", detail)
     return rotator, ""
+
+
+def build_content_reuse(
+    config: ServeConfig, parts: EngineParts, kv: KVCacheManager, cost: CostModel
+) -> tuple[ContentMatcher, Repairer | None]:
+    """The content matcher (always: it reports why content reuse is off) and, where the model's
+    RoPE can be re-rotated, the repairer that moves matched KV in."""
+    rotator, reason = check_content_reuse(parts.model)
+    line_ends = line_end_ids(parts.tokenizer.token_texts()) if config.pieces == "lines" else frozenset()
+    content = ContentMatcher(config, PieceIndex(kv.store), cost, rotator is not None, reason, line_ends)
+    repairer = Repairer(parts.layers, rotator, torch.device(parts.info.device), kv) if rotator else None
+    require_content_reuse(config.reuse, rotator, reason)
+    if config.reuse == "any" and config.recompute_strategy == "auto" and content.verified is None:
+        log.warning(
+            "--reuse any: no repair is verified to keep task accuracy on %s (docs/blend.md), so "
+            "content matches are served exactly; name one (--recompute-strategy, or a request's "
+            "recompute_strategy) to opt into its measured loss",
+            config.model,
+        )
+    return content, repairer
+
+
+def build_scheduler(
+    config: ServeConfig, kv: KVCacheManager, content: ContentMatcher, cost: CostModel, per_token: bool
+) -> Scheduler:
+    """The scheduler as the config sets it up; `per_token`: the KV storage encodes token by token (no
+    block codec), so a prompt piece may end anywhere, else on a block boundary."""
+    return Scheduler(
+        kv,
+        config.max_num_seqs,
+        config.max_num_batched_tokens,
+        config.batch_window_ms / 1000.0,
+        config.enable_prefix_caching,
+        content,
+        granularity=1 if per_token else config.block_size,
+        cost=cost,
+        decode_slowdown_limit=config.decode_slowdown_limit,
+    )
 
 
 def require_content_reuse(reuse: str, rotator: Any, reason: str) -> None:

@@ -82,11 +82,11 @@ class ModelRunner:
         if item.positions is not None:
             positions = torch.tensor(item.positions, dtype=torch.long)
             return [seq.token_ids[p] for p in item.positions], SeqRows(
-                seq.kv.block_ids, positions, item.positions[-1] + 1
+                item.block_ids, positions, item.positions[-1] + 1
             )
-        start = seq.kv.num_computed_tokens
+        start = seq.num_computed_tokens
         end = start + item.num_new_tokens
-        return seq.token_ids[start:end], SeqRows(seq.kv.block_ids, torch.arange(start, end), end)
+        return seq.token_ids[start:end], SeqRows(item.block_ids, torch.arange(start, end), end)
 
     def prepare_inputs(self, batch: ScheduledBatch) -> StepInputs:
         """A step's token ids, positions, metadata (AttentionMetadata.build), sampled rows and cuts.
@@ -115,8 +115,8 @@ class ModelRunner:
                     prompt_rows.append(PromptRows(item.seq, len(input_ids) + lo - start, lo, hi - lo))
             input_ids += ids
             rows.append(r)
-            if item.seq.step_precision is not None:
-                row_precisions += [item.seq.step_precision] * len(ids)
+            if item.precision is not None:
+                row_precisions += [item.precision] * len(ids)
             num_layers = item.num_layers or layers
             work.add_rows(float(r.positions.sum()), len(ids), num_layers)
             if item.sample:

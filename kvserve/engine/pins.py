@@ -3,7 +3,8 @@
 A warm with pin=true books room in the store's pin budget when it is accepted (a 400 when pinned
 memory would pass --max-pinned-fraction), pins its cached chunks under its owner (the text as sent
 plus its cache salt) when it finishes, and gives the booking back whatever happens. Unpinning a text
-releases that owner's pins only: chunks other texts still pin stay pinned.
+releases that owner's pins only: chunks other texts still pin stay pinned. A pinning warm's owner and
+booking are kept here, by request id, from `reserve` until `release`.
 """
 
 from __future__ import annotations
@@ -19,6 +20,8 @@ class WarmPins:
         self.store = store
         self.chunk_size, self.block_size = chunk_size, block_size
         self.max_pinned_fraction = max_pinned_fraction
+        self._owners: dict[str, bytes] = {}  # request id -> the owner a pinning warm pins under
+        self._booked: dict[str, int] = {}  # request id -> blocks booked in the store's pin budget
 
     @staticmethod
     def owner(root: bytes, token_ids: list[int]) -> bytes:
@@ -44,32 +47,47 @@ class WarmPins:
             param="pin",
         )
 
-    def reserve(self, seq: Sequence) -> None:
-        """Book the blocks pinning this warm would add; InvalidRequestError past the cap."""
+    def reserve(self, seq: Sequence, owner: bytes) -> None:
+        """Book the blocks pinning this warm would add, to pin them under `owner` when it finishes;
+        InvalidRequestError past the cap (nothing is kept then)."""
         hashes, blocks = self._keys(seq)
         new = self.store.unpinned_blocks(hashes, blocks)
         if not self.store.reserve_pins(new):
             raise self._error(new)
-        seq.num_reserved_pin_blocks = new
+        self._owners[seq.request_id] = owner
+        self._booked[seq.request_id] = new
+
+    def pins(self, seq: Sequence) -> bool:
+        """Whether the sequence is a pinning warm."""
+        return seq.request_id in self._owners
 
     def release(self, seq: Sequence) -> None:
-        """Give back the warm's booking (finished, aborted or failed)."""
-        if seq.num_reserved_pin_blocks:
-            self.store.release_pin_reservation(seq.num_reserved_pin_blocks)
-            seq.num_reserved_pin_blocks = 0
+        """Give back the warm's booking (finished, aborted or failed); it pins nothing after this."""
+        self._owners.pop(seq.request_id, None)
+        self._unbook(seq.request_id)
+
+    def _unbook(self, request_id: str) -> None:
+        booked = self._booked.pop(request_id, 0)
+        if booked:
+            self.store.release_pin_reservation(booked)
 
     def pin(self, seq: Sequence) -> str | None:
         """Pin a finished warm's cached chunks under its owner; the error if that would pass the cap."""
-        assert seq.pin_owner is not None
-        self.release(seq)
+        owner = self._owners[seq.request_id]
+        self._unbook(seq.request_id)
         hashes, _ = self._keys(seq)
         chunks = [c for c in map(self.store.get, hashes) if c is not None]
         new = sum(len(c.block_ids) for c in chunks if not c.pinned)
         if not self.store.reserve_pins(new):  # pins changed while it ran
             return self._error(new).message
         self.store.release_pin_reservation(new)
-        self.store.pin(seq.pin_owner, [c.prefix_hash for c in chunks])
+        self.store.pin(owner, [c.prefix_hash for c in chunks])
         return None
+
+    def check_integrity(self) -> None:
+        assert sum(self._booked.values()) == self.store.num_reserved_pin_blocks, (
+            "pin reservations do not match the warms"
+        )
 
     def unpin(self, root: bytes, token_ids: list[int]) -> int:
         """Release the pins a warm of this text holds; returns how many chunks it pinned (0: none)."""

@@ -27,6 +27,7 @@ from collections import Counter, deque
 from kvserve.config import ServeConfig
 from kvserve.scheduler.batch import ScheduledSeq
 from kvserve.scheduler.registration import ChunkRegistrar
+from kvserve.scheduler.sequence import Sequence
 
 PRECISIONS = ("fp16", "fp8")
 
@@ -48,6 +49,8 @@ class PrecisionPolicy:
         self._ttfts: deque[tuple[float, float]] = deque(maxlen=32)  # (when, seconds)
         self.requests: Counter[str] = Counter()  # requests admitted, by precision
         self.tokens: Counter[str] = Counter()  # tokens sampled, by the precision that computed them
+        self._last: dict[str, str] = {}  # request id -> its latest step's precision
+        self._used: dict[str, set[str]] = {}  # request id -> every precision its steps computed at
 
     @property
     def nested(self) -> bool:
@@ -71,13 +74,31 @@ class PrecisionPolicy:
             seq = item.seq
             precision = seq.request.weight_precision or self.mode
             assert precision is not None  # nested: there is always a mode
-            seq.step_precision = precision
-            seq.precisions_used.add(precision)
+            item.precision = precision
+            self._last[seq.request_id] = precision
+            self._used.setdefault(seq.request_id, set()).add(precision)
             if precision != seq.precision:
-                first = item.positions[0] if item.positions is not None else seq.kv.num_computed_tokens
+                first = item.positions[0] if item.positions is not None else seq.num_computed_tokens
                 chunks.limit(seq, first // chunk_size)
             if item.sample:
                 self.tokens[precision] += 1
+
+    def last(self, request_id: str) -> str | None:
+        """The precision the request's latest step computed at (None: dense weights, or not run)."""
+        return self._last.get(request_id)
+
+    def served_at(self, seq: Sequence) -> str | None:
+        """What the request's output reports: every precision its steps ran at ("fp16+fp8" when auto
+        moved it), else the one it was admitted at."""
+        return "+".join(sorted(self._used.get(seq.request_id, ()))) or seq.precision
+
+    def request_ids(self) -> set[str]:
+        return set(self._last) | set(self._used)
+
+    def forget(self, request_id: str) -> None:
+        """It finished: drop what was kept of its steps."""
+        self._last.pop(request_id, None)
+        self._used.pop(request_id, None)
 
     def observe_ttft(self, seconds: float, now: float) -> None:
         self._ttfts.append((now, seconds))

@@ -49,7 +49,7 @@ def rows_to_score(seq: Sequence, start: int, end: int) -> tuple[int, int] | None
     recorded (the last prompt position scores no prompt token); None when there are none."""
     if not seq.wants_prompt_logits:
         return None
-    lo = max(start, len(seq.out.prompt_logprobs))
+    lo = max(start, len(seq.prompt_logprobs))
     hi = min(end, seq.num_prompt_tokens - 1)
     return (lo, hi) if lo < hi else None
 
@@ -57,7 +57,7 @@ def rows_to_score(seq: Sequence, start: int, end: int) -> tuple[int, int] | None
 def record(scored: list[tuple[PromptRows, list[TokenLogprob]]]) -> None:
     """A step's prompt logprobs (ModelRunner StepOutput.prompt_logprobs) onto their sequences."""
     for rows, entries in scored:
-        recorded = rows.seq.out.prompt_logprobs
+        recorded = rows.seq.prompt_logprobs
         assert len(recorded) == rows.first_position, "prompt positions are scored in order, once"
         recorded += entries
 

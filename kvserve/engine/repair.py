@@ -15,13 +15,14 @@ explicit position. Around them the engine:
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
 from kvserve.attention.probe import AttentionProbe
 from kvserve.kvcache.block_pool import slot_mapping
 from kvserve.kvcache.kv_storage import LayerKV
+from kvserve.kvcache.manager import KVCacheManager
 from kvserve.kvcache.rope import RopeRotator
 from kvserve.scheduler.batch import ScheduledSeq
 from kvserve.scheduler.repair import Repair, query_positions, selective_positions
@@ -37,26 +38,27 @@ class RepairReport:
 
 
 class Repairer:
-    def __init__(self, layers: list[LayerKV], rotator: RopeRotator, device: torch.device):
+    def __init__(self, layers: list[LayerKV], rotator: RopeRotator, device: torch.device, kv: KVCacheManager):
         self.layers = layers
+        self.kv = kv
         self.rotator = rotator
         self.device = device
         self.block_size = layers[0].block_size
 
     def _slots(self, seq: Sequence, positions: list[int]) -> torch.Tensor:
-        block_ids = torch.tensor(seq.kv.block_ids, dtype=torch.long)
+        block_ids = torch.tensor(self.kv.block_ids(seq.request_id), dtype=torch.long)
         return slot_mapping(block_ids, torch.tensor(positions, dtype=torch.long), self.block_size).to(
             self.device
         )
 
     def _assembled(self, seq: Sequence, repair: Repair) -> list[int]:
         """The blocks past the exact prefix: their rows arrive out of order."""
-        return seq.kv.block_ids[repair.plan.prefix_len // self.block_size :]
+        return self.kv.block_ids(seq.request_id)[repair.plan.prefix_len // self.block_size :]
 
     @torch.inference_mode()
     def begin(self, seq: Sequence) -> int:
         """Copy the hits' KV in (K rotated by new - old position); returns the token-layers moved."""
-        repair = seq.reuse.repair
+        repair = seq.repair
         assert repair is not None and not repair.moved
         for kv in self.layers:
             kv.hold_exact(self._assembled(seq, repair))
@@ -80,7 +82,7 @@ class Repairer:
 
     def probe(self, item: ScheduledSeq) -> AttentionProbe | None:
         """Query-aware repair: the probe of a first-pass piece's question rows (None: it has none)."""
-        repair = item.seq.reuse.repair
+        repair = item.seq.repair
         if repair is None or not repair.probing or item.positions is None:
             return None
         asked = set(query_positions(repair.reused, repair.fresh))
@@ -101,7 +103,7 @@ class Repairer:
     @torch.inference_mode()
     def select(self, seq: Sequence) -> None:
         """The first pass is done: the reused tokens the second pass recomputes through every layer."""
-        repair = seq.reuse.repair
+        repair = seq.repair
         assert repair is not None
         if repair.plan.strategy == "query":
             self._select_by_query(seq)
@@ -111,7 +113,7 @@ class Repairer:
     def _select_by_query(self, seq: Sequence) -> None:
         """Query-aware: selective's marks (run starts, the tokens before runs, the sink), and `ratio`
         of the other reused tokens, those the question's rows put the most attention mass on."""
-        repair = seq.reuse.repair
+        repair = seq.repair
         assert repair is not None and repair.awaits_selection and repair.query_mass is not None
         marks = set(selective_positions(repair.plan, repair.reused))
         others = [p for p in repair.reused if p not in marks]
@@ -128,7 +130,7 @@ class Repairer:
         run (seam-aware); the rest those whose fresh K at the check layer deviates most from the
         moved K (squared distance over heads and dims). Ranking by K beat ranking by V and by both
         on SmolLM2 (docs/blend.md)."""
-        repair = seq.reuse.repair
+        repair = seq.repair
         assert repair is not None and repair.awaits_selection and repair.check_k is not None
         plan = repair.plan
         fresh_k = self.layers[plan.check_layer].read_slots(self._slots(seq, repair.reused))[0]
@@ -144,18 +146,22 @@ class Repairer:
     def finish(self, seq: Sequence) -> RepairReport:
         """The last pass is computed: release the hold and record on the sequence what it reused
         (the first repair's counts: a re-admission after preemption keeps them); what it computed."""
-        repair = seq.reuse.repair
+        repair = seq.repair
         assert repair is not None and repair.finished
         for kv in self.layers:
             kv.release_exact(self._assembled(seq, repair))
         layers = repair.token_layers
         fraction = sum(layers) / (len(layers) * repair.num_prompt_tokens)
         report = RepairReport(len(repair.reused), repair.num_recomputed, list(layers), fraction)
-        reuse = seq.reuse
-        reuse.strategy = repair.plan.strategy
-        reuse.hit_keys = [h.key for h in repair.plan.hits]
-        if reuse.compute_fraction is None:
-            reuse.num_approx_cached_tokens = report.num_reused_tokens - report.num_recomputed_tokens
-            reuse.num_recomputed_tokens = report.num_recomputed_tokens
-            reuse.compute_fraction = report.compute_fraction
+        assert seq.report is not None  # admitted
+        seq.report = replace(
+            seq.report, strategy=repair.plan.strategy, hit_keys=tuple(h.key for h in repair.plan.hits)
+        )
+        if seq.report.compute_fraction is None:  # the first repair's (a re-admitted one's is not reported)
+            seq.report = replace(
+                seq.report,
+                num_approx_cached_tokens=report.num_reused_tokens - report.num_recomputed_tokens,
+                num_recomputed_tokens=report.num_recomputed_tokens,
+                compute_fraction=report.compute_fraction,
+            )
         return report

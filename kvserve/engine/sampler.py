@@ -1,7 +1,9 @@
 """Per-request sampling: logits processors, greedy or seeded sampling, logprobs.
 
 Each request samples with its own torch.Generator, row by row, so the same seed gives the same
-tokens whatever else is in the batch.
+tokens whatever else is in the batch. Rows that only take the argmax of their raw logits (greedy,
+no penalty, bias, grammar mask or logprobs) are batched: one argmax over those rows (`greedy_tokens`),
+the same index per row as the row's own argmax.
 """
 
 from __future__ import annotations
@@ -54,6 +56,26 @@ def filter_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     if params.min_p > 0.0:
         probs = probs.masked_fill(probs < params.min_p * probs.max(), 0.0)
     return probs / probs.sum()
+
+
+def plain_greedy(params: SamplingParams) -> bool:
+    """Its token is the argmax of the raw logits: greedy, and nothing changes the logits or asks for
+    logprobs (a grammar mask is the caller's to rule out)."""
+    return (
+        params.greedy
+        and params.logprobs is None
+        and not params.logit_bias
+        and params.repetition_penalty == 1.0
+        and not params.presence_penalty
+        and not params.frequency_penalty
+    )
+
+
+def greedy_tokens(logits: torch.Tensor, rows: list[int]) -> list[int]:
+    """The argmax of each of `rows` of `logits` [n, vocab], in one call."""
+    if not rows:
+        return []
+    return torch.argmax(logits[torch.tensor(rows, dtype=torch.long)].float(), dim=-1).tolist()
 
 
 def sample_one(

@@ -7,71 +7,16 @@ tracked), so AsyncEngine publishes it after steps at a bounded rate rather than 
 from __future__ import annotations
 
 import dataclasses
-import heapq
 import time
-from collections import Counter
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from kvserve.engine.audit import AuditSummary
+from kvserve.kvcache.stats import PoolStats, StoreStats
 from kvserve.tiers.manager import TierStats
 
 if TYPE_CHECKING:
     from kvserve.engine.engine import Engine
-
-
-@dataclass(frozen=True)
-class PoolStats:
-    num_blocks: int
-    num_free_blocks: int
-    # held only by cached chunks that nothing uses and nothing pins: eviction frees them on demand
-    num_evictable_blocks: int
-    block_size: int
-    pool_tokens: int
-
-    @property
-    def num_used_blocks(self) -> int:
-        """Blocks off the free list (running requests plus every cached chunk)."""
-        return self.num_blocks - self.num_free_blocks
-
-    @property
-    def usage(self) -> float:
-        """vLLM's kv_cache_usage_perc: the share of blocks not available to new work (evictable
-        cached blocks count as free)."""
-        busy = self.num_blocks - self.num_free_blocks - self.num_evictable_blocks
-        return busy / self.num_blocks if self.num_blocks else 0.0
-
-
-TOP_CHUNKS = 10  # rows of the chunk table /v1/stats and the dashboard show
-
-
-@dataclass(frozen=True)
-class ChunkRow:
-    """A cached chunk as the stats show it: its hash and counters, never its tokens."""
-
-    chunk_hash: str  # the prefix hash's first 16 hex digits
-    depth: int  # its index in the prompts that share it (0: the first chunk)
-    num_tokens: int
-    prefix_tokens: int  # tokens from the prompt's start through this chunk
-    num_hits: int  # requests that reused it
-    pinned: bool
-    tier: str  # where its KV is: the hot pool (lower tiers are listed per tier, not per chunk)
-    origin: str  # computed here, or the tier it was loaded from
-    last_used: float  # time.monotonic() of its last use (a stable value: stats compare equal)
-
-
-@dataclass(frozen=True)
-class StoreStats:
-    num_chunks: int
-    num_cached_blocks: int
-    num_pinned_chunks: int
-    num_pinned_blocks: int
-    max_pinned_blocks: int  # --max-pinned-fraction of the pool
-    num_pin_owners: int  # warmed texts holding pins
-    cached_bytes: int
-    max_cache_bytes: int
-    num_evicted_chunks: int
-    top_chunks: tuple[ChunkRow, ...] = ()  # the most reused (TOP_CHUNKS), then the most recent
 
 
 @dataclass(frozen=True)
@@ -159,20 +104,20 @@ class EngineStats:
     @classmethod
     def of(cls, engine: Engine) -> EngineStats:
         s, info, config = engine.scheduler, engine.info, engine.config
-        store = _store(engine)
+        pool, store = engine.kv.stats(info.bytes_per_token * info.block_size, config.max_cache_bytes)
         return cls(
             model=config.model,
             kv_codec=info.kv_codec,
             bytes_per_token=info.bytes_per_token,
-            pool=_pool(engine),
+            pool=pool,
             store=store,
             content_reuse=_content_reuse(engine),
-            num_query_tokens=s.prefix.num_query_tokens,
-            num_hit_tokens=s.prefix.num_hit_tokens,
+            num_query_tokens=s.admissions.prefix.num_query_tokens,
+            num_hit_tokens=s.admissions.prefix.num_hit_tokens,
             num_preemptions=s.num_preemptions,
             num_running=len(s.running),
             num_waiting=len(s.waiting),
-            num_prompt_tokens_computed=s.num_prompt_tokens_computed,
+            num_prompt_tokens_computed=s.chunks.num_prompt_tokens_computed,
             num_generated_tokens=engine.outputs.num_generated_tokens,
             num_steps=engine.num_steps,
             weights=_weights(engine),
@@ -200,72 +145,6 @@ def _tiers(engine: Engine, store: StoreStats) -> list[TierStats]:
     hits = engine.store.num_chunk_hits
     hot = TierStats("hot", store.cached_bytes, store.num_chunks, hits, 0, 0.0, 0.0, 0, 0, 0, 0)
     return [hot, *engine.tiers.tiers.stats()]
-
-
-def _pool(engine: Engine) -> PoolStats:
-    pool = engine.pool
-    return PoolStats(
-        num_blocks=pool.num_blocks,
-        num_free_blocks=pool.num_free_blocks,
-        num_evictable_blocks=num_evictable_blocks(engine),
-        block_size=pool.block_size,
-        pool_tokens=engine.info.pool_tokens,
-    )
-
-
-def num_evictable_blocks(engine: Engine) -> int:
-    """Blocks whose every owner is a cached chunk that eviction can reclaim: no running user, not
-    pinned, and no used or pinned chunk below it (only leaves are evicted, so such a descendant keeps
-    its ancestors)."""
-    store = engine.store
-    kept: set[bytes] = set()
-    for chunk in store.chunks():
-        h: bytes | None = chunk.prefix_hash if chunk.num_users or chunk.pinned else None
-        while h is not None and h not in kept:
-            kept.add(h)
-            parent = store.get(h)
-            h = parent.parent if parent is not None else None
-    holders: Counter[int] = Counter()
-    for chunk in store.chunks():
-        if chunk.prefix_hash not in kept:
-            holders.update(chunk.block_ids)
-    ref_counts = engine.pool.ref_counts
-    return sum(1 for block, n in holders.items() if ref_counts[block] == n)
-
-
-def _store(engine: Engine) -> StoreStats:
-    store, info = engine.store, engine.info
-    return StoreStats(
-        num_chunks=len(store),
-        num_cached_blocks=store.num_cached_blocks,
-        num_pinned_chunks=store.num_pinned_chunks,
-        num_pinned_blocks=store.num_pinned_blocks,
-        max_pinned_blocks=store.max_pinned_blocks,
-        num_pin_owners=store.num_pin_owners,
-        cached_bytes=int(store.num_cached_blocks * info.bytes_per_token * info.block_size),
-        max_cache_bytes=engine.config.max_cache_bytes,
-        num_evicted_chunks=store.num_evicted_chunks,
-        top_chunks=_top_chunks(engine),
-    )
-
-
-def _top_chunks(engine: Engine) -> tuple[ChunkRow, ...]:
-    store = engine.store
-    chunks = heapq.nlargest(TOP_CHUNKS, store.chunks(), key=lambda c: (c.num_hits, c.last_used))
-    return tuple(
-        ChunkRow(
-            chunk_hash=c.prefix_hash.hex()[:16],
-            depth=c.depth,
-            num_tokens=c.num_tokens,
-            prefix_tokens=c.depth * store.chunk_size + c.num_tokens,
-            num_hits=c.num_hits,
-            pinned=c.pinned,
-            tier="hot",
-            origin=c.origin,
-            last_used=c.last_used,
-        )
-        for c in chunks
-    )
 
 
 def _content_reuse(engine: Engine) -> ContentReuseStats:

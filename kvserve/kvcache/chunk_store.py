@@ -1,7 +1,8 @@
 """ChunkStore: prefix hash -> cached chunk (its blocks in the pool). Content matches are found
 through piece_index.PieceIndex, which points into these chunks.
 
-Ownership: the store holds one pool ref on each block of each cached chunk. A chunk's `num_users`
+Ownership: the store holds one pool ref on each block of each cached chunk (given by the
+KVCacheManager, which inserts; released here when the chunk is dropped). A chunk's `num_users`
 counts the running requests that use it (matched it, computed and registered it, or hold it as the
 parent of a chunk they will register). Cached chunks form a tree by prefix (a chunk's parent is the
 chunk before it in its prompt; depth-0 chunks hang off the root), and the tree stays whole: a chunk
@@ -124,8 +125,9 @@ class ChunkStore:
         num_tokens: int = 0,
     ) -> CachedChunk:
         """Register a chunk computed by a running request, which becomes its first user. The parent
-        must be cached (the caller holds it). A tail piece (num_tokens < chunk_size) is held for
-        content matches only."""
+        must be cached (the caller holds it). The caller (kvcache/manager.py) has given the store one
+        pool ref on each block; the store releases it when it drops the chunk. A tail piece
+        (num_tokens < chunk_size) is held for content matches only."""
         num_tokens = num_tokens or self.chunk_size
         assert prefix_hash not in self._chunks and 0 < num_tokens <= self.chunk_size
         assert len(block_ids) == -(-num_tokens // self.pool.block_size)
@@ -134,7 +136,6 @@ class ChunkStore:
             if parent_chunk.evictable:
                 self.policy.remove(parent)
             parent_chunk.num_children += 1
-        self.pool.retain(block_ids)
         chunk = CachedChunk(
             prefix_hash, list(block_ids), depth, parent, num_tokens, num_users=1, last_used=time.monotonic()
         )

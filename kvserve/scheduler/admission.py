@@ -1,21 +1,25 @@
-"""Admission of a waiting sequence, step one and two of match -> reserve -> start (Scheduler._start
-is the third): what the cache already holds for it and what it needs (`match`, no side effects),
-then holding that and finding the blocks (`reserve`), or telling that it never can (`can_ever_fit`).
+"""Admission of a waiting sequence: match -> reserve -> start. What the cache already holds for it
+and what it needs (`match`, no side effects), holding that and finding its blocks (`reserve`, or
+`can_ever_fit` to tell "wait" from "never"), then opening its holding and the cache's books on it
+(`start`). The scheduler decides the order and the budget (Scheduler._admit); the blocks and chunks
+are the KVCacheManager's.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-from kvserve.kvcache.block_pool import BlockPool
-from kvserve.kvcache.chunk_store import CachedChunk, ChunkStore
+from kvserve.kvcache.chunk_store import CachedChunk
+from kvserve.kvcache.manager import KVCacheManager, cdiv
 from kvserve.scheduler.batch import ContentHit
 from kvserve.scheduler.content import Choice, ContentMatcher
-from kvserve.scheduler.sequence import Sequence
+from kvserve.scheduler.repair import Repair, make_repair
+from kvserve.scheduler.sequence import ReuseReport, Sequence
 
-
-def cdiv(a: int, b: int) -> int:
-    return -(-a // b)
+if TYPE_CHECKING:
+    from kvserve.scheduler.registration import ChunkRegistrar
 
 
 def piece_len(start: int, end: int, budget: int, granularity: int) -> int:
@@ -43,13 +47,39 @@ class Admission:
         return list({c.prefix_hash: c for h in self.hits for c in h.hit.chunks}.values())
 
 
+@dataclass
+class PrefixCounters:
+    """Prefix cache lookups, in prompt tokens (each sequence's first admission)."""
+
+    num_query_tokens: int = 0
+    num_hit_tokens: int = 0
+
+
 class Admissions:
     def __init__(
-        self, pool: BlockPool, store: ChunkStore, content: ContentMatcher | None, enable_prefix_caching: bool
+        self,
+        kv: KVCacheManager,
+        content: ContentMatcher | None,
+        chunks: ChunkRegistrar,
+        enable_prefix_caching: bool,
     ):
-        self.pool, self.store, self.content = pool, store, content
-        self.chunk_size, self.block_size = store.chunk_size, pool.block_size
+        self.kv, self.content, self.chunks = kv, content, chunks
+        self.chunk_size, self.block_size = kv.chunk_size, kv.block_size
         self.enable_prefix_caching = enable_prefix_caching
+        self.prefix = PrefixCounters()
+        # each says whether a sequence waits for something of its owner's (the KV tiers: a load)
+        self.waits_on: list[Callable[[Sequence], bool]] = []
+
+    def deferred(self, seq: Sequence) -> bool:
+        """It waits: for a load from a KV tier, or for chunks of its prefix another sequence computes."""
+        if any(waits(seq) for waits in self.waits_on):  # e.g. its chunks load from a KV tier
+            return True
+        if not self.enable_prefix_caching or not self.kv.in_flight:
+            return False
+        for h in seq.cache.prefix_hashes[: self.max_match_chunks(seq)]:
+            if h not in self.kv.store:
+                return h in self.kv.in_flight
+        return False
 
     def max_match_chunks(self, seq: Sequence) -> int:
         if seq.request.warm_only:
@@ -57,18 +87,13 @@ class Admissions:
         # a full hit still recomputes the last prompt token: its logits are needed
         num_chunks = (seq.num_tokens - 1) // self.chunk_size
         if seq.wants_prompt_logits:  # cached positions have no logits: take only KV before the unscored ones
-            num_chunks = min(num_chunks, len(seq.out.prompt_logprobs) // self.chunk_size)
+            num_chunks = min(num_chunks, len(seq.prompt_logprobs) // self.chunk_size)
         return num_chunks
-
-    def num_blocks_available_to(self, matched: list[CachedChunk]) -> int:
-        """Blocks a sequence sharing `matched` could ever hold: all but other pinned chunks' blocks."""
-        shared_pinned = sum(len(c.block_ids) for c in matched if c.pinned)
-        return self.pool.num_blocks - self.store.num_pinned_blocks + shared_pinned
 
     def match(self, seq: Sequence, budget: int, granularity: int) -> Admission:
         matched: list[CachedChunk] = []
         if self.enable_prefix_caching:
-            matched = self.store.match_prefix(seq.cache.prefix_hashes[: self.max_match_chunks(seq)])
+            matched = self.kv.match(seq.cache.prefix_hashes[: self.max_match_chunks(seq)])
         num_cached = len(matched) * self.chunk_size
         choice = None
         if self.content is not None and self.content.wants(seq):
@@ -79,28 +104,43 @@ class Admissions:
             n = seq.num_tokens - num_cached
         else:
             n = piece_len(num_cached, seq.num_tokens, budget, granularity)
-        need = cdiv(num_cached + n, self.block_size) - len(matched) * self.store.blocks_per_chunk
+        need = cdiv(num_cached + n, self.block_size) - len(matched) * self.kv.blocks_per_chunk
         return Admission(matched, hits, n, need, choice)
 
     def reserve(self, adm: Admission) -> bool:
         """Hold the matched chunks and the hits' sources (so eviction spares them) and make room for
-        the new blocks; on failure undo and return False."""
-        held = adm.matched + adm.sources
-        for chunk in held:
-            self.store.acquire(chunk)
-        if adm.num_new_blocks > self.pool.num_free_blocks:
-            self.store.evict(adm.num_new_blocks - self.pool.num_free_blocks)
-        if adm.num_new_blocks <= self.pool.num_free_blocks:
-            return True
-        for chunk in held:
-            self.store.release(chunk.prefix_hash)
-        return False
+        the new blocks; on failure nothing is held."""
+        return self.kv.reserve(adm.matched + adm.sources, adm.num_new_blocks)
 
     def can_ever_fit(self, adm: Admission) -> bool:
-        """Whether the blocks it holds at admission (shared prefix, new blocks, and the content-hit
-        sources it holds while their KV is copied) fit beside the chunks other owners pinned."""
-        matched = {c.prefix_hash for c in adm.matched}
-        sources = [c for c in adm.sources if c.prefix_hash not in matched and not c.pinned]
-        blocks = len(adm.matched) * self.store.blocks_per_chunk + adm.num_new_blocks
-        blocks += sum(len(c.block_ids) for c in sources)
-        return blocks <= self.num_blocks_available_to(adm.matched)
+        return self.kv.can_ever_fit(adm.matched, adm.sources, adm.num_new_blocks)
+
+    def start(self, seq: Sequence, adm: Admission) -> Repair | None:
+        """Open the sequence's holding (after `reserve`) and the cache's books on it: prefix hits,
+        the content choice, the chunks it will register in flight. Returns the repair it runs with
+        content hits."""
+        rid = seq.request_id
+        num_cached = len(adm.matched) * self.chunk_size
+        self.kv.admit(rid, adm.matched, adm.sources, adm.num_new_blocks)
+        seq.num_computed_tokens = num_cached
+        if seq.report is None:  # its first admission
+            seq.report = ReuseReport(num_exact_cached_tokens=num_cached)
+            self.prefix.num_query_tokens += seq.num_prompt_tokens
+            self.prefix.num_hit_tokens += num_cached
+        if adm.choice is not None:
+            assert self.content is not None
+            self.content.record(seq, adm.choice)
+        limit = None
+        if adm.hits:
+            # KV after the first hit is approximate: never registered, so never marked in flight
+            limit = adm.hits[0].dst_start // self.chunk_size
+            self.kv.limit(rid, seq.cache.prefix_hashes, limit)
+        if self.enable_prefix_caching and not seq.request.background:
+            # a background sequence (an audit) runs only in idle steps: a request deferred on chunks it
+            # holds in flight would keep every step busy and so wait forever; it computes them itself
+            self.kv.mark_in_flight(rid, seq.cache.prefix_hashes[len(adm.matched) : limit])
+        if adm.choice is None or adm.choice.plan is None:
+            return None
+        assert self.content is not None
+        seq.repair = make_repair(adm.choice.plan, seq.num_prompt_tokens, self.content.cost.num_layers)
+        return seq.repair

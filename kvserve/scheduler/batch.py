@@ -20,6 +20,8 @@ class ScheduledSeq:
     num_layers: int | None = None
     # query-aware repair: attention of some of these rows to measure at one layer (attention/probe.py)
     probe: Any = None
+    block_ids: list[int] = field(default_factory=list)  # the sequence's blocks (KVCacheManager.block_ids)
+    precision: str | None = None  # NestedFP: what its rows compute at this step (engine/precision.py)
 
 
 @dataclass

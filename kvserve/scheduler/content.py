@@ -15,8 +15,9 @@ matched at all (`guarded`).
 
 from __future__ import annotations
 
+import itertools
 from collections import Counter
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from kvserve.config import ServeConfig
@@ -44,6 +45,15 @@ class Choice:
     num_guarded: int  # matches left out because the audit guard blocks their document
 
 
+@dataclass
+class PromptPieces:
+    """A prompt's pieces for content matching and how many are indexed so far."""
+
+    pieces: list[tuple[int, int]]
+    source_id: int  # unique per prompt: identifies runs of pieces from one prompt (piece_index.py)
+    num_registered: int = 0
+
+
 class ContentMatcher:
     def __init__(
         self,
@@ -69,6 +79,8 @@ class ContentMatcher:
         self.guarded: set[bytes] = set()  # content keys the audit guard stopped reusing
         self.num_guard_skips = 0  # matches skipped because their document is guarded
         self.verified = verified_preset(config.model)  # what --recompute-strategy auto repairs with
+        self._prompts: dict[str, PromptPieces] = {}  # request id -> its pieces (prepared, not finished)
+        self._source_ids = itertools.count(1)
 
     def _key(self, seq: Sequence, start: int, end: int) -> bytes:
         return content_hash(seq.cache.root_hash.hex(), seq.token_ids[start:end])
@@ -78,9 +90,19 @@ class ContentMatcher:
         return opts.reuse if opts is not None and opts.reuse is not None else self.config.reuse
 
     def prepare(self, seq: Sequence) -> None:
-        """Cut the prompt into pieces if it will be indexed (warmed, or opted into content reuse)."""
+        """Cut the prompt into pieces if it will be indexed (warmed, or opted into content reuse): kept
+        here by request id until `forget`."""
         if self.enabled and (seq.request.warm_only or self._mode(seq) == "any"):
-            seq.reuse.pieces = self.cutter.cut(seq.request.prompt_token_ids)
+            self._prompts[seq.request_id] = PromptPieces(
+                self.cutter.cut(seq.request.prompt_token_ids), next(self._source_ids)
+            )
+
+    def request_ids(self) -> set[str]:
+        return set(self._prompts)
+
+    def forget(self, request_id: str) -> None:
+        """The request finished: its pieces are indexed or never will be."""
+        self._prompts.pop(request_id, None)
 
     def wants(self, seq: Sequence) -> bool:
         """Whether to look for content matches for this sequence (never for prompt logprobs: they are
@@ -91,7 +113,8 @@ class ContentMatcher:
     def find_hits(self, seq: Sequence, prefix_len: int) -> list[ContentHit]:
         """Cached pieces after the exact prefix; the last prompt token is always computed."""
         hits = []
-        for start, end in seq.reuse.pieces:
+        prompt = self._prompts.get(seq.request_id)
+        for start, end in prompt.pieces if prompt is not None else ():
             if start < prefix_len or end > seq.num_prompt_tokens - 1:
                 continue
             key = self._key(seq, start, end)
@@ -159,11 +182,13 @@ class ContentMatcher:
 
     def record(self, seq: Sequence, choice: Choice) -> None:
         """The decision at a sequence's first admission with matches (a re-admission keeps it)."""
-        if seq.reuse.plan is not None:
+        assert seq.report is not None  # recorded at admission
+        if seq.report.plan is not None:
             return
-        seq.reuse.plan = "taken" if choice.outcome == TAKEN else "declined"
-        seq.reuse.plan_reason = choice.outcome
-        seq.reuse.estimated_saving = choice.saving
+        plan = "taken" if choice.outcome == TAKEN else "declined"
+        seq.report = replace(
+            seq.report, plan=plan, plan_reason=choice.outcome, estimated_saving=choice.saving
+        )
         self.plans[choice.outcome] += 1
         self.num_guard_skips += choice.num_guarded
 
@@ -202,9 +227,11 @@ class ContentMatcher:
     def register(self, seq: Sequence, num_held_tokens: int, chunk_hashes: list[bytes]) -> None:
         """Index the prompt pieces whose KV now lies in cached chunks: [0, num_held_tokens) is held
         by chunk_hashes (one per chunk_size tokens, the last may be a tail piece)."""
-        reuse = seq.reuse
-        while reuse.num_pieces_registered < len(reuse.pieces):
-            start, end = reuse.pieces[reuse.num_pieces_registered]
+        prompt = self._prompts.get(seq.request_id)
+        if prompt is None:
+            return
+        while prompt.num_registered < len(prompt.pieces):
+            start, end = prompt.pieces[prompt.num_registered]
             if end > num_held_tokens:
                 break
             first, last = start // self.chunk_size, (end - 1) // self.chunk_size
@@ -215,7 +242,7 @@ class ContentMatcher:
                     num_tokens=end - start,
                     chunk_hashes=tuple(chunk_hashes[first : last + 1]),
                     first_chunk_pos=first * self.chunk_size,
-                    source_id=reuse.source_id,
+                    source_id=prompt.source_id,
                 )
             )
-            reuse.num_pieces_registered += 1
+            prompt.num_registered += 1

@@ -54,6 +54,6 @@ class AdmissionQueue:
     def candidates(self, now: float, is_deferred: Callable[[Sequence], bool]) -> Iterator[Sequence]:
         """Admissible sequences in admission order (the caller removes the ones it admits)."""
         for seq in self:
-            if seq.reuse.admitted_once or now - seq.request.metrics.arrival_time >= self.batch_window_s:
+            if seq.report is not None or now - seq.request.metrics.arrival_time >= self.batch_window_s:
                 if not is_deferred(seq):
                     yield seq

@@ -98,6 +98,16 @@ class Repair:
         boundary = left[budget] // granularity * granularity
         return left[: bisect_left(left, boundary)]
 
+    def completes_prompt(self, rows: list[int]) -> bool:
+        """Whether computing `rows` (the next piece) ends the last pass through every layer: the
+        prompt's last row is then sampled (a preempted and re-admitted repair has decode rows after)."""
+        cur = self.current
+        return (
+            cur is self.passes[-1]
+            and cur.num_layers is None
+            and cur.num_done + len(rows) == len(cur.positions)
+        )
+
     def computed(self, num_rows: int) -> None:
         cur = self.current
         assert cur is not None

@@ -19,7 +19,7 @@ from kvserve.scheduler.sequence import Sequence
 
 
 def is_decoding(seq: Sequence) -> bool:
-    return seq.reuse.repair is None and seq.num_tokens - seq.kv.num_computed_tokens == 1
+    return seq.repair is None and seq.num_tokens - seq.num_computed_tokens == 1
 
 
 class SlowdownLimit:

@@ -12,10 +12,11 @@ from typing import TYPE_CHECKING
 
 from kvserve.config import ServeConfig
 from kvserve.errors import ConfigError
-from kvserve.kvcache.chunk_store import CachedChunk, ChunkStore
+from kvserve.kvcache.chunk_store import CachedChunk
 from kvserve.kvcache.kv_storage import LayerKV
+from kvserve.kvcache.manager import KVCacheManager
 from kvserve.scheduler.scheduler import Scheduler
-from kvserve.scheduler.sequence import Sequence
+from kvserve.scheduler.sequence import SeqStatus, Sequence
 from kvserve.tiers.entry import token_ids_hash
 from kvserve.tiers.manager import KVTiers, LoadItem, LoadJob
 
@@ -27,7 +28,7 @@ LOAD_WAIT_S = 0.005  # a step with nothing to run but loads waits this long for 
 
 
 def build_tiers(
-    config: ServeConfig, store: ChunkStore, layers: list[LayerKV], info: RuntimeInfo
+    config: ServeConfig, kv: KVCacheManager, layers: list[LayerKV], info: RuntimeInfo
 ) -> KVTiers | None:
     """The tiers the config asks for (None: none). A bad codec, directory or URL is a ConfigError."""
     if not (config.kv_cold_bytes or config.kv_disk_dir or config.kv_redis_url):
@@ -51,7 +52,7 @@ def build_tiers(
         redis = RedisTier(config.kv_redis_url)
     fingerprint = info.namespace.split("|", 1)[0]
     return KVTiers(
-        store,
+        kv,
         layers,
         (fingerprint, info.kv_codec, info.namespace),
         cold=cold,
@@ -69,14 +70,19 @@ class EngineTiers:
         self.chunk_size = scheduler.chunk_size
         self.demote_after_s = demote_after_s
         self._swept_at = time.monotonic()
+        self._arrived: list[Sequence] = []  # queued since the last step: their chunks are looked up once
+        self._loading: dict[str, LoadJob] = {}  # request id -> the load it waits for
         scheduler.chunks.on_insert.append(self._on_insert)
+        scheduler.on_enqueue.append(lambda seq: self._arrived.append(seq))
+        scheduler.admissions.waits_on.append(lambda seq: seq.request_id in self._loading)
 
     def before_schedule(self, now: float) -> None:
         """Import finished loads, demote idle chunks, and look up the chunks of sequences that
-        arrived since the last step."""
+        arrived since the last step (still waiting: not aborted meanwhile)."""
         self.housekeeping(now, wait=self._only_loads_left())
-        for seq in list(self.scheduler.waiting):
-            if not seq.cache.tier_checked:
+        arrived, self._arrived = self._arrived, []
+        for seq in arrived:
+            if seq.status == SeqStatus.WAITING:
                 self._lookup(seq)
 
     def housekeeping(self, now: float, wait: bool = False) -> None:
@@ -84,19 +90,19 @@ class EngineTiers:
         for job in self.tiers.poll(LOAD_WAIT_S if wait else 0.0):
             owner = job.owner
             assert isinstance(owner, Sequence)
-            owner.cache.tier_job = None
+            if self._loading.get(owner.request_id) is job:
+                del self._loading[owner.request_id]
         if self.demote_after_s > 0 and now - self._swept_at >= IDLE_SWEEP_S:
             self._swept_at = now
             self.tiers.demote_idle(now - self.demote_after_s)
 
     def _only_loads_left(self) -> bool:
         s = self.scheduler
-        return not s.running and bool(s.waiting) and all(seq.cache.tier_job is not None for seq in s.waiting)
+        return not s.running and bool(s.waiting) and all(seq.request_id in self._loading for seq in s.waiting)
 
     def _lookup(self, seq: Sequence) -> None:
-        seq.cache.tier_checked = True
         hashes = seq.cache.prefix_hashes[: self.scheduler.admissions.max_match_chunks(seq)]
-        start = len(self.scheduler.store.match_prefix(hashes))
+        start = len(self.scheduler.kv.match(hashes))
         if start == len(hashes):
             return
         items = [
@@ -107,7 +113,8 @@ class EngineTiers:
         s = self.scheduler
         now = not s.running and len(s.waiting) == 1
         job: LoadJob | None = self.tiers.lookup(seq, items, now=now)
-        seq.cache.tier_job = job
+        if job is not None:
+            self._loading[seq.request_id] = job
 
     def _on_insert(self, seq: Sequence, chunk: CachedChunk, index: int) -> None:
         chunk.token_hash = self._token_hash(seq, index)

@@ -20,7 +20,7 @@ chunks that the disk tier lacks are written to it, most valuable first, within i
 Where chunks come from (`lookup` for a waiting sequence, before it is admitted): the chunks after the
 longest run the hot store holds are looked for in order, stopping at the first miss. Cold chunks are
 promoted at once (RAM, milliseconds). The rest are fetched by the loader thread, disk first, then
-Redis; the sequence waits (Scheduler._is_deferred) while other work runs, and `poll` imports what came
+Redis; the sequence waits (Admissions.deferred) while other work runs, and `poll` imports what came
 back into fresh pool blocks and registers it, so admission then matches it as any cached chunk.
 
 Exactness: disk and Redis hold only exact KV. A chunk promoted from the cold area, and every chunk
@@ -41,8 +41,9 @@ from typing import TYPE_CHECKING
 import torch
 
 from kvserve.kvcache.chunk_payload import ChunkLayout, ChunkPayloadError, export_chunk, parse_chunk
-from kvserve.kvcache.chunk_store import CachedChunk, ChunkStore
+from kvserve.kvcache.chunk_store import CachedChunk
 from kvserve.kvcache.kv_storage import LayerKV
+from kvserve.kvcache.manager import KVCacheManager
 from kvserve.tiers.entry import TierKey
 from kvserve.tiers.shutdown_write import ShutdownWrite, shutdown_order, write_hot_chunks
 from kvserve.tiers.worker import BackgroundQueue
@@ -117,7 +118,7 @@ class TierStats:
 class KVTiers:
     def __init__(
         self,
-        store: ChunkStore,
+        kv: KVCacheManager,
         layers: list[LayerKV],
         key_fields: tuple[str, str, str],  # model fingerprint, codec, namespace
         cold: ColdArea | None = None,
@@ -126,13 +127,13 @@ class KVTiers:
         disk_write_all: bool = False,
         shutdown_write_s: float = 0.0,
     ):
-        self.store, self.pool, self.layers = store, store.pool, layers
+        self.kv, self.store, self.layers = kv, kv.store, layers
         self.key_fields = key_fields
         self.cold, self.disk, self.redis = cold, disk, redis
         self.disk_write_all = disk_write_all
         self.shutdown_write_s = shutdown_write_s
-        self.bpc = store.blocks_per_chunk
-        store.on_evict.append(self._on_evict)
+        self.bpc = kv.blocks_per_chunk
+        self.store.on_evict.append(self._on_evict)
         tiers = ("cold", "disk", "redis")
         self._load_seconds: dict[str, float] = dict.fromkeys(tiers, 0.0)
         self._load_max: dict[str, float] = dict.fromkeys(tiers, 0.0)
@@ -306,48 +307,25 @@ class KVTiers:
         assert item is not None
         if item.prefix_hash in self.store:  # computed meanwhile
             return
-        # the parent (often the chunk imported just before) is held while room is made, so that
-        # the eviction cannot pick it: a chain loaded into a full pool would cut itself off
-        parent = self.store.get(item.parent) if item.parent is not None else None
-        if parent is not None:
-            self.store.acquire(parent, hit=False)
-        try:
-            if not self._room(item.parent):
-                loaded.job.broken = True
-                self._count_unfit(loaded.tier)
-                return
-            self._insert(loaded)
-        finally:
-            if parent is not None:
-                self.store.release(parent.prefix_hash)
-
-    def _insert(self, loaded: _Loaded) -> None:
-        item = loaded.item
-        assert item is not None
         start = time.perf_counter()
-        blocks = self.pool.allocate(self.bpc)
-        if loaded.tier == "cold":
-            assert self.cold is not None
-            self.cold.write_hot(loaded.data, blocks)
-        else:
-            for layer, fields in zip(self.layers, loaded.data, strict=True):
-                layer.import_blocks(blocks, fields)
-        chunk = self.store.insert(item.prefix_hash, blocks, item.depth, item.parent)
-        self.pool.release(blocks)  # the store's ref remains
-        self.store.release(item.prefix_hash)  # no user: evictable like any cached chunk
+
+        def write(blocks: list[int]) -> None:
+            if loaded.tier == "cold":
+                assert self.cold is not None
+                self.cold.write_hot(loaded.data, blocks)
+            else:
+                for layer, fields in zip(self.layers, loaded.data, strict=True):
+                    layer.import_blocks(blocks, fields)
+
+        chunk = self.kv.import_chunk(item.prefix_hash, item.depth, item.parent, write)
+        if chunk is None:  # its parent is gone, or no blocks can be freed
+            loaded.job.broken = True
+            self._count_unfit(loaded.tier)
+            return
         chunk.token_hash = item.token_hash
         chunk.exact = chunk.exact and loaded.tier != "cold"
         chunk.origin = loaded.tier
         self._record_load(loaded.tier, loaded.seconds + time.perf_counter() - start)
-
-    def _room(self, parent: bytes | None) -> bool:
-        """Whether a chunk under `parent` can be inserted now: the parent is cached and a chunk's
-        blocks are free (after evicting)."""
-        if parent is not None and parent not in self.store:
-            return False
-        if self.pool.num_free_blocks < self.bpc:
-            self.store.evict(self.bpc - self.pool.num_free_blocks)
-        return self.pool.num_free_blocks >= self.bpc
 
     def _count_unfit(self, tier: str) -> None:
         with self._count_lock:

@@ -31,11 +31,11 @@ def generate_with_logits(
     reuse: ReuseOptions | None = None,
 ) -> tuple[list[RequestOutput], list[torch.Tensor]]:
     """Generate and return, per output, the stacked raw logits of every sampled step."""
-    llm.engine.logits_sink = {}
+    llm.engine.update.logits_sink = {}
     llm.engine.check_integrity_each_step = True
     try:
         outs = llm.generate(prompts, params, reuse=reuse)
-        logits = [torch.stack(llm.engine.logits_sink[o.request_id]) for o in outs]
+        logits = [torch.stack(llm.engine.update.logits_sink[o.request_id]) for o in outs]
     finally:
-        llm.engine.logits_sink = None
+        llm.engine.update.logits_sink = None
     return outs, logits

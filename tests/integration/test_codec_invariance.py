@@ -104,12 +104,12 @@ def check_together_equals_alone(cached: LLM, cold: LLM, prompt_len: int, seed: i
 def _logits_with_salt(
     llm: LLM, prompt: list[int], params: SamplingParams, salt: str
 ) -> tuple[list[int], list[torch.Tensor]]:
-    llm.engine.logits_sink = {}
+    llm.engine.update.logits_sink = {}
     try:
         (out,) = llm.generate([prompt], params, cache_salt=salt)
-        return out.token_ids, [torch.stack(llm.engine.logits_sink[out.request_id])]
+        return out.token_ids, [torch.stack(llm.engine.update.logits_sink[out.request_id])]
     finally:
-        llm.engine.logits_sink = None
+        llm.engine.update.logits_sink = None
 
 
 def check_decode_next_to_prefill(llm: LLM, short_len: int, long_len: int, seed: int) -> None:
@@ -122,7 +122,7 @@ def check_decode_next_to_prefill(llm: LLM, short_len: int, long_len: int, seed: 
     _, alone = generate_with_logits(llm, [short], params)
     _, long_alone = _logits_with_salt(llm, long, long_params, "alone")  # its chunks stay out of reach
     engine = llm.engine
-    engine.logits_sink = {}
+    engine.update.logits_sink = {}
     try:
         engine.add_request(Request("short", list(short), params))
         for _ in range(3):  # prefill and two decode steps alone
@@ -130,13 +130,13 @@ def check_decode_next_to_prefill(llm: LLM, short_len: int, long_len: int, seed: 
         engine.add_request(Request("long", list(long), long_params))
         mixed = False  # a step that sampled both: the long prompt's last prefill piece and a decode row
         while engine.has_unfinished_requests():
-            before = len(engine.logits_sink["short"])
+            before = len(engine.update.logits_sink["short"])
             engine.step()
-            first_long = len(engine.logits_sink.get("long", [])) == 1 and not mixed
-            mixed |= first_long and len(engine.logits_sink["short"]) == before + 1
-        got = [torch.stack(engine.logits_sink[name]) for name in ("short", "long")]
+            first_long = len(engine.update.logits_sink.get("long", [])) == 1 and not mixed
+            mixed |= first_long and len(engine.update.logits_sink["short"]) == before + 1
+        got = [torch.stack(engine.update.logits_sink[name]) for name in ("short", "long")]
     finally:
-        engine.logits_sink = None
+        engine.update.logits_sink = None
     assert mixed, "the long prefill never shared a step with the decoding sequence"
     _same(got, alone + long_alone, "decode next to a prefill != alone (output 0: the decoding one)")
 

@@ -110,9 +110,9 @@ def test_query_aware_repair_recomputes_what_the_question_attends_to():
     original_select, original_finish = repairer.select, repairer.finish
 
     def spy_select(seq):
-        captured["mass"] = seq.reuse.repair.query_mass.clone()
+        captured["mass"] = seq.repair.query_mass.clone()
         original_select(seq)
-        captured["chosen"] = set(seq.reuse.repair.passes[-1].positions) - set(seq.reuse.repair.fresh)
+        captured["chosen"] = set(seq.repair.passes[-1].positions) - set(seq.repair.fresh)
 
     def spy_finish(seq):
         captured["report"] = report = original_finish(seq)

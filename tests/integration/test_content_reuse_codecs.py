@@ -62,8 +62,9 @@ def _check_against_oracle(
     bs = llm.engine.config.block_size
     n, prefix_len = plan.seq.num_prompt_tokens, plan.prefix_len
     assert prefix_len % bs == 0
-    block_ids = torch.tensor(plan.seq.kv.block_ids[prefix_len // bs : -(-n // bs)])
-    pos_of_block = {b: i * bs for i, b in enumerate(plan.seq.kv.block_ids)}
+    seq_blocks = llm.engine.kv.block_ids(plan.seq.request_id)
+    block_ids = torch.tensor(seq_blocks[prefix_len // bs : -(-n // bs)])
+    pos_of_block = {b: i * bs for i, b in enumerate(seq_blocks)}
     moved = {p for h in plan.hits for p in range(h.dst_start, h.dst_start + h.num_tokens)}
     cases = set()
     if any(h.dst_start % bs for h in plan.hits):
@@ -135,10 +136,10 @@ def _spy(
     def checking_finish(seq):  # type: ignore[no-untyped-def]
         for kv in engine.layers:
             del kv.write
-        plan = seq.reuse.repair.plan
+        plan = seq.repair.plan
         try:  # the engine turns an exception in here into a failed request: keep it for the test
             cases.append(_check_against_oracle(llm, codec, plan, writes))
-            if earlier_blocks & set(seq.kv.block_ids):
+            if earlier_blocks & set(engine.kv.block_ids(seq.request_id)):
                 cases[-1].add("block recycled from an earlier owner")
         except AssertionError as e:
             failures.append(str(e))

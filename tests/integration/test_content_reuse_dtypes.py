@@ -117,7 +117,7 @@ def test_a_server_started_with_reuse_any_where_it_is_unavailable_fails_at_start_
 @pytest.fixture
 def reuse_unavailable(monkeypatch: pytest.MonkeyPatch) -> str:
     reason = "RoPE self-check failed (made to fail by the test)"
-    monkeypatch.setattr("kvserve.engine.engine.check_content_reuse", lambda model: (None, reason))
+    monkeypatch.setattr("kvserve.engine.builder.check_content_reuse", lambda model: (None, reason))
     return reason
 
 

@@ -102,15 +102,15 @@ def test_fused_forward_matches_hf_and_content_reuse_is_self_checked(qwen: LLM):
 def _generate(
     llm: LLM, prompt: list[int], salt: str | None, reuse: ReuseOptions | None
 ) -> tuple[RequestOutput, torch.Tensor]:
-    llm.engine.logits_sink = {}
+    llm.engine.update.logits_sink = {}
     llm.engine.check_integrity_each_step = True
     try:
         (out,) = llm.generate(
             [prompt], SamplingParams(max_tokens=4, temperature=0, ignore_eos=True), salt, reuse
         )
-        return out, torch.stack(llm.engine.logits_sink[out.request_id])
+        return out, torch.stack(llm.engine.update.logits_sink[out.request_id])
     finally:
-        llm.engine.logits_sink = None
+        llm.engine.update.logits_sink = None
 
 
 @pytest.mark.slow

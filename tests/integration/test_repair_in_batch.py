@@ -13,7 +13,7 @@ import torch
 
 from kvserve import LLM, SamplingParams
 from kvserve.engine.audit import first_token_kl
-from kvserve.engine.stats import num_evictable_blocks
+from kvserve.kvcache.stats import num_evictable_blocks
 from kvserve.request import Request, ReuseOptions
 from kvserve.scheduler.batch import ScheduledBatch
 from tests.integration.helpers import corpus_token_ids, generate_with_logits
@@ -88,7 +88,7 @@ def test_repair_rows_share_steps_with_decode_rows_and_change_neither():
     (chat_ref,), (chat_logits,) = generate_with_logits(llm, [chat], long_decode)
     (rag_ref,), (rag_logits,) = generate_with_logits(llm, [rag], GREEDY, BLEND)
     engine = llm.engine
-    engine.logits_sink = {}
+    engine.update.logits_sink = {}
     engine.check_integrity_each_step = True
     steps = record_batches(llm)
     engine.add_request(Request("chat", chat, long_decode))
@@ -101,9 +101,9 @@ def test_repair_rows_share_steps_with_decode_rows_and_change_neither():
     mixed = [s for s in steps if {("chat", False), ("rag", True)} <= {(rid, rep) for rid, rep, _ in s}]
     assert len(mixed) >= 2, "repair pieces ran beside decode rows"
     assert done["chat"].token_ids == chat_ref.token_ids
-    assert torch.equal(torch.stack(engine.logits_sink["chat"]), chat_logits)
+    assert torch.equal(torch.stack(engine.update.logits_sink["chat"]), chat_logits)
     assert done["rag"].token_ids == rag_ref.token_ids
-    assert torch.equal(torch.stack(engine.logits_sink["rag"]), rag_logits)
+    assert torch.equal(torch.stack(engine.update.logits_sink["rag"]), rag_logits)
 
 
 def test_a_match_is_taken_only_when_it_saves_enough():
@@ -251,7 +251,7 @@ def test_a_decode_slowdown_limit_keeps_prefill_pieces_small_beside_decodes_and_c
         # fixed prices (not fitted to this machine's step times): 1 ms a step, 0.1 ms a token-layer
         engine.cost.weights = [1e-3, 1e-4, 1e-8, 1e-7]
         engine.cost.observe = lambda work, seconds: None  # type: ignore[method-assign]
-        engine.logits_sink = {}
+        engine.update.logits_sink = {}
         steps = record_batches(llm)
         long_decode = SamplingParams(max_tokens=30, temperature=0, ignore_eos=True)
         for i in range(2):
@@ -268,7 +268,7 @@ def test_a_decode_slowdown_limit_keeps_prefill_pieces_small_beside_decodes_and_c
             for s in steps
             if any(rid.startswith("chat") for rid, _, _ in s)
         ]
-        outs.append(({rid: o.token_ids for rid, o in done.items()}, engine.logits_sink, max(beside)))
+        outs.append(({rid: o.token_ids for rid, o in done.items()}, engine.update.logits_sink, max(beside)))
         assert engine.scheduler.granularity == 1  # dense KV: pieces may end at any token
     (free_tokens, free_logits, free_max), (lim_tokens, lim_logits, lim_max) = outs
     # 2 decode rows cost 1 ms + 8 token-layers = 1.8 ms; half of that buys 2 rows of 4 token-layers
@@ -355,7 +355,7 @@ def _audit_running(llm: LLM) -> None:
     llm.generate([rag_prompt(llm, docs, [1, 0], seed=1)], PARAMS3, reuse=NONE)
     llm.engine.step()  # idle: the audit is admitted and computes its first piece
     (audit,) = llm.engine.scheduler.running
-    assert audit.request.background and audit.kv.block_ids
+    assert audit.request.background and llm.engine.kv.block_ids(audit.request_id)
 
 
 def _serve_then_audit(llm: LLM, prompt: list[int], what: str) -> None:
@@ -378,7 +378,7 @@ def test_a_request_preempts_an_audit_holding_the_blocks_it_needs():
     the server hung (the CI dashboard test). Requests preempt background work for memory."""
     llm = make(audit_rate=1.0, max_cache_bytes=64 * 16 * 1024)  # a 64-block pool, 16 of them pinned
     _audit_running(llm)
-    free = llm.engine.pool.num_free_blocks + num_evictable_blocks(llm.engine)
+    free = llm.engine.pool.num_free_blocks + num_evictable_blocks(llm.engine.kv)
     long = corpus_token_ids(llm, (free + 4) * 16, seed=50)  # needs more than is free or evictable
     _serve_then_audit(llm, long, "the blocks")
 

@@ -98,16 +98,16 @@ def test_decode_next_to_long_prefill(pair):
 def _run(llm: LLM, prompt: list[int], precision: str, rid: str) -> tuple[list[int], torch.Tensor, int]:
     """One request at a given precision: (tokens, stacked logits, cached prompt tokens)."""
     engine = llm.engine
-    engine.logits_sink = {}
+    engine.update.logits_sink = {}
     try:
         engine.add_request(Request(rid, list(prompt), GREEDY, weight_precision=precision))
         outs = []
         while engine.has_unfinished_requests():
             outs += [o for o in engine.step() if o.finished]
         (out,) = outs
-        return out.token_ids, torch.stack(engine.logits_sink[rid]), out.num_cached_tokens
+        return out.token_ids, torch.stack(engine.update.logits_sink[rid]), out.num_cached_tokens
     finally:
-        engine.logits_sink = None
+        engine.update.logits_sink = None
 
 
 def test_the_precisions_never_share_kv(auto):
@@ -127,7 +127,7 @@ def test_a_step_mixing_precisions_equals_each_alone(auto):
     prompts = [corpus_token_ids(auto, n, seed=30 + n) for n in (40, 70)]
     alone = [_run(auto, p, mode, f"alone-{mode}")[1] for p, mode in zip(prompts, MODES, strict=True)]
     engine = auto.engine
-    engine.logits_sink = {}
+    engine.update.logits_sink = {}
     try:
         for i, (p, mode) in enumerate(zip(prompts, MODES, strict=True)):
             engine.add_request(
@@ -137,9 +137,9 @@ def test_a_step_mixing_precisions_equals_each_alone(auto):
         while engine.has_unfinished_requests():
             batch_sizes.append(len(engine.scheduler.running))
             engine.step()
-        together = [torch.stack(engine.logits_sink[f"mixed-{i}"]) for i in range(2)]
+        together = [torch.stack(engine.update.logits_sink[f"mixed-{i}"]) for i in range(2)]
     finally:
-        engine.logits_sink = None
+        engine.update.logits_sink = None
     assert max(batch_sizes) == 2
     for got, want in zip(together, alone, strict=True):
         assert torch.equal(got, want)

@@ -16,11 +16,11 @@ def make_store(num_blocks: int = 16, policy: str = "lru_freq") -> ChunkStore:
 
 
 def insert_released(store: ChunkStore, i: int, parent: int | None = None, depth: int = 0) -> None:
-    """A request computes chunk i (under chunk `parent`), registers it, then finishes."""
+    """A request computes chunk i (under chunk `parent`), registers it, then finishes: the store keeps
+    the allocation's ref (as KVCacheManager.commit hands it one)."""
     blocks = store.pool.allocate(store.blocks_per_chunk)
     store.insert(h(i), blocks, depth, None if parent is None else h(parent))
     store.release(h(i))
-    store.pool.release(blocks)
 
 
 def test_pool_allocate_release_balance():
@@ -119,7 +119,6 @@ def test_only_leaves_are_evicted_so_no_chunk_is_ever_orphaned():
     for i in range(4):  # one prompt's chain: 0 <- 1 <- 2 <- 3, registered in order (0 is oldest)
         blocks = store.pool.allocate(store.blocks_per_chunk)
         store.insert(h(i), blocks, i, h(i - 1) if i else None)
-        store.pool.release(blocks)
     for i in range(4):
         store.release(h(i))
     insert_released(store, 10, parent=1, depth=2)  # a second branch under chunk 1

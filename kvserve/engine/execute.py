@@ -1,0 +1,91 @@
+"""The step's execute: a scheduled batch through the model, one forward, or one per sequence when
+the batched forward fails.
+
+Before the forward, a content-reuse repair's first piece moves its matches' KV in (Repairer.begin)
+and a query-aware repair's piece gets its attention probe; the weight precision of each row is set
+(engine/precision.py). A fault while moving a request's KV fails that request alone; a fault in a
+batched forward is retried sequence by sequence, so only the sequence that causes it fails. Every
+batched forward's wall time and work feed the cost model that content reuse plans with.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Protocol
+
+import torch
+
+from kvserve.engine.model_runner import ModelRunner
+from kvserve.engine.precision import PrecisionPolicy
+from kvserve.engine.prompt_logprobs import record
+from kvserve.engine.repair import Repairer
+from kvserve.scheduler.batch import ScheduledBatch, ScheduledSeq
+from kvserve.scheduler.cost import CostModel
+from kvserve.scheduler.registration import ChunkRegistrar
+from kvserve.scheduler.sequence import Sequence
+
+log = logging.getLogger("kvserve.engine")
+
+
+class FailHost(Protocol):
+    def fail(self, seq: Sequence, stage: str, exc: Exception) -> None: ...
+
+
+class StepExecute:
+    def __init__(
+        self,
+        host: FailHost,
+        runner: ModelRunner,
+        repairer: Repairer | None,
+        precision: PrecisionPolicy,
+        chunks: ChunkRegistrar,
+        cost: CostModel,
+        chunk_size: int,
+    ):
+        self.host, self.runner, self.repairer, self.precision = host, runner, repairer, precision
+        self.chunks, self.cost, self.chunk_size = chunks, cost, chunk_size
+
+    def run(self, items: list[ScheduledSeq]) -> list[tuple[list[ScheduledSeq], torch.Tensor]]:
+        """The items that ran and their sampled rows' logits: one pair for the batched forward, or one
+        per sequence that ran alone after it failed."""
+        start = time.perf_counter()
+        moved = 0
+        for item in list(items):
+            repair = item.seq.repair
+            if repair is not None and not repair.moved:  # a repair's first piece
+                assert self.repairer is not None
+                try:
+                    moved += self.repairer.begin(item.seq)
+                except Exception as e:
+                    self.host.fail(item.seq, "moving its content matches' KV", e)
+                    items.remove(item)
+                    continue
+            if repair is not None and self.repairer is not None:
+                item.probe = self.repairer.probe(item)
+        if not items:
+            return []
+        self.precision.apply(items, self.chunks, self.chunk_size)
+        try:
+            batch = ScheduledBatch(items=items)
+            inputs = self.runner.prepare_inputs(batch)
+            step = self.runner.execute(batch, inputs)
+        except Exception:  # find the sequence that causes it: the others must not fail with it
+            log.exception("a batched forward of %d sequences failed; retrying them one by one", len(items))
+            return self._one_by_one(items)
+        inputs.work.moved = moved
+        self.cost.observe(inputs.work, time.perf_counter() - start)
+        record(step.prompt_logprobs)
+        return [(items, step.logits)]
+
+    def _one_by_one(self, items: list[ScheduledSeq]) -> list[tuple[list[ScheduledSeq], torch.Tensor]]:
+        ran = []
+        for item in items:
+            try:
+                step = self.runner.execute(ScheduledBatch(items=[item]))
+            except Exception as e:
+                self.host.fail(item.seq, "running the model", e)
+                continue
+            record(step.prompt_logprobs)
+            ran.append(([item], step.logits))
+        return ran

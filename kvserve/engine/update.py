@@ -1,0 +1,172 @@
+"""The step's update: what its computed rows and sampled logits do to the sequences.
+
+Per item, in the batch's order: the scheduler's books advance (ChunkRegistrar.computed: progress,
+chunks registered), a content-reuse repair moves on (CacheBlend's selection, its end), and a row
+that samples gets its token: the grammar masks of the step's structured sequences in one batched
+call, then sampling with the request's own seeded generator, grammar acceptance, audits, and the
+output processor's stop checks. A fault in any of these fails that request alone (through the
+engine: `StepHost.fail`).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Protocol
+
+import torch
+
+from kvserve.engine.audit import Auditor
+from kvserve.engine.output import OutputProcessor
+from kvserve.engine.precision import PrecisionPolicy
+from kvserve.engine.repair import Repairer
+from kvserve.engine.sampler import greedy_tokens, plain_greedy, sample_one
+from kvserve.request import FinishReason, Request
+from kvserve.scheduler.batch import ScheduledSeq
+from kvserve.scheduler.content import ContentMatcher
+from kvserve.scheduler.scheduler import Scheduler
+from kvserve.scheduler.sequence import Sequence
+from kvserve.structured import GrammarCompiler
+
+
+class StepHost(Protocol):
+    """What the update asks of the engine that owns the requests."""
+
+    def fail(self, seq: Sequence, stage: str, exc: Exception) -> None: ...
+    def finish(self, seq: Sequence, reason: FinishReason, error: str | None = None) -> None: ...
+    def add_background(self, request: Request) -> None: ...
+
+
+class StepUpdate:
+    def __init__(
+        self,
+        host: StepHost,
+        scheduler: Scheduler,
+        repairer: Repairer | None,
+        content: ContentMatcher,
+        auditor: Auditor,
+        outputs: OutputProcessor,
+        precision: PrecisionPolicy,
+        grammars: GrammarCompiler,
+    ):
+        self.host, self.scheduler, self.repairer, self.content = host, scheduler, repairer, content
+        self.auditor, self.outputs, self.precision, self.grammars = auditor, outputs, precision, grammars
+        self.logits_sink: dict[str, list[torch.Tensor]] | None = None  # tests: raw logits per request
+
+    def apply(self, items: list[ScheduledSeq], logits: torch.Tensor) -> list[Sequence]:
+        """logits [num_sampled, vocab]: one row per item with item.sample, in order. Sampling runs on
+        the CPU (each request's seeded CPU generator, grammar masks, penalties): on a GPU the step's
+        logits come over in one transfer."""
+        logits = logits.cpu()
+        to_sample: list[tuple[Sequence, int]] = []  # (sequence, its row of `logits`)
+        row = 0
+        for item in items:
+            self.scheduler.chunks.computed(item)
+            row += item.sample
+            if item.positions is not None and not self._advance_repair(item.seq):
+                continue
+            if item.sample:
+                to_sample.append((item.seq, row - 1))
+        masks = self._grammar_masks([seq for seq, _ in to_sample])
+        plain = [
+            (seq, r)
+            for seq, r in to_sample
+            if plain_greedy(seq.request.sampling_params)
+            and not seq.request.background
+            and seq.grammar is None
+        ]
+        argmax = dict(zip((seq.request_id for seq, _ in plain), greedy_tokens(logits, [r for _, r in plain])))
+        for seq, r in to_sample:
+            if not seq.finished:  # a failed grammar mask fails its sequence
+                self._sample(seq, logits[r], masks.get(seq.request_id), argmax.get(seq.request_id))
+        return [item.seq for item in items]
+
+    def _grammar_masks(self, seqs: list[Sequence]) -> dict[str, torch.Tensor]:
+        """request id -> bool [vocab] allowed next tokens, for the structured-output sequences among
+        `seqs`, filled in one batched call; free sequences cost nothing."""
+        constrained = [(seq, seq.grammar) for seq in seqs if seq.grammar is not None]
+        if not constrained:
+            return {}
+        try:
+            allowed = self.grammars.allowed_tokens([grammar for _, grammar in constrained])
+        except Exception as e:
+            for seq, _ in constrained:
+                self.host.fail(seq, "computing its grammar mask", e)
+            return {}
+        return {seq.request_id: allowed[i] for i, (seq, _) in enumerate(constrained)}
+
+    def _advance_repair(self, seq: Sequence) -> bool:
+        """After a repair piece: CacheBlend's selection when its first pass ends, the end of the
+        repair after its last. False if that failed (the request is failed)."""
+        repair, repairer = seq.repair, self.repairer
+        assert repair is not None and repairer is not None
+        try:
+            if repair.awaits_selection:
+                repairer.select(seq)
+            if not repair.finished:
+                return True
+            report = repairer.finish(seq)
+        except Exception as e:
+            self.host.fail(seq, "repairing its reused KV", e)
+            return False
+        self.scheduler.chunks.repair_done(seq)
+        self.content.num_hit_tokens += report.num_reused_tokens
+        self.content.num_recomputed_tokens += report.num_recomputed_tokens
+        return True
+
+    def _sample(
+        self, seq: Sequence, logits: torch.Tensor, allowed: torch.Tensor | None, argmax: int | None
+    ) -> None:
+        """`argmax`: its token, found in the step's batched argmax (plain greedy rows), else sampled here."""
+        if seq.request.background:
+            self._audit_step(seq, logits)
+            return
+        if (
+            seq.report is not None
+            and seq.report.strategy is not None
+            and seq.num_output_tokens == 0
+            and self.auditor.wants(seq)
+        ):
+            self.auditor.start(seq)
+        params = seq.request.sampling_params
+        stage = "sampling"
+        try:
+            history = seq.output_token_ids if params.penalizes_history else []
+            if argmax is not None:
+                token, logprob = argmax, None
+            else:
+                token, logprob = sample_one(
+                    logits, params, seq.request.prompt_token_ids, history, seq.generator, allowed
+                )
+            if seq.grammar is not None:
+                stage = "following its grammar"
+                seq.grammar.accept(token)
+            if self.logits_sink is not None:
+                self.logits_sink.setdefault(seq.request_id, []).append(logits.clone())
+            if seq.request.metrics.first_token_time is None:
+                metrics = seq.request.metrics
+                metrics.first_token_time = time.monotonic()
+                self.precision.observe_ttft(
+                    metrics.first_token_time - metrics.arrival_time, metrics.first_token_time
+                )
+            audit = self.auditor.observe(seq, logits, token, self.precision.last(seq.request_id))
+            if audit is not None:
+                self.host.add_background(audit)
+            stage = "processing its output"
+            reason = self.outputs.append(seq, token, logprob)
+        except Exception as e:
+            self.host.fail(seq, stage, e)
+            return
+        if reason is None and seq.grammar is not None and seq.grammar.ends(self.outputs.text(seq)):
+            reason = FinishReason.STOP  # the document is complete (only end-of-sequence could follow)
+        if reason is not None:
+            self.host.finish(seq, reason)
+
+    def _audit_step(self, seq: Sequence, logits: torch.Tensor) -> None:
+        """An audit's recompute has the full prefill's logits at the next served position: feed it
+        the served token there, or record the audit (maybe guarding documents) and end it."""
+        token, keys = self.auditor.step(seq.request_id, logits)
+        if token is not None:
+            seq.token_ids.append(token)  # fed, not generated: no output, no stop checks
+            return
+        self.content.guarded.update(keys)
+        self.host.finish(seq, FinishReason.STOP)  # the auditor recorded it

@@ -1,0 +1,328 @@
+"""KVCacheManager: the one owner of the paged pool's blocks and of every request's hold on them.
+
+The scheduler decides policy (which request, how many rows, whom to preempt); the manager keeps the
+books. Its verbs, in a request's order:
+
+  match    the cached chunks of the longest cached run of leading prefix hashes (no side effects)
+  reserve  hold the chunks an admission uses and make room for its new blocks (evicting unused
+           cached chunks), or undo and say no; `can_ever_fit` tells "wait" from "never"
+  admit    open the request's holding: the matched chunks' blocks (shared) and its new blocks
+  grow     blocks for n more tokens, evicting if it must (False: the pool cannot give them now)
+  commit   register its completed chunks (and a warm's tail piece) in the chunk store
+  free     give back everything it holds (finished or preempted)
+  import   a chunk loaded from a KV tier, written into fresh blocks and cached without a user
+
+It is the only caller of the pool's `allocate` and `retain` (tests/unit/test_import_layers.py checks
+that); the chunk store releases the blocks of the chunks it drops. Per-request state (`Holding`) is
+keyed by request id, so a `Sequence` holds only what the request is and where it stands.
+
+Ownership (invariant 3): a block's pool ref count == the holdings that hold it + 1 if a cached chunk
+holds it; a cached chunk's user count == the holdings that use it; `check_integrity` verifies both.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from kvserve.config import ServeConfig
+from kvserve.kvcache.block_pool import BlockPool
+from kvserve.kvcache.chunk_store import CachedChunk, ChunkStore
+from kvserve.kvcache.hashing import chunk_prefix_hashes, tail_hash
+from kvserve.kvcache.stats import PoolStats, StoreStats, cache_stats
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+@dataclass
+class Holding:
+    """One request's hold on the cache, from admission until it finishes or is preempted."""
+
+    block_ids: list[int] = field(default_factory=list)  # one pool ref each, in position order
+    used_chunks: list[bytes] = field(default_factory=list)  # cached chunks it is a user of
+    num_chunks_in_store: int = 0  # leading chunks cached and held (matched, registered or adopted)
+    in_flight: list[bytes] = field(default_factory=list)  # prompt chunks it computes and will register
+    register_limit: int | None = None  # chunks from this index on hold approximate KV: never registered
+
+
+@dataclass(frozen=True)
+class Committed:
+    """A full chunk a commit inserted into the store, at `index` among the request's chunks."""
+
+    chunk: CachedChunk
+    index: int
+
+
+class KVCacheManager:
+    @classmethod
+    def create(
+        cls, config: ServeConfig, num_blocks: int, on_free: list[Callable[[int], None]]
+    ) -> KVCacheManager:
+        """The pool of `num_blocks` blocks and its chunk store, as the config sizes them; `on_free` is
+        called with each block that returns to the free list (the layers' storages)."""
+        pool = BlockPool(num_blocks, config.block_size)
+        pool.on_free.extend(on_free)
+        max_pinned = int(config.max_pinned_fraction * num_blocks)
+        return cls(pool, ChunkStore(pool, config.chunk_size, config.eviction_policy, max_pinned))
+
+    def __init__(self, pool: BlockPool, store: ChunkStore):
+        self.pool, self.store = pool, store
+        self.block_size = pool.block_size
+        self.chunk_size = store.chunk_size
+        self.blocks_per_chunk = store.blocks_per_chunk
+        self.in_flight: Counter[bytes] = Counter()  # prompt chunks being computed right now
+        self._held: dict[str, Holding] = {}
+
+    # --- reading -----------------------------------------------------------------------------------
+    def holding(self, request_id: str) -> Holding | None:
+        return self._held.get(request_id)
+
+    def block_ids(self, request_id: str) -> list[int]:
+        """The request's blocks in position order ([] when it holds none)."""
+        held = self._held.get(request_id)
+        return held.block_ids if held is not None else []
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self.pool.num_free_blocks
+
+    # --- match -------------------------------------------------------------------------------------
+    def match(self, prefix_hashes: list[bytes]) -> list[CachedChunk]:
+        return self.store.match_prefix(prefix_hashes)
+
+    def num_blocks_available_to(self, matched: list[CachedChunk]) -> int:
+        """Blocks a request sharing `matched` could ever hold: all but other pinned chunks' blocks."""
+        shared_pinned = sum(len(c.block_ids) for c in matched if c.pinned)
+        return self.pool.num_blocks - self.store.num_pinned_blocks + shared_pinned
+
+    # --- reserve -----------------------------------------------------------------------------------
+    def reserve(self, chunks: list[CachedChunk], num_new_blocks: int) -> bool:
+        """Hold `chunks` (so eviction spares them) and make room for `num_new_blocks`; on failure undo
+        and return False."""
+        for chunk in chunks:
+            self.store.acquire(chunk)
+        if self.make_room(num_new_blocks):
+            return True
+        for chunk in chunks:
+            self.store.release(chunk.prefix_hash)
+        return False
+
+    def make_room(self, num_blocks: int) -> bool:
+        """Evict unused cached chunks until `num_blocks` blocks are free; False if they cannot be."""
+        if num_blocks > self.pool.num_free_blocks:
+            self.store.evict(num_blocks - self.pool.num_free_blocks)
+        return num_blocks <= self.pool.num_free_blocks
+
+    def can_ever_fit(
+        self, matched: list[CachedChunk], sources: list[CachedChunk], num_new_blocks: int
+    ) -> bool:
+        """Whether the blocks an admission holds (shared prefix, new blocks, and the content-hit
+        sources it holds while their KV is copied) fit beside the chunks other owners pinned."""
+        shared = {c.prefix_hash for c in matched}
+        held = [c for c in sources if c.prefix_hash not in shared and not c.pinned]
+        blocks = len(matched) * self.blocks_per_chunk + num_new_blocks
+        blocks += sum(len(c.block_ids) for c in held)
+        return blocks <= self.num_blocks_available_to(matched)
+
+    def never_fits_reason(self) -> str:
+        """Why a request alone in the pool still lacks blocks: pinned chunks hold the rest."""
+        return (
+            f"the request needs more KV blocks than can ever be free: {self.store.num_pinned_blocks} of "
+            f"the pool's {self.pool.num_blocks} blocks are pinned; unpin warmed text (DELETE /v1/warm) "
+            "or lower max_tokens"
+        )
+
+    # --- admit and grow ----------------------------------------------------------------------------
+    def admit(
+        self, request_id: str, matched: list[CachedChunk], sources: list[CachedChunk], num_new_blocks: int
+    ) -> Holding:
+        """Open the request's holding after `reserve` succeeded for matched + sources: it shares the
+        matched chunks' blocks and gets `num_new_blocks` fresh ones."""
+        assert request_id not in self._held, f"{request_id} is admitted twice"
+        for chunk in matched:
+            self.pool.retain(chunk.block_ids)
+        held = self._held[request_id] = Holding(
+            block_ids=[b for c in matched for b in c.block_ids] + self.pool.allocate(num_new_blocks),
+            used_chunks=[c.prefix_hash for c in matched + sources],
+            num_chunks_in_store=len(matched),
+        )
+        return held
+
+    def grow(self, request_id: str, num_tokens: int) -> bool:
+        """Give the request blocks for `num_tokens` tokens, evicting unused cached chunks if it must;
+        False (nothing changed but evictions) when the pool cannot give them now."""
+        held = self._held[request_id]
+        need = cdiv(num_tokens, self.block_size) - len(held.block_ids)
+        if need <= 0:
+            return True
+        if not self.make_room(need):
+            return False
+        held.block_ids.extend(self.pool.allocate(need))
+        return True
+
+    # --- commit ------------------------------------------------------------------------------------
+    def commit(
+        self,
+        request_id: str,
+        token_ids: list[int],
+        num_computed: int,
+        prefix_hashes: list[bytes],
+        root: bytes,
+    ) -> list[Committed]:
+        """Register the request's completed chunks (up to its register limit) in the store; returns
+        those it inserted. `prefix_hashes` (the request's) is extended with the hashes of chunks of
+        generated tokens."""
+        held = self._held[request_id]
+        num_full = num_computed // self.chunk_size
+        if held.register_limit is not None:
+            num_full = min(num_full, held.register_limit)
+        if len(prefix_hashes) < num_full:  # chunks made of generated tokens
+            last = prefix_hashes[-1] if prefix_hashes else root
+            prefix_hashes += chunk_prefix_hashes(
+                token_ids[: num_full * self.chunk_size], self.chunk_size, last, len(prefix_hashes)
+            )
+        bpc = self.blocks_per_chunk
+        inserted: list[Committed] = []
+        for i in range(held.num_chunks_in_store, num_full):
+            h = prefix_hashes[i]
+            chunk = self.store.get(h)
+            if chunk is None:
+                blocks = held.block_ids[i * bpc : (i + 1) * bpc]
+                self.pool.retain(blocks)
+                chunk = self.store.insert(h, blocks, i, prefix_hashes[i - 1] if i else None)
+                inserted.append(Committed(chunk, i))
+            else:
+                # computed concurrently by another request: ours stays private, but hold the cached
+                # copy so it stays the parent of the chunks this request registers next
+                self.store.acquire(chunk, hit=False)
+            held.used_chunks.append(h)
+            self._landed(held, h)
+        held.num_chunks_in_store = max(held.num_chunks_in_store, num_full)
+        return inserted
+
+    def commit_tail(
+        self, request_id: str, tail: list[int], prefix_hashes: list[bytes], root: bytes
+    ) -> tuple[bytes, list[int]] | None:
+        """Cache a prompt's final piece shorter than a chunk (`tail`, after its full chunks: a warmed
+        document's end), for content matches. Returns its hash and its last block when this call
+        cached it and it ends mid-block (to seal), or None when it may not be cached (its chunks
+        before it are not all in the store, or its KV is approximate)."""
+        held = self._held[request_id]
+        full = len(prefix_hashes)
+        if not tail or held.num_chunks_in_store < full or held.register_limit is not None:
+            return None
+        parent = prefix_hashes[full - 1] if full else None
+        h = tail_hash(parent or root, tail)
+        chunk = self.store.get(h)
+        open_block: list[int] = []
+        if chunk is None:
+            first = full * self.blocks_per_chunk
+            blocks = held.block_ids[first : first + cdiv(len(tail), self.block_size)]
+            self.pool.retain(blocks)
+            self.store.insert(h, blocks, full, parent, len(tail))
+            open_block = blocks[-1:] if len(tail) % self.block_size else []
+        else:
+            self.store.acquire(chunk, hit=False)
+        held.used_chunks.append(h)
+        return h, open_block
+
+    def mark_in_flight(self, request_id: str, hashes: list[bytes]) -> None:
+        """The request will compute and register these chunks: twins wait for them."""
+        held = self._held[request_id]
+        held.in_flight = list(hashes)
+        self.in_flight.update(hashes)
+
+    def limit(self, request_id: str, prefix_hashes: list[bytes], num_chunks: int) -> None:
+        """From chunk `num_chunks` on, the request's KV must not be cached (it is not what its root
+        hash names: approximate, or computed at another weight precision): lower its register limit
+        and stop holding what it no longer registers in flight (twins compute those instead)."""
+        held = self._held[request_id]
+        if held.register_limit is not None:
+            num_chunks = min(num_chunks, held.register_limit)
+        held.register_limit = num_chunks
+        kept = set(prefix_hashes[:num_chunks])
+        for h in [h for h in held.in_flight if h not in kept]:
+            self._landed(held, h)
+
+    def release_chunks(self, request_id: str, hashes: set[bytes]) -> None:
+        """Stop using these cached chunks (a repair's sources, once their KV is copied)."""
+        held = self._held[request_id]
+        for h in hashes:
+            held.used_chunks.remove(h)
+            self.store.release(h)
+
+    def _landed(self, held: Holding, h: bytes) -> None:
+        if h in held.in_flight:
+            held.in_flight.remove(h)
+            self.in_flight[h] -= 1
+            if self.in_flight[h] <= 0:
+                del self.in_flight[h]
+
+    # --- free --------------------------------------------------------------------------------------
+    def free(self, request_id: str) -> None:
+        """Give back the request's blocks and chunks, and what it still had in flight."""
+        held = self._held.pop(request_id, None)
+        if held is None:
+            return
+        for h in held.used_chunks:
+            self.store.release(h)
+        self.pool.release(held.block_ids)
+        for h in list(held.in_flight):
+            self._landed(held, h)
+
+    # --- import ------------------------------------------------------------------------------------
+    def import_chunk(
+        self,
+        prefix_hash: bytes,
+        depth: int,
+        parent: bytes | None,
+        write: Callable[[list[int]], None],
+    ) -> CachedChunk | None:
+        """Cache a chunk loaded from a KV tier: fresh blocks (after evicting), filled by `write`, held
+        by the store alone (evictable like any unused chunk). None when its parent is not cached or
+        no blocks can be freed. The parent is held meanwhile, so the eviction cannot pick it (a chain
+        loaded into a full pool would cut itself off)."""
+        held_parent = self.store.get(parent) if parent is not None else None
+        if parent is not None and held_parent is None:
+            return None
+        if held_parent is not None:
+            self.store.acquire(held_parent, hit=False)
+        try:
+            if not self.make_room(self.blocks_per_chunk):
+                return None
+            blocks = self.pool.allocate(self.blocks_per_chunk)
+            write(blocks)
+            chunk = self.store.insert(prefix_hash, blocks, depth, parent)  # takes over the allocation's ref
+            self.store.release(prefix_hash)  # no user
+            return chunk
+        finally:
+            if held_parent is not None:
+                self.store.release(held_parent.prefix_hash)
+
+    # --- facts -------------------------------------------------------------------------------------
+    def stats(self, bytes_per_block: float, max_cache_bytes: int) -> tuple[PoolStats, StoreStats]:
+        """The pool's blocks by state and the store's counters (one pass over the cached chunks)."""
+        return cache_stats(self, bytes_per_block, max_cache_bytes)
+
+    # --- invariants --------------------------------------------------------------------------------
+    def check_integrity(self, admitted: list[str]) -> None:
+        """`admitted`: the request ids that should hold something (the running sequences)."""
+        self.pool.check_integrity()
+        self.store.check_integrity()
+        assert set(self._held) <= set(admitted), "a request that is not running holds cache"
+        expected = [0] * self.pool.num_blocks
+        for held in self._held.values():
+            for b in held.block_ids:
+                expected[b] += 1
+        for chunk in self.store.chunks():
+            for b in chunk.block_ids:
+                expected[b] += 1
+        assert expected == self.pool.ref_counts, "pool ref counts do not match owners"
+        users = Counter(h for held in self._held.values() for h in held.used_chunks)
+        for chunk in self.store.chunks():
+            assert chunk.num_users == users.get(chunk.prefix_hash, 0), "chunk user count mismatch"
+        flying = Counter(h for held in self._held.values() for h in held.in_flight)
+        assert flying == self.in_flight, "in-flight chunks do not match the holdings"

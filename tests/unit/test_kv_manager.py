@@ -1,0 +1,99 @@
+"""KVCacheManager's books: holdings keyed by request id, shared prefix blocks, commits, eviction for
+room, tier imports, and the ownership invariant after each verb."""
+
+from __future__ import annotations
+
+from kvserve.kvcache.block_pool import BlockPool
+from kvserve.kvcache.chunk_store import ChunkStore
+from kvserve.kvcache.hashing import chunk_prefix_hashes
+from kvserve.kvcache.manager import KVCacheManager
+
+ROOT = b"r" * 32
+CHUNK = 8  # 2 blocks of 4
+
+
+def make(num_blocks: int = 16) -> KVCacheManager:
+    pool = BlockPool(num_blocks, 4)
+    return KVCacheManager(pool, ChunkStore(pool, CHUNK))
+
+
+def hashes(tokens: list[int]) -> list[bytes]:
+    return chunk_prefix_hashes(tokens, CHUNK, ROOT)
+
+
+def compute(kv: KVCacheManager, rid: str, tokens: list[int]) -> list[bytes]:
+    """A request with no cache hit computes `tokens` and commits its full chunks."""
+    hs = hashes(tokens)
+    assert kv.reserve([], -(-len(tokens) // 4))
+    kv.admit(rid, [], [], -(-len(tokens) // 4))
+    kv.commit(rid, tokens, len(tokens), hs, ROOT)
+    return hs
+
+
+def test_a_second_request_shares_the_committed_prefix():
+    kv = make()
+    tokens = list(range(20))  # 2 full chunks + 4 tokens
+    hs = compute(kv, "a", tokens)
+    kv.check_integrity(["a"])
+    assert len(kv.store) == 2 and kv.holding("a").num_chunks_in_store == 2
+    matched = kv.match(hs)
+    assert [c.prefix_hash for c in matched] == hs
+    assert kv.reserve(matched, 1)
+    kv.admit("b", matched, [], 1)
+    assert kv.block_ids("b")[:4] == kv.block_ids("a")[:4] and kv.block_ids("b")[4] != kv.block_ids("a")[4]
+    kv.check_integrity(["a", "b"])
+    kv.free("a")
+    kv.free("b")
+    kv.check_integrity([])
+    assert kv.num_free_blocks == 16 - 4  # the two cached chunks stay
+    assert kv.block_ids("a") == []
+
+
+def test_grow_evicts_unused_chunks_and_says_no_when_it_cannot():
+    kv = make(num_blocks=8)
+    compute(kv, "a", list(range(16)))  # 4 blocks, 2 chunks cached
+    kv.free("a")
+    assert kv.num_free_blocks == 4
+    kv.admit("b", [], [], 0)
+    assert kv.grow("b", 32)  # 8 blocks: evicts both chunks
+    assert len(kv.store) == 0 and len(kv.block_ids("b")) == 8
+    assert not kv.grow("b", 36)  # a ninth block does not exist
+    assert len(kv.block_ids("b")) == 8
+    kv.check_integrity(["b"])
+
+
+def test_reserve_undoes_its_holds_when_the_blocks_are_not_there():
+    kv = make(num_blocks=8)
+    hs = compute(kv, "a", list(range(16)))
+    matched = kv.match(hs)
+    assert not kv.reserve(matched, 5)  # 4 free; the matched chunks are in use by "a": not evictable
+    assert all(c.num_users == 1 for c in matched)
+    kv.check_integrity(["a"])
+
+
+def test_in_flight_and_limit():
+    kv = make()
+    tokens = list(range(24))
+    hs = hashes(tokens)
+    kv.admit("a", [], [], 6)
+    kv.mark_in_flight("a", hs)
+    assert kv.in_flight == {h: 1 for h in hs}
+    kv.limit("a", hs, 1)  # from chunk 1 on its KV is approximate: not registered, not in flight
+    assert set(kv.in_flight) == {hs[0]}
+    kv.commit("a", tokens, 24, hs, ROOT)
+    assert len(kv.store) == 1 and not kv.in_flight
+    kv.free("a")
+    kv.check_integrity([])
+
+
+def test_import_needs_its_parent_and_leaves_the_chunk_unused():
+    kv = make()
+    hs = hashes(list(range(16)))
+    written: list[list[int]] = []
+    assert kv.import_chunk(hs[1], 1, hs[0], written.append) is None  # parent not cached
+    chunk = kv.import_chunk(hs[0], 0, None, written.append)
+    assert chunk is not None and chunk.num_users == 0 and chunk.evictable
+    assert written == [chunk.block_ids]
+    assert kv.import_chunk(hs[1], 1, hs[0], written.append) is not None
+    kv.check_integrity([])
+    assert kv.store.evict(100) == 4 and kv.num_free_blocks == 16
