@@ -7,12 +7,17 @@ same figures for the cumulative output the engine sent before (every token, the 
 logprob so far: the same output with those fields filled). Medians over the first and the last
 --window outputs; the step time (model forward included, which grows with the context) for scale.
 
-    python scripts/bench_output_deltas.py --tokens 4000
+With --ray, the first and the last window's outputs (deltas, and the cumulative ones beside them) are
+then sent through Ray as a cluster replica sends them: a streaming Ray task yields them one by one to
+this process, which times each arrival (its transfer and unpickling; the task runs on one CPU).
+
+    python scripts/bench_output_deltas.py --tokens 4000 --ray
 """
 
 from __future__ import annotations
 
 import argparse
+import collections
 import dataclasses
 import os
 import pickle
@@ -39,6 +44,7 @@ def main() -> None:
     ap.add_argument("--model", default="smollm2-135m")
     ap.add_argument("--tokens", type=int, default=4000)
     ap.add_argument("--window", type=int, default=500)
+    ap.add_argument("--ray", action="store_true", help="also time the outputs through a Ray stream")
     args = ap.parse_args()
     llm = LLM(model=args.model, max_cache_bytes=400_000_000)
     engine = llm.engine
@@ -56,6 +62,8 @@ def main() -> None:
     params = SamplingParams(max_tokens=args.tokens, temperature=0, ignore_eos=True, logprobs=5)
     engine.add_request(Request("long", prompt, params))
     rows: list[dict[str, float]] = []
+    first_outs: list[tuple[RequestOutput, RequestOutput]] = []  # (delta, cumulative) of the first window
+    last_outs: collections.deque[tuple[RequestOutput, RequestOutput]] = collections.deque(maxlen=args.window)
     tokens, text, logprobs = [], "", []
     done = False
     while not done:
@@ -74,6 +82,9 @@ def main() -> None:
             start = time.perf_counter()  # the copies the cumulative output made (on top of the delta's)
             cumulative = dataclasses.replace(out, token_ids=list(tokens), text=text, logprobs=list(logprobs))
             copy_s = time.perf_counter() - start
+            if len(first_outs) < args.window:
+                first_outs.append((out, cumulative))
+            last_outs.append((out, cumulative))
             size, pickle_s = pickled(out)
             old_size, old_pickle_s = pickled(cumulative)
             rows.append(
@@ -107,6 +118,44 @@ def main() -> None:
         b = statistics.median(r[key] for r in last)
         print(f"| {label} | {a:,.1f} | {b:,.1f} | {b / a:.2f} |")
     llm.close()
+    if args.ray:
+        through_ray(first_outs[:w], list(last_outs)[-w:])
+
+
+def through_ray(
+    first: list[tuple[RequestOutput, RequestOutput]], last: list[tuple[RequestOutput, RequestOutput]]
+) -> None:
+    """Median seconds per output arriving from a streaming Ray task, first window against last."""
+    import ray
+
+    ray.init(num_cpus=1, include_dashboard=False, log_to_driver=False)
+
+    @ray.remote(num_returns="streaming")
+    def replay(outs: list[RequestOutput]):  # type: ignore[no-untyped-def]
+        for out in outs:  # (not `yield from`: Ray drives the generator with send())
+            yield out
+
+    def per_output_us(outs: list[RequestOutput]) -> float:
+        times = []
+        stream = replay.remote(outs)
+        t = time.perf_counter()
+        for ref in stream:
+            ray.get(ref)
+            now = time.perf_counter()
+            times.append(now - t)
+            t = now
+        return statistics.median(times[1:]) * 1e6  # the first waits for the task to start
+
+    print(
+        f"\nthrough Ray ({ray.__version__}): a streaming task yields each window's outputs to this process\n"
+    )
+    print("| per output | first | last | last / first |")
+    print("|---|---|---|---|")
+    for label, k in (("delta (us)", 0), ("cumulative, as before (us)", 1)):
+        a = per_output_us([pair[k] for pair in first])
+        b = per_output_us([pair[k] for pair in last])
+        print(f"| {label} | {a:,.1f} | {b:,.1f} | {b / a:.2f} |")
+    ray.shutdown()
 
 
 if __name__ == "__main__":
