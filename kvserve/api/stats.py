@@ -11,7 +11,7 @@ from kvserve.config import ServeConfig
 from kvserve.engine.async_engine import QueueCounters
 from kvserve.engine.stats import EngineStats
 from kvserve.kvcache.stats import ChunkRow
-from kvserve.metrics import Metrics
+from kvserve.metrics import Metrics, stat_sections
 from kvserve.redact import public_config
 
 
@@ -25,21 +25,17 @@ def stats_body(
     model_name: str,
 ) -> dict[str, Any]:
     snapshot = public_config(config)
+    declared = stat_sections(s)  # kvserve.metrics.STATS
     return {
         "queue": {
-            "waiting": s.num_waiting,
-            "running": s.num_running,
+            **declared["queue"],
             "in_system": num_in_system,
             "max_queue_size": config.max_queue_size,
             **dataclasses.asdict(counters),
-            "preemptions": s.num_preemptions,
         },
-        "cache": _cache(s),
+        "cache": {**declared["cache"], **_cache(s)},
         "throughput": metrics.throughput(time.monotonic()),
-        "tokens": {
-            "prompt_tokens_computed": s.num_prompt_tokens_computed,
-            "generated_tokens": s.num_generated_tokens,
-        },
+        "tokens": declared["tokens"],
         "latency": {**metrics.latency(), "histograms": metrics.histograms()},
         "model": {
             "id": model_name,
@@ -73,28 +69,12 @@ def process_stats() -> dict[str, Any]:
 
 
 def _cache(s: EngineStats) -> dict[str, Any]:
-    pool, store = s.pool, s.store
+    """The cache section's structured parts (its numbers are declared in kvserve.metrics.STATS)."""
     return {
-        "chunks": store.num_chunks,
-        "pinned_chunks": store.num_pinned_chunks,
-        "blocks_used": pool.num_used_blocks,
-        "blocks_total": pool.num_blocks,
-        "cached_blocks": store.num_cached_blocks,
-        "evictable_blocks": pool.num_evictable_blocks,
-        "usage": pool.usage,
         "occupancy_blocks": s.occupancy_blocks,
-        "bytes_used": int(pool.num_used_blocks * s.bytes_per_token * pool.block_size),
-        "cached_bytes": store.cached_bytes,
-        "bytes_budget": store.max_cache_bytes,
-        "bytes_per_token": s.bytes_per_token,
-        "codec": s.kv_codec,
-        "hit_tokens": s.num_hit_tokens,
-        "query_tokens": s.num_query_tokens,
-        "hit_rate": s.hit_rate,
-        "evictions": s.num_evictions,
         "reuse": dataclasses.asdict(s.content_reuse),
         "tiers": {t.tier: dataclasses.asdict(t) for t in s.tiers},
-        "top_chunks": [_chunk_row(c, time.monotonic()) for c in store.top_chunks],
+        "top_chunks": [_chunk_row(c, time.monotonic()) for c in s.store.top_chunks],
     }
 
 

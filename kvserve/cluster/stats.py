@@ -15,22 +15,8 @@ from kvserve.api.stats import process_stats
 from kvserve.cluster import routing
 from kvserve.cluster.config import ClusterConfig
 from kvserve.kvcache.stats import TOP_CHUNKS
-from kvserve.metrics import Metrics
+from kvserve.metrics import STATS, Metrics
 
-_CACHE_SUMS = (
-    "chunks",
-    "pinned_chunks",
-    "blocks_used",
-    "blocks_total",
-    "cached_blocks",
-    "evictable_blocks",
-    "bytes_used",
-    "cached_bytes",
-    "bytes_budget",
-    "hit_tokens",
-    "query_tokens",
-    "evictions",
-)
 SHARED_TIERS = ("redis",)  # one store seen by every replica: its size is counted once
 
 
@@ -67,15 +53,32 @@ def _ratio(num: float, den: float) -> float:
     return num / den if den else 0.0
 
 
+def merge_declared(section: str, rows: list[Mapping[str, Any]]) -> dict[str, Any]:
+    """The replicas' declared numbers of one /v1/stats section, merged as kvserve.metrics.STATS says:
+    summed, taken from the first replica, or a ratio recomputed from the sums."""
+    merged: dict[str, Any] = {}
+    ratios: list[tuple[str, str, str]] = []
+    for stat in STATS:
+        if stat.path is None or not stat.path.startswith(section + "."):
+            continue
+        key = stat.path.split(".", 1)[1]
+        if stat.merge == "sum":
+            merged[key] = sum(row[key] for row in rows)
+        elif stat.merge == "first":
+            merged[key] = rows[0][key]
+        else:  # "ratio:NUM/DEN"
+            num, den = stat.merge.removeprefix("ratio:").split("/")
+            ratios.append((key, num, den))
+    for key, num, den in ratios:
+        merged[key] = _ratio(merged[num], merged[den])
+    return merged
+
+
 def cluster_stats(bodies: list[dict[str, Any]], ingress: Metrics, cluster: ClusterConfig) -> dict[str, Any]:
     bodies = sorted(bodies, key=lambda b: b["replica"])
     caches = [b["cache"] for b in bodies]
-    cache = {k: sum(c[k] for c in caches) for k in _CACHE_SUMS}
+    cache = merge_declared("cache", caches)
     cache.update(
-        usage=_ratio(cache["blocks_used"], cache["blocks_total"]),
-        hit_rate=_ratio(cache["hit_tokens"], cache["query_tokens"]),
-        bytes_per_token=caches[0]["bytes_per_token"],
-        codec=caches[0]["codec"],
         reuse=_sum([c["reuse"] for c in caches]),
         tiers=_tiers([c["tiers"] for c in caches]),
         occupancy_blocks=_sum([c["occupancy_blocks"] for c in caches]),
@@ -97,7 +100,7 @@ def cluster_stats(bodies: list[dict[str, Any]], ingress: Metrics, cluster: Clust
         "queue": _sum([b["queue"] for b in bodies]),
         "cache": cache,
         "throughput": ingress.throughput(time.monotonic()),
-        "tokens": _sum([b["tokens"] for b in bodies]),
+        "tokens": merge_declared("tokens", [b["tokens"] for b in bodies]),
         "latency": {**ingress.latency(), "histograms": ingress.histograms()},
         "model": bodies[0]["model"],
         "config": bodies[0]["config"],

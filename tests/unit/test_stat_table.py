@@ -1,0 +1,75 @@
+"""The engine's numbers are declared once (kvserve.metrics.STATS): /metrics exports each declared
+family, /v1/stats shows each declared path, the cluster merges each as declared, and every number
+the dashboard reads from the cache, queue and tokens sections is declared."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from kvserve import LLM
+from kvserve.cluster.stats import merge_declared
+from kvserve.metrics import STATS, Metrics, stat_sections
+
+DASHBOARD_JS = Path(__file__).resolve().parents[2] / "kvserve" / "api" / "dashboard" / "dashboard.js"
+# the cache section's structured parts (not numbers): built beside the declared ones (api/stats.py)
+STRUCTURED = {"cache.occupancy_blocks", "cache.reuse", "cache.tiers", "cache.top_chunks"}
+
+
+@pytest.fixture(scope="module")
+def llm() -> LLM:
+    llm = LLM(model="tiny-random-llama", max_cache_bytes=8 << 20, chunk_size=16)
+    llm.generate([list(range(1, 40))], None)
+    return llm
+
+
+def test_each_number_is_declared_once_and_well_formed():
+    paths = [s.path for s in STATS if s.path]
+    proms = [s.prom for s in STATS if s.prom]
+    assert len(paths) == len(set(paths)) and len(proms) == len(set(proms))
+    for stat in STATS:
+        assert stat.kind in ("gauge", "counter") and stat.help.endswith(".")
+        assert stat.path or stat.prom, stat
+        assert stat.merge in ("sum", "first") or re.fullmatch(r"ratio:\w+/\w+", stat.merge), stat.merge
+
+
+def test_metrics_and_stats_show_every_declared_number(llm: LLM):
+    metrics = Metrics("m")
+    s = llm.stats()
+    metrics.engine_stats = s
+    families = {f.name: f for f in text_string_to_metric_families(metrics.prometheus_text().decode())}
+    sections = stat_sections(s)
+    for stat in STATS:
+        value = stat.value(s)
+        if stat.prom:
+            family = families[stat.prom]  # the parser drops a counter's _total from the family name
+            assert family.type == stat.kind
+            assert family.samples[0].value == pytest.approx(float(value))
+        if stat.path:
+            section, key = stat.path.split(".")
+            assert sections[section][key] == value
+    assert (
+        sections["cache"]["hit_tokens"] == s.num_hit_tokens and sections["queue"]["running"] == s.num_running
+    )
+
+
+def test_the_cluster_merges_as_declared():
+    a = {"hit_tokens": 30, "query_tokens": 40, "blocks_used": 1, "blocks_total": 4, "codec": "bf16"}
+    b = {"hit_tokens": 10, "query_tokens": 60, "blocks_used": 3, "blocks_total": 4, "codec": "bf16"}
+    rows = [{**{k: 0 for k in (s.path.split(".")[1] for s in STATS if s.path)}, **r} for r in (a, b)]
+    merged = merge_declared("cache", rows)
+    assert merged["hit_tokens"] == 40 and merged["query_tokens"] == 100
+    assert merged["hit_rate"] == pytest.approx(0.4) and merged["usage"] == pytest.approx(0.5)
+    assert merged["codec"] == "bf16"
+
+
+def test_the_dashboard_reads_only_declared_numbers():
+    js = DASHBOARD_JS.read_text()
+    read = {f"{sec}.{key}" for sec, key in re.findall(r"stats\.(cache|queue|tokens)\.(\w+)", js)}
+    read |= {f"cache.{key}" for key in re.findall(r"\bc\.(\w+)", js)}  # `const c = stats.cache`
+    assert "const c = stats.cache" in js and read, "the dashboard's reads were not found"
+    declared = {s.path for s in STATS if s.path}
+    assert read - STRUCTURED <= declared, read - STRUCTURED - declared
