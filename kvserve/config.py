@@ -239,12 +239,12 @@ class ServeConfig:
     # --- scheduling --------------------------------------------------------------------------
     max_num_seqs: int = field(default=32, metadata={"help": "most sequences in one step"})
     max_num_batched_tokens: int = field(
-        default=2048, metadata={"help": "token budget of one step (long prompts are prefilled in pieces)"}
+        default=2048, metadata={"help": "token budget of one step (long prompts are prefilled in slices)"}
     )
     decode_slowdown_limit: float = field(
         default=0.0,
         metadata={
-            "help": "while sequences decode, give prefill and repair pieces only as many rows as keep a "
+            "help": "while sequences decode, give prefill and repair slices only as many rows as keep a "
             "step's estimated time within this multiple of the decode rows' own (e.g. 1.5; 0 = off: "
             "only max_num_batched_tokens limits them)"
         },

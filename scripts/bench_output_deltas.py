@@ -132,7 +132,7 @@ def through_ray(
 
     @ray.remote(num_returns="streaming")
     def replay(outs: list[RequestOutput]):  # type: ignore[no-untyped-def]
-        for out in outs:  # (not `yield from`: Ray drives the generator with send())
+        for out in outs:  # noqa: UP028 (not `yield from`: Ray drives the generator with send())
             yield out
 
     def per_output_us(outs: list[RequestOutput]) -> float:

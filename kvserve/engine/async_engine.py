@@ -259,7 +259,7 @@ class AsyncEngine:
                 continue
             self._publish(force=not self.engine.has_unfinished_requests())  # before clients hear
             self._dispatch(outputs)
-            if not outputs:  # e.g. a batch window or a prefill piece: do not spin hot
+            if not outputs:  # e.g. a batch window or a prefill slice: do not spin hot
                 self._wake.wait(0.001)
         self._run_commands()
         self._fail_all(SHUTTING_DOWN)

@@ -446,7 +446,7 @@ def build_scheduler(
     config: ServeConfig, kv: KVCacheManager, content: ContentMatcher, cost: CostModel, per_token: bool
 ) -> Scheduler:
     """The scheduler as the config sets it up; `per_token`: the KV storage encodes token by token (no
-    block codec), so a prompt piece may end anywhere, else on a block boundary."""
+    block codec), so a prefill slice may end anywhere, else on a block boundary."""
     return Scheduler(
         kv,
         config.max_num_seqs,

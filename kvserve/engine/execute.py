@@ -1,8 +1,8 @@
 """The step's execute: a scheduled batch through the model, one forward, or one per sequence when
 the batched forward fails.
 
-Before the forward, a content-reuse repair's first piece moves its matches' KV in (Repairer.begin)
-and a query-aware repair's piece gets its attention probe; the weight precision of each row is set
+Before the forward, a content-reuse repair's first slice moves its matches' KV in (Repairer.begin)
+and a query-aware repair's slice gets its attention probe; the weight precision of each row is set
 (engine/precision.py). A fault while moving a request's KV fails that request alone; a fault in a
 batched forward is retried sequence by sequence, so only the sequence that causes it fails. Every
 batched forward's wall time and work feed the cost model that content reuse plans with.
@@ -53,7 +53,7 @@ class StepExecute:
         moved = 0
         for item in list(items):
             repair = item.seq.repair
-            if repair is not None and not repair.moved:  # a repair's first piece
+            if repair is not None and not repair.moved:  # a repair's first slice
                 assert self.repairer is not None
                 try:
                     moved += self.repairer.begin(item.seq)

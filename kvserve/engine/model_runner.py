@@ -1,7 +1,7 @@
 """ModelRunner: ScheduledBatch -> packed tensors -> model forward -> logits of the sampled rows, and
 the prompt logprobs of the prefill rows that need them (engine/prompt_logprobs.py).
 
-This is the one forward of the model: prefill pieces, decode rows and content-reuse repair rows
+This is the one forward of the model: prefill slices, decode rows and content-reuse repair rows
 (scheduler/repair.py) run through it together. A repair row carries its own position; a batch with
 such rows gives every row its explicit position (`AttentionMetadata.query_positions`; a prefill or
 decode row at position p sees [0, p], as the bottom-right rule gives it) and runs attention through a

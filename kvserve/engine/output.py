@@ -95,7 +95,7 @@ class OutputProcessor:
 
     # --- outputs -----------------------------------------------------------------------------------
     def delta(self, seq: Sequence, weight_precision: str | None = None) -> RequestOutput | None:
-        """What is new since the last emission; None if nothing is (e.g. a prefill piece)."""
+        """What is new since the last emission; None if nothing is (e.g. a prefill slice)."""
         out = self._streams[seq.request_id]
         emit_to = max(out.num_emitted_chars, len(out.text) - self.holdback(seq))
         if seq.num_output_tokens == out.num_emitted_tokens and emit_to == out.num_emitted_chars:

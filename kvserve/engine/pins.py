@@ -32,7 +32,7 @@ class WarmPins:
         tokens = seq.request.prompt_token_ids
         hashes = prompt_chunk_hashes(tokens, self.chunk_size, seq.cache.root_hash)
         blocks = [self.store.blocks_per_chunk] * (len(tokens) // self.chunk_size)
-        if len(hashes) > len(blocks):  # the tail piece (kept when content reuse is available)
+        if len(hashes) > len(blocks):  # the tail (kept when content reuse is available)
             blocks.append(-(-(len(tokens) % self.chunk_size) // self.block_size))
         return hashes, blocks
 

@@ -1,7 +1,7 @@
 """Prompt logprobs (SamplingParams.prompt_logprobs = k): each prompt token j >= 1 scored by the logits
 at position j - 1, its log probability plus the k most likely tokens there. Token 0 has no score.
 
-Which rows: a prefill piece computing positions [start, end) scores the tokens after those of its
+Which rows: a prefill slice computing positions [start, end) scores the tokens after those of its
 positions that still need it (`rows_to_score`); the model runner turns those hidden rows into
 logits a block of ROWS_PER_BLOCK rows at a time and keeps only the numbers (`score`), so a long
 prompt never holds [prompt_len, vocab] float32 logits.
@@ -45,7 +45,7 @@ class PromptRows:
 
 
 def rows_to_score(seq: Sequence, start: int, end: int) -> tuple[int, int] | None:
-    """Positions [lo, hi) of a piece computing [start, end) whose logits give prompt logprobs not yet
+    """Positions [lo, hi) of a slice computing [start, end) whose logits give prompt logprobs not yet
     recorded (the last prompt position scores no prompt token); None when there are none."""
     if not seq.wants_prompt_logits:
         return None

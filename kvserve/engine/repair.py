@@ -2,10 +2,10 @@
 
 The rows of a repair run in ordinary steps through the one model forward (ModelRunner), each at its
 explicit position. Around them the engine:
-  begin    before the first piece: copies the hits' KV into the sequence's blocks with K re-rotated
+  begin    before the first slice: copies the hits' KV into the sequence's blocks with K re-rotated
            from the old to the new positions, holds those blocks exact (their rows are written out
            of order, LayerKV.hold_exact), and for CacheBlend keeps the moved K at the check layer
-  probe    query-aware repair, on each first-pass piece that holds the question's rows: an
+  probe    query-aware repair, on each first-pass slice that holds the question's rows: an
            AttentionProbe the model runner measures at the first pass's last layer
   select   CacheBlend, when the first pass (every row through layers [0, check_layer]) is done: the
            reused tokens whose fresh K at the check layer moved furthest from the moved K; query-aware
@@ -81,7 +81,7 @@ class Repairer:
         return int(dst.numel()) * len(self.layers)
 
     def probe(self, item: ScheduledSeq) -> AttentionProbe | None:
-        """Query-aware repair: the probe of a first-pass piece's question rows (None: it has none)."""
+        """Query-aware repair: the probe of a first-pass slice's question rows (None: it has none)."""
         repair = item.seq.repair
         if repair is None or not repair.probing or item.positions is None:
             return None

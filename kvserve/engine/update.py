@@ -95,7 +95,7 @@ class StepUpdate:
         return {seq.request_id: allowed[i] for i, (seq, _) in enumerate(constrained)}
 
     def _advance_repair(self, seq: Sequence) -> bool:
-        """After a repair piece: CacheBlend's selection when its first pass ends, the end of the
+        """After a repair slice: CacheBlend's selection when its first pass ends, the end of the
         repair after its last. False if that failed (the request is failed)."""
         repair, repairer = seq.repair, self.repairer
         assert repair is not None and repairer is not None

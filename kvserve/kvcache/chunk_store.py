@@ -34,7 +34,7 @@ class CachedChunk:
     block_ids: list[int]
     depth: int  # chunk index within the prompt that produced it (0 = first chunk)
     parent: bytes | None  # prefix hash of the chunk before it (None: depth 0, under the root)
-    num_tokens: int = 0  # chunk_size, or fewer for a prompt's tail piece (never prefix-matched)
+    num_tokens: int = 0  # chunk_size, or fewer for a prompt's tail (never prefix-matched)
     num_users: int = 0
     num_pins: int = 0  # owners pinning it
     num_children: int = 0  # cached chunks whose parent it is
@@ -126,7 +126,7 @@ class ChunkStore:
     ) -> CachedChunk:
         """Register a chunk computed by a running request, which becomes its first user. The parent
         must be cached (the caller holds it). The caller (kvcache/manager.py) has given the store one
-        pool ref on each block; the store releases it when it drops the chunk. A tail piece
+        pool ref on each block; the store releases it when it drops the chunk. A tail
         (num_tokens < chunk_size) is held for content matches only."""
         num_tokens = num_tokens or self.chunk_size
         assert prefix_hash not in self._chunks and 0 < num_tokens <= self.chunk_size

@@ -43,12 +43,12 @@ def content_hash(namespace: str, chunk_token_ids: Sequence[int]) -> bytes:
 
 
 def tail_hash(parent: bytes, token_ids: Sequence[int]) -> bytes:
-    """Key of a prompt's final piece shorter than a chunk (held for content matches only)."""
+    """Key of a prompt's tail (its tokens after its last full chunk) (held for content matches only)."""
     return hashlib.sha256(b"tail\0" + parent + _token_bytes(token_ids)).digest()
 
 
 def prompt_chunk_hashes(token_ids: Sequence[int], chunk_size: int, root: bytes) -> list[bytes]:
-    """Keys of everything a prompt can leave in the cache: its full chunks, then its tail piece."""
+    """Keys of everything a prompt can leave in the cache: its full chunks, then its tail."""
     hashes = chunk_prefix_hashes(token_ids, chunk_size, root)
     full = len(hashes) * chunk_size
     if full < len(token_ids):

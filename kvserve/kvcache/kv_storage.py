@@ -33,7 +33,7 @@ class LayerKV(ABC):
     head_dim: int
     compute_dtype: torch.dtype
     # every row is stored on its own (no encoding of a block from all its rows): a prompt may then
-    # be computed in pieces cut at any token, not only at block boundaries (Scheduler.granularity)
+    # be computed in slices cut at any token, not only at block boundaries (Scheduler.granularity)
     per_token: bool = True
 
     @abstractmethod
@@ -74,7 +74,7 @@ class LayerKV(ABC):
         return 0
 
     def seal(self, block_ids: list[int]) -> None:  # noqa: B027 - optional hook
-        """These blocks will not be written again (a cached piece that ends mid-block): storage that
+        """These blocks will not be written again (a cached tail that ends mid-block): storage that
         keeps a partly written block in full precision until it fills encodes it now."""
 
     def on_block_freed(self, block_id: int) -> None:  # noqa: B027 - optional hook

@@ -8,7 +8,7 @@ books. Its verbs, in a request's order:
            cached chunks), or undo and say no; `can_ever_fit` tells "wait" from "never"
   admit    open the request's holding: the matched chunks' blocks (shared) and its new blocks
   grow     blocks for n more tokens, evicting if it must (False: the pool cannot give them now)
-  commit   register its completed chunks (and a warm's tail piece) in the chunk store
+  commit   register its completed chunks (and a warm's tail) in the chunk store
   free     give back everything it holds (finished or preempted)
   import   a chunk loaded from a KV tier, written into fresh blocks and cached without a user
 
@@ -206,7 +206,7 @@ class KVCacheManager:
     def commit_tail(
         self, request_id: str, tail: list[int], prefix_hashes: list[bytes], root: bytes
     ) -> tuple[bytes, list[int]] | None:
-        """Cache a prompt's final piece shorter than a chunk (`tail`, after its full chunks: a warmed
+        """Cache a prompt's tail (`tail`: its tokens after its full chunks, fewer than a chunk; a warmed
         document's end), for content matches. Returns its hash and its last block when this call
         cached it and it ends mid-block (to seal), or None when it may not be cached (its chunks
         before it are not all in the store, or its KV is approximate)."""

@@ -56,7 +56,7 @@ class OpenKeyShadows:
     block id to its row of `pool` (-1: the block has no shadow, read its packed codes). Capacity
     doubles when every slot is taken (kernels read the attributes at call time), and stays bounded by
     the number of blocks open at once: one per running sequence plus the blocks a content-reuse
-    prefill has partly written (a cached piece that ends mid-block is sealed: LayerKV.seal).
+    prefill has partly written (a cached tail that ends mid-block is sealed: LayerKV.seal).
     `written[block_id]` has bit i set once row i of the block was written; unwritten rows read as 0.
     """
 
@@ -287,7 +287,7 @@ class QuantizedLayerKV(LayerKV):
     def seal(self, block_ids: list[int]) -> None:
         """Encode open blocks that will not fill: from the rows written, the unwritten rows (never
         read) taking the first written row's values so they do not widen any channel's range. The
-        shadow is dropped, so a cached piece that ends mid-block costs its packed bytes only."""
+        shadow is dropped, so a cached tail that ends mid-block costs its packed bytes only."""
         sealed: dict[int, torch.Tensor] = {}
         for block_id in block_ids:
             if block_id not in self.open_k:

@@ -4,7 +4,7 @@
 Why not torch: its CPU GEMM picks a different summation order depending on the number of rows (on the
 dev machine a row's fp32 result differed between 1 and 4+ rows), so a token's projections depended on
 what else was in the step: a decode row next to another sequence's prefill, the last prompt token
-recomputed alone on a full prefix hit, or a prompt split differently into prefill pieces. Through
+recomputed alone on a full prefix hit, or a prompt split differently into prefill slices. Through
 `row_linear` every output element is one fixed sum whatever the row count, the tiling and the thread
 count (batch invariance; docs/kernels.md has the guarantee and what it cost).
 

@@ -22,7 +22,7 @@ if TYPE_CHECKING:
     from kvserve.scheduler.registration import ChunkRegistrar
 
 
-def piece_len(start: int, end: int, budget: int, granularity: int) -> int:
+def slice_len(start: int, end: int, budget: int, granularity: int) -> int:
     """Tokens of [start, end) to compute this step: all of them if the budget allows, else as many as
     end on a multiple of `granularity` (0 when the budget left does not reach one; a whole step's
     budget always does, since max_num_batched_tokens >= block_size >= granularity)."""
@@ -37,7 +37,7 @@ class Admission:
 
     matched: list[CachedChunk]  # exact prefix chunks (their blocks are shared)
     hits: list[ContentHit]  # content matches after the prefix (their KV is copied and moved)
-    num_new_tokens: int  # tokens computed at admission (with hits: the whole rest, in repair pieces)
+    num_new_tokens: int  # tokens computed at admission (with hits: the whole rest, in repair slices)
     num_new_blocks: int  # blocks to allocate
     choice: Choice | None = None  # what the content matcher decided (None: no content matches)
 
@@ -103,7 +103,7 @@ class Admissions:
         if hits:
             n = seq.num_tokens - num_cached
         else:
-            n = piece_len(num_cached, seq.num_tokens, budget, granularity)
+            n = slice_len(num_cached, seq.num_tokens, budget, granularity)
         need = cdiv(num_cached + n, self.block_size) - len(matched) * self.kv.blocks_per_chunk
         return Admission(matched, hits, n, need, choice)
 

@@ -14,7 +14,7 @@ class ScheduledSeq:
     seq: Sequence
     num_new_tokens: int  # computes token_ids[kv.num_computed_tokens : + num_new_tokens]
     sample: bool  # this step reaches the end of the known tokens: sample the next one
-    # a piece of a content-reuse repair (scheduler/repair.py): the rows' positions, and how many
+    # a slice of a content-reuse repair (scheduler/repair.py): the rows' positions, and how many
     # layers they run through (None: all); else the rows are the num_new_tokens after the computed ones
     positions: list[int] | None = None
     num_layers: int | None = None
@@ -43,7 +43,7 @@ class ContentHit:
 class BlendPlan:
     """A prompt prefilled with content reuse: [0, prefix_len) exact (shared blocks), the hits' KV
     copied in and moved, everything else computed, plus the repair the strategy asks for. It runs as
-    a Repair (scheduler/repair.py): pieces of ordinary steps."""
+    a Repair (scheduler/repair.py): slices of ordinary steps."""
 
     seq: Sequence
     prefix_len: int

@@ -226,7 +226,7 @@ class ContentMatcher:
 
     def register(self, seq: Sequence, num_held_tokens: int, chunk_hashes: list[bytes]) -> None:
         """Index the prompt pieces whose KV now lies in cached chunks: [0, num_held_tokens) is held
-        by chunk_hashes (one per chunk_size tokens, the last may be a tail piece)."""
+        by chunk_hashes (one per chunk_size tokens, the last may be a tail)."""
         prompt = self._prompts.get(seq.request_id)
         if prompt is None:
             return

@@ -35,7 +35,7 @@ class ChunkRegistrar:
 
     def computed(self, item: ScheduledSeq) -> None:
         """The step computed item.num_new_tokens tokens of the sequence: register completed chunks.
-        A repair piece only advances its pass (the engine ends the repair: `repair_done`)."""
+        A repair slice only advances its pass (the engine ends the repair: `repair_done`)."""
         seq = item.seq
         if item.positions is not None:
             assert seq.repair is not None
@@ -78,7 +78,7 @@ class ChunkRegistrar:
             self.content.register(seq, num_cached, cache.prefix_hashes[: held.num_chunks_in_store])
 
     def register_tail(self, seq: Sequence) -> list[int]:
-        """Cache the prompt's final piece shorter than a chunk (warmed documents), for content matches;
+        """Cache the prompt's tail (its tokens after its last full chunk: warmed documents), for content matches;
         returns its last block when this call cached it and it ends mid-block (to seal), else []."""
         if self.content is None or not self.content.enabled:
             return []

@@ -22,11 +22,11 @@ over whatever the slots held. The passes of each strategy:
 The second cacheblend pass recomputes layers [0, check_layer] of its rows with the same inputs the
 first pass had, so it writes the same values: the result is CacheBlend's single forward.
 
-Passes are computed in position order, in pieces the scheduler fits into ordinary steps beside other
+Passes are computed in position order, in slices the scheduler fits into ordinary steps beside other
 sequences' rows. A row at position p sees the final KV of every position <= p whatever the cut. Where
-the storage encodes whole blocks (KIVI's K), a piece also ends on a block boundary (except the pass's
-last), so every block is written by one piece per pass and is encoded from the same rows however the
-budget cut the pass (`next_piece`).
+the storage encodes whole blocks (KIVI's K), a slice also ends on a block boundary (except the pass's
+last), so every block is written by one slice per pass and is encoded from the same rows however the
+budget cut the pass (`next_slice`).
 """
 
 from __future__ import annotations
@@ -57,7 +57,7 @@ class Repair:
     passes: list[RepairPass]
     reused: list[int]  # positions whose KV was moved in, sorted
     fresh: list[int]  # positions computed because nothing reused covers them, sorted
-    moved: bool = False  # the engine has copied the hits in (before the first piece)
+    moved: bool = False  # the engine has copied the hits in (before the first slice)
     check_k: Any = None  # cacheblend: the moved K of `reused` at the check layer (a tensor)
     query_mass: Any = None  # query: attention mass of the question's rows on every position (a tensor)
     token_layers: list[int] = field(init=False)  # rows each layer computed, over all passes
@@ -84,7 +84,7 @@ class Repair:
     def finished(self) -> bool:
         return self.current is None and not self.awaits_selection
 
-    def next_piece(self, budget: int, granularity: int) -> list[int]:
+    def next_slice(self, budget: int, granularity: int) -> list[int]:
         """Positions of the current pass to compute next within `budget` rows: all that are left if
         they fit, else those before the furthest multiple of `granularity` (the block size where
         storage encodes whole blocks, else 1) the budget reaches (empty: none)."""
@@ -99,7 +99,7 @@ class Repair:
         return left[: bisect_left(left, boundary)]
 
     def completes_prompt(self, rows: list[int]) -> bool:
-        """Whether computing `rows` (the next piece) ends the last pass through every layer: the
+        """Whether computing `rows` (the next slice) ends the last pass through every layer: the
         prompt's last row is then sampled (a preempted and re-admitted repair has decode rows after)."""
         cur = self.current
         return (

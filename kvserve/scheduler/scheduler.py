@@ -2,12 +2,12 @@
 
 Each step: running sequences first (decodes, unfinished prefills and content-reuse repairs, oldest
 first), then admission from the prefix-grouped queue, all under the step's token budget and the
-sequence cap. A long prompt is prefilled in pieces; where the KV storage encodes whole blocks (KIVI's
-K), every piece but its last ends on a block boundary (`granularity`), so each token gets the same
+sequence cap. A long prompt is prefilled in slices (its rows of one step); where the KV storage encodes whole blocks (KIVI's
+K), every slice but its last ends on a block boundary (`granularity`), so each token gets the same
 values whichever way the prompt was cut and a request's output does not depend on the batch it ran
-in. A prompt whose content matches were taken runs as a Repair (repair.py): pieces of rows at
-explicit positions, scheduled like prefill pieces. With `decode_slowdown_limit`, prefill and repair
-pieces beside decoding sequences get only the rows that keep the step's estimated time (cost.py)
+in. A prompt whose content matches were taken runs as a Repair (repair.py): slices of rows at
+explicit positions, scheduled like prefill slices. With `decode_slowdown_limit`, prefill and repair
+slices beside decoding sequences get only the rows that keep the step's estimated time (cost.py)
 within that multiple of the decodes' own (slowdown.py). Background sequences (the audit's recomputes) are
 admitted and stepped only while nothing else runs or waits.
 
@@ -32,7 +32,7 @@ from collections.abc import Callable, Iterator
 from kvserve.kvcache.hashing import chunk_prefix_hashes
 from kvserve.kvcache.manager import KVCacheManager
 from kvserve.request import FinishReason
-from kvserve.scheduler.admission import Admission, Admissions, piece_len
+from kvserve.scheduler.admission import Admission, Admissions, slice_len
 from kvserve.scheduler.batch import ScheduledBatch, ScheduledSeq
 from kvserve.scheduler.content import ContentMatcher
 from kvserve.scheduler.cost import CostModel
@@ -74,7 +74,7 @@ class Scheduler:
         self.content = content if enable_prefix_caching else None
         self.chunks = ChunkRegistrar(kv, self.content, enable_prefix_caching)
         self.admissions = Admissions(kv, self.content, self.chunks, enable_prefix_caching)
-        # a prompt piece that is not its last ends on a multiple of this (the block size where the KV
+        # a prefill slice that is not its prompt's last ends on a multiple of this (the block size where the KV
         # storage encodes whole blocks, else 1: `LayerKV.per_token`)
         self.granularity = granularity or self.block_size
         self.slowdown = SlowdownLimit(decode_slowdown_limit, cost, self.granularity, max_num_batched_tokens)
@@ -121,7 +121,7 @@ class Scheduler:
         idle = self.idle
         decoding = [s for s in self.running if is_decoding(s) and (idle or not s.request.background)]
         longest = max((s.num_tokens for s in [*self.running, *self.waiting]), default=0)
-        prefill = self.slowdown.rows(decoding, longest)  # for prefill and repair pieces beside decodes
+        prefill = self.slowdown.rows(decoding, longest)  # for prefill and repair slices beside decodes
         for seq in list(self.running):
             if budget == 0:
                 break
@@ -135,9 +135,9 @@ class Scheduler:
                 room = min(room, BACKGROUND_ROWS)
             item: ScheduledSeq | None
             if seq.repair is not None:  # its blocks were all allocated at admission
-                item = self._repair_piece(seq, seq.repair, room)
+                item = self._repair_slice(seq, seq.repair, room)
             else:
-                n = piece_len(seq.num_computed_tokens, seq.num_tokens, room, self.granularity)
+                n = slice_len(seq.num_computed_tokens, seq.num_tokens, room, self.granularity)
                 if n <= 0 or not self._ensure_blocks(seq, seq.num_computed_tokens + n, batch):
                     continue
                 sample = seq.num_computed_tokens + n == seq.num_tokens and seq.generates
@@ -196,9 +196,9 @@ class Scheduler:
         batch.preempted.append(victim)
         return True
 
-    def _repair_piece(self, seq: Sequence, repair: Repair, budget: int) -> ScheduledSeq | None:
+    def _repair_slice(self, seq: Sequence, repair: Repair, budget: int) -> ScheduledSeq | None:
         """The next rows of a content-reuse repair that fit the budget (scheduler/repair.py)."""
-        rows = repair.next_piece(budget, self.granularity)
+        rows = repair.next_slice(budget, self.granularity)
         if not rows or (cur := repair.current) is None:
             return None
         sample = repair.completes_prompt(rows) and seq.num_tokens == seq.num_prompt_tokens and seq.generates
@@ -242,7 +242,7 @@ class Scheduler:
         seq.status = SeqStatus.RUNNING
         self.running.append(seq)
         if repair is not None:
-            return self._repair_piece(seq, repair, budget)
+            return self._repair_slice(seq, repair, budget)
         sample = seq.num_computed_tokens + adm.num_new_tokens == seq.num_tokens and seq.generates
         return self._item(seq, adm.num_new_tokens, sample)
 

@@ -1,14 +1,14 @@
 """The decode slowdown limit: how many prefill and repair rows a step may take beside decode rows.
 
-With `--decode-slowdown-limit L` and sequences decoding, prefill and repair pieces get as many rows
+With `--decode-slowdown-limit L` and sequences decoding, prefill and repair slices get as many rows
 as keep the step's estimated time (CostModel) within L times the decode rows' own, at least one
-piece's granularity (so every prompt progresses); otherwise the whole token budget.
+slice's granularity (so every prompt progresses); otherwise the whole token budget.
 
 The bound is approximate: a few rows over a long context are bound by reading its KV, which the cost
 model (fitted mostly on steps of many rows, which share that read) underprices, and the first row
 pays the whole read. On the dev machine one row at position ~3,000 beside 4 short decodes already
 made the step about 1.5x slower (docs/blend.md). Scaling the price of every row by the measured
-ratio was tried: it drove pieces to one row a step, doubled the long prompt's TTFT and did not
+ratio was tried: it drove slices to one row a step, doubled the long prompt's TTFT and did not
 lower the decode ITL, so it is not done.
 """
 
@@ -30,7 +30,7 @@ class SlowdownLimit:
         self.budget = budget
 
     def rows(self, decoding: list[Sequence], longest: int) -> int:
-        """Rows for prefill and repair pieces this step, beside `decoding`; `longest` is the longest
+        """Rows for prefill and repair slices this step, beside `decoding`; `longest` is the longest
         sequence that may take them (its rows are priced at its end)."""
         if self.limit <= 0 or self.cost is None or not decoding:
             return self.budget

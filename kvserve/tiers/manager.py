@@ -174,7 +174,7 @@ class KVTiers:
 
     def _on_evict(self, chunk: CachedChunk) -> None:
         if chunk.token_hash is None or chunk.num_tokens != self.store.chunk_size or self.closed:
-            return  # tail pieces (content matches only) stay in the hot pool
+            return  # tails (content matches only) stay in the hot pool
         if self._demoter is not None and self.cold is not None:
             # the copy is taken now (the blocks are freed next); the encoding runs on the demoter
             kv = self.cold.snapshot(chunk.block_ids)

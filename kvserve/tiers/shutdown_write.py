@@ -52,7 +52,7 @@ def shutdown_order(
     cached: list[CachedChunk], chunk_size: int, value: Callable[[bytes], tuple[float, int]]
 ) -> list[CachedChunk]:
     """The chunks of `cached` (the chunk store's) that may be written, most valuable first, each
-    after its parent: exact (never an approximation), full (tail pieces stay hot), with their
+    after its parent: exact (never an approximation), full (tails stay hot), with their
     token-ids hash (checked when the entry is read)."""
     chunks = [c for c in cached if c.exact and c.token_hash is not None and c.num_tokens == chunk_size]
     own = {c.prefix_hash: (c.pinned, value(c.prefix_hash)) for c in chunks}

@@ -61,7 +61,7 @@ def test_warm_then_hit_stats_metrics_and_unpin(tiny_server: Server) -> None:
         assert again["num_new_chunks"] == 0 and again["num_cached_chunks"] == 2
         assert _cached(tiny_server, doc + _ids(11, 5)) == 256
         stats = tiny_server.stats()
-        # 2 whole chunks plus the 44-token tail piece (kept for position-independent matches)
+        # 2 whole chunks plus the 44-token tail (kept for position-independent matches)
         assert stats["cache"]["pinned_chunks"] == before["cache"]["pinned_chunks"] + 3
         assert stats["cache"]["hit_tokens"] >= before["cache"]["hit_tokens"] + 256
         assert stats["cache"]["chunks"] >= 2 and stats["cache"]["bytes_per_token"] == 1024

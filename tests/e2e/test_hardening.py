@@ -306,7 +306,7 @@ def test_unpin_reports_the_chunks_it_unpinned(tiny_server: Server) -> None:
         first = h.request("DELETE", "/v1/warm", json={"prompt_token_ids": doc}).json()
         second = h.request("DELETE", "/v1/warm", json={"prompt_token_ids": doc}).json()
         never = h.request("DELETE", "/v1/warm", json={"text": "never pinned, never warmed"}).json()
-    assert first["num_unpinned_chunks"] == 3  # 2 chunks + the 44-token tail piece
+    assert first["num_unpinned_chunks"] == 3  # 2 chunks + the 44-token tail
     assert second["num_unpinned_chunks"] == 0
     assert never["num_unpinned_chunks"] == 0
 

@@ -181,11 +181,11 @@ def test_warm_without_content_reuse_keeps_no_tail_pieces(monkeypatch: pytest.Mon
     llm = make()
     assert not llm.stats().content_reuse.available
     result = llm.warm(corpus_token_ids(llm, 2 * CHUNK + 10, seed=490), pin=True)
-    assert result.num_new_chunks == 2 and len(llm.engine.store) == 2, "a tail piece nobody can use"
+    assert result.num_new_chunks == 2 and len(llm.engine.store) == 2, "a tail nobody can use"
 
 
 def test_cached_tail_pieces_hold_no_full_precision_shadow():
-    """KIVI keeps a block's K in full precision until the block fills; a warmed text's tail piece ends
+    """KIVI keeps a block's K in full precision until the block fills; a warmed text's tail ends
     mid-block and never fills, so unsealed it would hold a shadow (uncounted by the budget) for as long
     as it stays cached."""
     llm = make(kv_cache_dtype="int8")

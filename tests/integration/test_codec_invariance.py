@@ -1,7 +1,7 @@
 """Batch invariance under every KV codec (issue 11, symptom 14), on CPU with the CPU extension.
 
 A request's logits must be bitwise the same whether its prompt was computed cold, warm on top of
-cached chunks (a full hit recomputing only the last token, or a short suffix), in prefill pieces of
+cached chunks (a full hit recomputing only the last token, or a short suffix), in prefill slices of
 another size, batched with identical requests, or decoded next to another sequence's long prefill.
 With a quantized KV cache this is what makes warm == cold hold at all: a last-bit difference in a K
 value flips a rounding of the quantizer now and then, and the flip changes greedy tokens. The
@@ -32,7 +32,7 @@ CODECS += ["int4dq", "kint3dq-vturbo2.5"]
 # in bf16 (auto) or quantized from bf16 rows; one codec of each reader and quantizer family
 BF16_CODECS = ["auto", "fp8_e4m3", "int8", "int4", "int4dq", "turbo4"]
 # KIVI K is quantized per block when the block fills; until then rows read its exact K. These tests
-# hold for KIVI because the scheduler ends every prefill piece but a prompt's last on a block boundary
+# hold for KIVI because the scheduler ends every prefill slice but a prompt's last on a block boundary
 # (Scheduler._piece_len): test_decode_next_to_long_prefill fails for int8/int4/int2 without it.
 
 pytestmark = pytest.mark.skipif(
@@ -128,7 +128,7 @@ def check_decode_next_to_prefill(llm: LLM, short_len: int, long_len: int, seed: 
         for _ in range(3):  # prefill and two decode steps alone
             engine.step()
         engine.add_request(Request("long", list(long), long_params))
-        mixed = False  # a step that sampled both: the long prompt's last prefill piece and a decode row
+        mixed = False  # a step that sampled both: the long prompt's last prefill slice and a decode row
         while engine.has_unfinished_requests():
             before = len(engine.update.logits_sink["short"])
             engine.step()

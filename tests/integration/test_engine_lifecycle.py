@@ -119,7 +119,7 @@ def test_unknown_model_lists_builtins():
 
 
 def test_warm_counts_whole_chunks_when_the_text_has_a_tail(llm: LLM):
-    """Regression: the tail piece kept for content matches once made num_cached_chunks negative."""
+    """Regression: the tail kept for content matches once made num_cached_chunks negative."""
     text = corpus_token_ids(llm, 2 * CHUNK + 16, seed=8)
     first = llm.warm(text)
     assert (first.num_cacheable_tokens, first.num_new_chunks, first.num_cached_chunks) == (2 * CHUNK, 2, 0)

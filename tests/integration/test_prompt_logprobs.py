@@ -1,6 +1,6 @@
 """Prompt logprobs (SamplingParams.prompt_logprobs) against a plain Hugging Face forward in fp32:
 each prompt token j >= 1 scored by the logits at j - 1, equal to HF's within 1e-4 whether the prompt
-was cached or not and however the prompt was cut into prefill pieces; max_tokens=0 (prompt only)."""
+was cached or not and however the prompt was cut into prefill slices; max_tokens=0 (prompt only)."""
 
 from __future__ import annotations
 

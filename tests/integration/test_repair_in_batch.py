@@ -48,7 +48,7 @@ def warmed(llm: LLM, num_docs: int = 3, length: int = 4 * CHUNK) -> list[list[in
 
 
 def record_batches(llm: LLM) -> list[list[tuple[str, bool, int]]]:
-    """Spy on the model runner: per step, (request id, is a repair piece, rows) of each item."""
+    """Spy on the model runner: per step, (request id, is a repair slice, rows) of each item."""
     steps: list[list[tuple[str, bool, int]]] = []
     runner = llm.engine.runner
     execute = runner.execute
@@ -99,7 +99,7 @@ def test_repair_rows_share_steps_with_decode_rows_and_change_neither():
     while len(done) < 2:
         done.update({o.request_id: o for o in engine.step() if o.finished})
     mixed = [s for s in steps if {("chat", False), ("rag", True)} <= {(rid, rep) for rid, rep, _ in s}]
-    assert len(mixed) >= 2, "repair pieces ran beside decode rows"
+    assert len(mixed) >= 2, "repair slices ran beside decode rows"
     assert done["chat"].token_ids == chat_ref.token_ids
     assert torch.equal(torch.stack(engine.update.logits_sink["chat"]), chat_logits)
     assert done["rag"].token_ids == rag_ref.token_ids
@@ -134,7 +134,7 @@ def test_the_cost_model_fits_measured_step_times():
         rows = int(torch.randint(1, 500, (1,), generator=gen))
         work = Work()
         start = int(torch.randint(0, 2000, (1,), generator=gen))
-        work.add_span(start, start + rows, 4)  # a prefill piece
+        work.add_span(start, start + rows, 4)  # a prefill slice
         work.add_rows(float(700 * 3), 3, 4)  # and 3 decode rows around position 700
         work.moved = float(torch.randint(0, 3, (1,), generator=gen)) * 4000
         seconds = sum(w * x for w, x in zip(true, work.features(), strict=True))

@@ -146,7 +146,7 @@ def test_a_step_mixing_precisions_equals_each_alone(auto):
 
 
 def test_a_request_stops_caching_where_auto_switches_it(auto):
-    """Admitted at fp16, switched to fp8 after its first prefill piece: the chunks it computed at fp16
+    """Admitted at fp16, switched to fp8 after its first prefill slice: the chunks it computed at fp16
     are cached (an fp16 request with the same prompt hits them), the rest are not, and it reports
     both precisions."""
     engine, policy = auto.engine, auto.engine.precision

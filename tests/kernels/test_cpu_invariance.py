@@ -198,7 +198,7 @@ def wrapped(ext, out_features: int, in_features: int, bias: bool, dtype=torch.fl
 @pytest.mark.parametrize("out_f,in_f", [(576, 576), (192, 576), (37, 100), (5, 7), (1536, 64)])
 def test_linear_rows_are_row_count_invariant(ext, out_f, in_f, dtype):
     """Every row of a 300-row call equals the same row computed in calls of 1 to 40 rows (decode steps,
-    small batches, prefill pieces), at several offsets, with 1 and 2 threads; fp32 and bf16."""
+    small batches, prefill slices), at several offsets, with 1 and 2 threads; fp32 and bf16."""
     layer = wrapped(ext, out_f, in_f, bias=True, dtype=dtype)
     x = torch.randn(300, in_f, generator=torch.Generator().manual_seed(1)).to(dtype)
     with torch.no_grad(), threads(1):

@@ -35,7 +35,7 @@ def fill(layers: list[LayerKV], seed: int) -> None:
         slots = torch.cat([full[torch.randperm(len(full), generator=gen)], SRC_SEALED * bs + torch.arange(3)])
         k = torch.randn(len(slots), *shape, generator=gen) * 3
         v = torch.randn(len(slots), *shape, generator=gen)
-        for part in slots.split(5):  # several writes, like prefill pieces
+        for part in slots.split(5):  # several writes, like prefill slices
             rows = torch.isin(slots, part)
             layer.write(part, k[rows], v[rows])
         layer.seal([SRC_SEALED])
