@@ -151,7 +151,7 @@ class ServeConfig:
             "Hugging Face's modeling code) or hf (always the modeling code, the reference)"
         },
     )
-    # --- position-independent reuse (approximate) --------------------------------------------
+    # --- content reuse (approximate) -----------------------------------------------------------
     reuse: str = field(
         default="prefix", metadata={"help": "prefix (exact only) or any (also content matches)"}
     )

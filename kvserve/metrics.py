@@ -113,7 +113,7 @@ STATS: tuple[Stat, ...] = (
     Stat("queue.preemptions", "kvserve:num_preemptions", "counter", "Sequences preempted for memory.",
          "sequences", "sum", lambda s: s.num_preemptions),
     Stat(None, "kvserve:approx_reused_tokens", "counter",
-         "Prompt tokens reused from content matches (position-independent, before repair).",
+         "Prompt tokens reused from content matches (content reuse, before repair).",
          "tokens", "sum", lambda s: s.content_reuse.num_approx_hit_tokens),
     Stat(None, "kvserve:repair_recomputed_tokens", "counter",
          "Reused tokens recomputed by the repair (selective / cacheblend).",
@@ -309,8 +309,8 @@ class _EngineStatsCollector:
             yield metric
         blocks = GaugeMetricFamily(
             "kvserve:kv_cache_blocks",
-            "The KV pool's blocks by state (sum: the pool): hot (running requests and the chunks they use), "
-            "pinned, cold (cached, reclaimable), free.",
+            "The KV pool's blocks by state (sum: the pool): in_use (running requests and the chunks they "
+            "use), pinned, evictable (cached, reclaimable), free.",
             labels=["model_name", "state"],
         )
         for state, n in s.occupancy_blocks.items():

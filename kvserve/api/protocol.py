@@ -240,7 +240,7 @@ class _Sampling(_Body):
     stream_options: StreamOptions | None = None
     user: str | None = None
     cache_salt: str | None = Field(default=None, min_length=1)
-    # kvserve extensions: opt in to approximate (position-independent) reuse and tune its repair
+    # kvserve extensions: opt in to content reuse (approximate) and tune its repair
     reuse: Literal["prefix", "any"] | None = None
     recompute_strategy: Literal["none", "selective", "cacheblend", "query"] | None = None
     recompute_tokens: int | None = _ranged("recompute_tokens")

@@ -399,7 +399,7 @@ def _eos_ids(model: torch.nn.Module, tokenizer: Tokenizer) -> tuple[int, ...]:
 
 # model families whose decoder is embed -> layers(hidden, position_embeddings) -> norm, so the
 # repair forward can drive the layers itself
-BLENDABLE_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+CONTENT_REUSE_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 
 
 def check_content_reuse(model: Any) -> tuple[Any, str]:
@@ -409,7 +409,7 @@ def check_content_reuse(model: Any) -> tuple[Any, str]:
     from kvserve.kvcache.rope import RopeRotator, self_check
 
     model_type = getattr(model.config, "model_type", "")
-    if model_type not in BLENDABLE_MODEL_TYPES:
+    if model_type not in CONTENT_REUSE_MODEL_TYPES:
         return None, f"model type {model_type!r} is not supported for approximate reuse"
     try:
         rotator = RopeRotator.from_model(model)

@@ -86,14 +86,14 @@ class EngineStats:
 
     @property
     def occupancy_blocks(self) -> dict[str, int]:
-        """The pool's blocks by state, summing to its size: free; cold (cached chunks eviction can
-        reclaim); pinned (warmed chunks); hot (held by running requests and the cached chunks they
-        use)."""
+        """The pool's blocks by state, summing to its size: free; evictable (cached chunks eviction can
+        reclaim); pinned (warmed chunks); in_use (held by running requests and the cached chunks they
+        use). ("hot" and "cold" name KV tiers only: the pool, and the lossy area below it.)"""
         pool, store = self.pool, self.store
-        cold, pinned = pool.num_evictable_blocks, store.num_pinned_blocks
+        evictable, pinned = pool.num_evictable_blocks, store.num_pinned_blocks
         return {
-            "hot": pool.num_used_blocks - cold - pinned,
-            "cold": cold,
+            "in_use": pool.num_used_blocks - evictable - pinned,
+            "evictable": evictable,
             "pinned": pinned,
             "free": pool.num_free_blocks,
         }

@@ -40,7 +40,7 @@ class ContentHit:
 
 
 @dataclass
-class BlendPlan:
+class ReusePlan:
     """A prompt prefilled with content reuse: [0, prefix_len) exact (shared blocks), the hits' KV
     copied in and moved, everything else computed, plus the repair the strategy asks for. It runs as
     a Repair (scheduler/repair.py): slices of ordinary steps."""

@@ -24,7 +24,7 @@ from kvserve.config import ServeConfig
 from kvserve.kvcache.hashing import content_hash
 from kvserve.kvcache.piece_index import Piece, PieceIndex
 from kvserve.kvcache.pieces import PieceCutter
-from kvserve.scheduler.batch import BlendPlan, ContentHit
+from kvserve.scheduler.batch import ContentHit, ReusePlan
 from kvserve.scheduler.cost import CostModel, Work
 from kvserve.scheduler.repair import positions, query_positions, selective_positions
 from kvserve.scheduler.sequence import Sequence
@@ -39,7 +39,7 @@ DECLINED_UNVERIFIED = "declined: no repair verified on this model"
 
 @dataclass
 class Choice:
-    plan: BlendPlan | None  # None: declined, the prompt is prefilled with exact reuse only
+    plan: ReusePlan | None  # None: declined, the prompt is prefilled with exact reuse only
     outcome: str  # TAKEN or DECLINED_*
     saving: float  # estimated: 1 - plan seconds / exact-only seconds
     num_guarded: int  # matches left out because the audit guard blocks their document
@@ -130,7 +130,7 @@ class ContentMatcher:
         work.add_span(prefix_len, n, self.cost.num_layers)
         return work
 
-    def plan_work(self, plan: BlendPlan, n: int) -> Work:
+    def plan_work(self, plan: ReusePlan, n: int) -> Work:
         """The plan's passes (scheduler/repair.py) and the moving of its hits' KV. CacheBlend's second
         pass is not chosen yet: it is priced as the fresh tokens plus `ratio` of the reused ones at
         their mean position; so is query-aware repair's, after its first pass (the fresh rows through
@@ -157,7 +157,7 @@ class ContentMatcher:
         work.add_rows(sum(rows), len(rows), layers)
         return work
 
-    def choose(self, plan: BlendPlan, n: int) -> tuple[str, float]:
+    def choose(self, plan: ReusePlan, n: int) -> tuple[str, float]:
         """(TAKEN or why not, estimated saving: 1 - plan seconds / exact-only seconds)."""
         exact = self.cost.seconds(self.exact_work(plan.prefix_len, n))
         saving = 1.0 - self.cost.seconds(self.plan_work(plan, n)) / exact
@@ -192,7 +192,7 @@ class ContentMatcher:
         self.plans[choice.outcome] += 1
         self.num_guard_skips += choice.num_guarded
 
-    def plan(self, seq: Sequence, prefix_len: int, hits: list[ContentHit]) -> BlendPlan | None:
+    def plan(self, seq: Sequence, prefix_len: int, hits: list[ContentHit]) -> ReusePlan | None:
         """The request's repair (its fields, else the server's); `auto` is the preset verified on
         this model (scheduler/verified.py). None: `auto` and no preset is verified here."""
         opts = seq.request.reuse
@@ -211,7 +211,7 @@ class ContentMatcher:
                     return value
             return getattr(cfg, name)
 
-        return BlendPlan(
+        return ReusePlan(
             seq=seq,
             prefix_len=prefix_len,
             hits=hits,

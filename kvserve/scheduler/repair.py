@@ -1,6 +1,6 @@
 """Repair: a prompt prefilled with content reuse, as passes of rows at explicit positions.
 
-Position map of the prompt [0, n) under a BlendPlan:
+Position map of the prompt [0, n) under a ReusePlan:
   [0, prefix_len)   exact prefix: shared blocks, never touched
   reused            the hits' KV, copied in and re-rotated once before the first pass (engine/repair.py)
   fresh             everything else after the prefix (the last prompt token always is)
@@ -35,7 +35,7 @@ from bisect import bisect_left
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvserve.scheduler.batch import BlendPlan
+from kvserve.scheduler.batch import ReusePlan
 
 
 @dataclass
@@ -51,7 +51,7 @@ class RepairPass:
 
 @dataclass
 class Repair:
-    plan: BlendPlan
+    plan: ReusePlan
     num_prompt_tokens: int
     num_layers: int  # the model's
     passes: list[RepairPass]
@@ -134,7 +134,7 @@ class Repair:
         return len(last[-1].positions) - len(self.fresh)
 
 
-def positions(plan: BlendPlan, n: int) -> tuple[list[int], list[int]]:
+def positions(plan: ReusePlan, n: int) -> tuple[list[int], list[int]]:
     """(reused, fresh) positions of a plan over a prompt of n tokens."""
     is_reused = [False] * n
     for h in plan.hits:
@@ -152,7 +152,7 @@ def query_positions(reused: list[int], fresh: list[int]) -> list[int]:
     return [p for p in fresh if p > last]
 
 
-def selective_positions(plan: BlendPlan, reused: list[int]) -> list[int]:
+def selective_positions(plan: ReusePlan, reused: list[int]) -> list[int]:
     """Reused positions selective repair recomputes: run starts, the tokens before runs, the sink."""
     marks: set[int] = set(range(plan.sink_tokens))
     for start, end in plan.runs():
@@ -161,7 +161,7 @@ def selective_positions(plan: BlendPlan, reused: list[int]) -> list[int]:
     return [p for p in reused if p in marks]
 
 
-def make_repair(plan: BlendPlan, n: int, num_layers: int) -> Repair:
+def make_repair(plan: ReusePlan, n: int, num_layers: int) -> Repair:
     reused, fresh = positions(plan, n)
     if plan.strategy == "selective":
         passes = [RepairPass(sorted(set(fresh) | set(selective_positions(plan, reused))), None)]

@@ -20,7 +20,7 @@ from kvserve import LLM, SamplingParams
 from kvserve.kvcache.quantized_storage import create_layer_kv
 from kvserve.quant.registry import CODEC_NAMES, head_dim_problem
 from kvserve.request import ReuseOptions
-from kvserve.scheduler.batch import BlendPlan
+from kvserve.scheduler.batch import ReusePlan
 from tests.integration.helpers import corpus_token_ids
 
 CHUNK = 32
@@ -40,7 +40,7 @@ def _codec_params() -> list[Any]:
     return params
 
 
-def _moved_rows(llm: LLM, plan: BlendPlan, layer_idx: int) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
+def _moved_rows(llm: LLM, plan: ReusePlan, layer_idx: int) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
     """position -> the source's K/V as the codec decodes it, K rotated to the position."""
     repairer = llm.engine.repairer
     assert repairer is not None
@@ -54,7 +54,7 @@ def _moved_rows(llm: LLM, plan: BlendPlan, layer_idx: int) -> dict[int, tuple[to
 
 
 def _check_against_oracle(
-    llm: LLM, codec: str, plan: BlendPlan, forward_writes: list[list[tuple]]
+    llm: LLM, codec: str, plan: ReusePlan, forward_writes: list[list[tuple]]
 ) -> set[str]:
     """Compare every layer's assembled blocks with the oracle; returns which hard cases occurred.
     forward_writes[layer]: the repair's writes in order (its pieces and passes; a later write of a

@@ -112,8 +112,8 @@ def test_occupancy_by_state_and_the_top_chunks(llm: LLM) -> None:
     occ = s.occupancy_blocks
     assert sum(occ.values()) == s.pool.num_blocks and occ["free"] == s.pool.num_free_blocks
     assert occ["pinned"] == s.store.num_pinned_blocks >= 2 * per_chunk
-    assert occ["cold"] == s.pool.num_evictable_blocks >= 2 * per_chunk  # the cold document's tail
-    assert occ["hot"] >= 2 * per_chunk  # the running request's prompt
+    assert occ["evictable"] == s.pool.num_evictable_blocks >= 2 * per_chunk  # the cold document's tail
+    assert occ["in_use"] >= 2 * per_chunk  # the running request's prompt
     top = s.store.top_chunks
     assert 0 < len(top) <= 10 and [c.num_hits for c in top] == sorted((c.num_hits for c in top), reverse=True)
     first = top[0]

@@ -5,10 +5,10 @@
 const POLL_MS = 1000;
 const HISTORY = 300; // points kept per series: five minutes at one a second
 const KEY_STORE = "kvserve-api-key";
-const COLORS = { hot: "#d9480f", pinned: "#7048e8", cold: "#1c7ed6", free: "#ced4da",
+const COLORS = { in_use: "#d9480f", pinned: "#7048e8", evictable: "#1c7ed6", free: "#ced4da",
                  computed: "#e8590c", exact: "#2f9e44", approx: "#f08c00", running: "#1c7ed6", waiting: "#e03131" };
 
-const history = { t: [], hot: [], pinned: [], cold: [], free: [], computed: [], exact: [], approx: [],
+const history = { t: [], in_use: [], pinned: [], evictable: [], free: [], computed: [], exact: [], approx: [],
                   hitNow: [], hitAll: [], running: [], waiting: [] };
 let previous = null; // the last snapshot, for per-interval rates
 const charts = {};
@@ -71,8 +71,8 @@ function makeCharts(stats) {
   // stacked: each series is the running sum, drawn from the largest down so each fill sits on the next
   const layer = (label, key) => ({ label, stroke: COLORS[key], fill: COLORS[key] + "cc", width: 1,
     value: (u, v, si, i) => (i === null || i === undefined ? "–" : fmtInt(history[key][i] ?? 0)) });
-  charts.pool = lineChart(w("chart-pool"), [layer("free", "free"), layer("cold", "cold"),
-    layer("pinned", "pinned"), layer("hot", "hot")]);
+  charts.pool = lineChart(w("chart-pool"), [layer("free", "free"), layer("evictable", "evictable"),
+    layer("pinned", "pinned"), layer("in use", "in_use")]);
   charts.tokens = lineChart(w("chart-tokens"), [
     { label: "computed", stroke: COLORS.computed, width: 2 },
     { label: "reused exactly", stroke: COLORS.exact, width: 2 },
@@ -97,7 +97,7 @@ function push(key, value) {
 function record(stats, now) {
   const c = stats.cache, occ = c.occupancy_blocks, tok = tokenTotals(stats);
   push("t", now / 1000);
-  for (const k of ["hot", "pinned", "cold", "free"]) push(k, occ[k]);
+  for (const k of ["in_use", "pinned", "evictable", "free"]) push(k, occ[k]);
   push("running", stats.queue.running);
   push("waiting", stats.queue.waiting);
   if (previous) {
@@ -121,8 +121,8 @@ function tokenTotals(stats) {
 
 function drawCharts(stats) {
   const t = history.t, sum = (...keys) => t.map((_, i) => keys.reduce((a, k) => a + history[k][i], 0));
-  charts.pool.setData([t, sum("hot", "pinned", "cold", "free"), sum("hot", "pinned", "cold"), sum("hot", "pinned"),
-                       history.hot.slice()]);
+  charts.pool.setData([t, sum("in_use", "pinned", "evictable", "free"), sum("in_use", "pinned", "evictable"),
+                       sum("in_use", "pinned"), history.in_use.slice()]);
   charts.tokens.setData([t, history.computed.slice(), history.exact.slice(), history.approx.slice()]);
   charts.hits.setData([t, history.hitNow.slice(), history.hitAll.slice()]);
   charts.queue.setData([t, history.running.slice(), history.waiting.slice()]);
@@ -151,7 +151,7 @@ function drawNumbers(stats) {
   setText("tok-computed", fmtInt(tok.computed));
   setText("tok-exact", fmtInt(tok.exact));
   setText("tok-approx", fmtInt(tok.approx));
-  for (const k of ["hot", "pinned", "cold", "free"]) setText("blocks-" + k, fmtInt(occ[k]));
+  for (const k of ["in_use", "pinned", "evictable", "free"]) setText("blocks-" + k, fmtInt(occ[k]));
   setText("chunks", fmtInt(c.chunks));
   setText("evictions", fmtInt(c.evictions));
 
