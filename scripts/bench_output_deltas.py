@@ -46,7 +46,9 @@ def main() -> None:
     ap.add_argument("--window", type=int, default=500)
     ap.add_argument("--ray", action="store_true", help="also time the outputs through a Ray stream")
     args = ap.parse_args()
-    llm = LLM(model=args.model, max_cache_bytes=400_000_000)
+    llm = LLM(
+        model=args.model, max_cache_bytes=400_000_000, request_timeout_s=24 * 3600.0
+    )  # a long run is not a timeout
     engine = llm.engine
     build_s: list[float] = []
     real_delta = engine.outputs.delta
