@@ -11,8 +11,9 @@ from kvserve.config import ServeConfig
 from kvserve.engine.async_engine import QueueCounters
 from kvserve.engine.stats import EngineStats
 from kvserve.kvcache.stats import ChunkRow
-from kvserve.metrics import Metrics, stat_sections
+from kvserve.metrics import Metrics
 from kvserve.redact import public_config
+from kvserve.stat_table import stat_sections
 
 
 def stats_body(
@@ -25,7 +26,7 @@ def stats_body(
     model_name: str,
 ) -> dict[str, Any]:
     snapshot = public_config(config)
-    declared = stat_sections(s)  # kvserve.metrics.STATS
+    declared = stat_sections(s)  # kvserve.stat_table.STATS
     return {
         "queue": {
             **declared["queue"],
@@ -69,7 +70,7 @@ def process_stats() -> dict[str, Any]:
 
 
 def _cache(s: EngineStats) -> dict[str, Any]:
-    """The cache section's structured parts (its numbers are declared in kvserve.metrics.STATS)."""
+    """The cache section's structured parts (its numbers are declared in kvserve.stat_table.STATS)."""
     return {
         "occupancy_blocks": s.occupancy_blocks,
         "reuse": dataclasses.asdict(s.content_reuse),

@@ -15,7 +15,8 @@ from kvserve.api.stats import process_stats
 from kvserve.cluster import routing
 from kvserve.cluster.config import ClusterConfig
 from kvserve.kvcache.stats import TOP_CHUNKS
-from kvserve.metrics import STATS, Metrics
+from kvserve.metrics import Metrics
+from kvserve.stat_table import STATS
 
 SHARED_TIERS = ("redis",)  # one store seen by every replica: its size is counted once
 
@@ -54,7 +55,7 @@ def _ratio(num: float, den: float) -> float:
 
 
 def merge_declared(section: str, rows: list[Mapping[str, Any]]) -> dict[str, Any]:
-    """The replicas' declared numbers of one /v1/stats section, merged as kvserve.metrics.STATS says:
+    """The replicas' declared numbers of one /v1/stats section, merged as kvserve.stat_table.STATS says:
     summed, taken from the first replica, or a ratio recomputed from the sums."""
     merged: dict[str, Any] = {}
     ratios: list[tuple[str, str, str]] = []

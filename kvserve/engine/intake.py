@@ -154,7 +154,7 @@ class Intake:
         return seq
 
     def _new(self, request: Request, root: bytes, seed: int) -> Sequence:
-        """A sequence for `request`, its prompt hashed and cut (Scheduler.prepare), not yet queued."""
+        """A sequence for `request`, its prompt hashed (Scheduler.prepare), not yet queued."""
         seq = Sequence(request, torch.Generator().manual_seed(seed), SeqCache(root))
         self.scheduler.prepare(seq)
         return seq

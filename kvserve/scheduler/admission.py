@@ -9,7 +9,6 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 from kvserve.kvcache.chunk_store import CachedChunk
 from kvserve.kvcache.manager import KVCacheManager, cdiv
@@ -17,9 +16,6 @@ from kvserve.scheduler.batch import ContentHit
 from kvserve.scheduler.content import Choice, ContentMatcher
 from kvserve.scheduler.repair import Repair, make_repair
 from kvserve.scheduler.sequence import ReuseReport, Sequence
-
-if TYPE_CHECKING:
-    from kvserve.scheduler.registration import ChunkRegistrar
 
 
 def slice_len(start: int, end: int, budget: int, granularity: int) -> int:
@@ -60,10 +56,9 @@ class Admissions:
         self,
         kv: KVCacheManager,
         content: ContentMatcher | None,
-        chunks: ChunkRegistrar,
         enable_prefix_caching: bool,
     ):
-        self.kv, self.content, self.chunks = kv, content, chunks
+        self.kv, self.content = kv, content
         self.chunk_size, self.block_size = kv.chunk_size, kv.block_size
         self.enable_prefix_caching = enable_prefix_caching
         self.prefix = PrefixCounters()

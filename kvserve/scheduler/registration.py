@@ -1,11 +1,10 @@
 """ChunkRegistrar: what a sequence's computed KV adds to the cache, and who hears of it.
 
 After each step (`computed`, and `repair_done` when a content-reuse repair's last pass is in) the
-sequence's progress advances and
-
-Its completed chunks (prompt and generated tokens, up to its register limit: KV after a content
-match is approximate and never registered) are committed to the KVCacheManager, their pieces go into
-the content index, and the `on_insert` hooks (the KV tiers) see each chunk it inserted. While it
+sequence's progress advances and its completed chunks (prompt and generated tokens, up to its
+register limit: KV after a content match is approximate and never registered) are committed to the
+KVCacheManager, their pieces go into the content index, and the `on_insert` hooks (the KV tiers)
+see each chunk it inserted. While it
 computes prompt chunks they are marked in flight, so a sequence sharing the prefix waits for them
 instead of computing them twice (Admissions.deferred).
 """
@@ -92,15 +91,7 @@ class ChunkRegistrar:
         self.content.register(seq, seq.num_prompt_tokens, hashes + [h])
         return open_block
 
-    def mark_in_flight(self, seq: Sequence, hashes: list[bytes]) -> None:
-        """The sequence will compute and register these chunks: twins wait for them (Admissions.deferred)."""
-        self.kv.mark_in_flight(seq.request_id, hashes)
-
     def limit(self, seq: Sequence, num_chunks: int) -> None:
         """From chunk `num_chunks` on, the sequence's KV must not be cached (it is not what its root hash
         names, e.g. computed at another weight precision)."""
         self.kv.limit(seq.request_id, seq.cache.prefix_hashes, num_chunks)
-
-    @property
-    def in_flight(self) -> dict[bytes, int]:
-        return self.kv.in_flight

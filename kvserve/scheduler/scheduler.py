@@ -73,7 +73,7 @@ class Scheduler:
         self.num_preemptions = 0
         self.content = content if enable_prefix_caching else None
         self.chunks = ChunkRegistrar(kv, self.content, enable_prefix_caching)
-        self.admissions = Admissions(kv, self.content, self.chunks, enable_prefix_caching)
+        self.admissions = Admissions(kv, self.content, enable_prefix_caching)
         # a prefill slice that is not its prompt's last ends on a multiple of this (the block size where the KV
         # storage encodes whole blocks, else 1: `LayerKV.per_token`)
         self.granularity = granularity or self.block_size

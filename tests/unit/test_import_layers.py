@@ -20,6 +20,7 @@ LAYERS = [
     ["api"],
     ["kvserve"],
     ["llm", "metrics"],
+    ["stat_table"],
     ["engine"],
     ["tiers"],
     ["scheduler", "structured"],

@@ -1,4 +1,4 @@
-"""The engine's numbers are declared once (kvserve.metrics.STATS): /metrics exports each declared
+"""The engine's numbers are declared once (kvserve.stat_table.STATS): /metrics exports each declared
 family, /v1/stats shows each declared path, the cluster merges each as declared, and every number
 the dashboard reads from the cache, queue and tokens sections is declared."""
 
@@ -12,7 +12,8 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from kvserve import LLM
 from kvserve.cluster.stats import merge_declared
-from kvserve.metrics import STATS, Metrics, stat_sections
+from kvserve.metrics import Metrics
+from kvserve.stat_table import STATS, stat_sections
 
 DASHBOARD_JS = Path(__file__).resolve().parents[2] / "kvserve" / "api" / "dashboard" / "dashboard.js"
 # the cache section's structured parts (not numbers): built beside the declared ones (api/stats.py)
