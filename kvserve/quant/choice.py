@@ -22,6 +22,7 @@ it was measured at.
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
 from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
@@ -68,6 +69,7 @@ class CodecChoice:
     role: str  # what chose it, for the log: "--kv-cache-bits 4", "--kv-cache-dtype turbo3", "the cold tier"
     capacity: float  # tokens per byte against bf16, this model's layout, metadata included
     accuracy: dict[str, float]  # model -> task accuracy x bf16 (measured_accuracy)
+    measures: Mapping[str, frozenset[str]]  # model -> the SCORED measures `accuracy` pools
 
     @property
     def worst(self) -> float:
@@ -80,10 +82,12 @@ class CodecChoice:
 
     def describe(self) -> str:
         """One line for the start-up log: the codec, its figures, and whether it keeps the answers."""
-        figures = ", ".join(f"{m} {a:.3f}x" for m, a in sorted(self.accuracy.items()))
+        figures = ", ".join(
+            f"{m} {a:.3f}x ({' + '.join(sorted(self.measures[m]))})" for m, a in sorted(self.accuracy.items())
+        )
         line = (
             f"{self.role}: {self.codec}, {self.capacity:.2f}x bf16's tokens per byte; "
-            f"task accuracy (lookup and multi-hop answers kept) against bf16 KV: {figures}"
+            f"task accuracy (answers kept) against bf16 KV: {figures}"
         )
         if self.meets:
             return f"{line} (meets {TARGET}x)"
@@ -100,6 +104,7 @@ class CodecChoice:
             "budget_bits": self.budget,
             "capacity_x_bf16": round(self.capacity, 3),
             "task_accuracy_x_bf16": self.accuracy,
+            "measures": {m: sorted(runs) for m, runs in sorted(self.measures.items())},
             "target": TARGET,
             "meets_target": self.meets,
             "source": measurement_source(),
@@ -119,25 +124,52 @@ def block_size_matters(codec: str) -> bool:
     return not make_codec(codec, 1, 64).k.per_token
 
 
-def measured_accuracy(codec: str, block_size: int = 16) -> dict[str, float]:
-    """Model -> task accuracy of `codec` relative to bf16 KV: the answers it kept over every prompt of
-    the SCORED measures it was run on, against the answers bf16 KV kept on those prompts (pooled, so a
-    measure counts by its prompts and a low-scoring measure's few answers do not decide alone);
-    empty: never measured (at `block_size`, for a codec whose accuracy depends on it)."""
-    out = {}
+def measured_on(codec: str, block_size: int = 16) -> dict[str, frozenset[str]]:
+    """Model -> the SCORED measures `codec` has a run of (at `block_size`, for a codec whose accuracy
+    depends on it)."""
     any_block_size = not block_size_matters(codec)
+    out = {}
     for model, measures in _measurements()["models"].items():
+        runs = frozenset(
+            measure
+            for measure in SCORED
+            if codec in measures.get(measure, {}).get("accuracy", {})
+            and (any_block_size or measures[measure].get("block_size", 16) == block_size)
+        )
+        if runs:
+            out[model] = runs
+    return out
+
+
+def measured_accuracy(
+    codec: str, block_size: int = 16, only: Mapping[str, frozenset[str]] | None = None
+) -> dict[str, float]:
+    """Model -> task accuracy of `codec` relative to bf16 KV: the answers it kept over every prompt of
+    the SCORED measures it was run on (or of those `only` names for the model), against the answers
+    bf16 KV kept on those prompts (pooled, so a measure counts by its prompts and a low-scoring
+    measure's few answers do not decide alone); empty: never measured (at `block_size`, for a codec
+    whose accuracy depends on it)."""
+    out = {}
+    for model, runs in measured_on(codec, block_size).items():
         kept = reference = 0.0
-        for measure in SCORED:
-            run = measures.get(measure, {})
-            if not any_block_size and run.get("block_size", 16) != block_size:
-                continue
-            if codec in run.get("accuracy", {}):
-                kept += run["accuracy"][codec] * run["prompts"]
-                reference += run["accuracy"][run["reference"]] * run["prompts"]
+        for measure in sorted(runs if only is None else runs & only.get(model, frozenset())):
+            run = _measurements()["models"][model][measure]
+            kept += run["accuracy"][codec] * run["prompts"]
+            reference += run["accuracy"][run["reference"]] * run["prompts"]
         if reference > 0:
             out[model] = kept / reference
     return out
+
+
+def common_measures(codecs: list[str], block_size: int) -> dict[str, frozenset[str]]:
+    """Model -> the SCORED measures every one of `codecs` measured on that model has: codecs compared
+    with each other are compared on the same prompts (one measured on lookup only is not set beside
+    another pooled over lookup and multi-hop)."""
+    common: dict[str, frozenset[str]] = {}
+    for codec in codecs:
+        for model, runs in measured_on(codec, block_size).items():
+            common[model] = common.get(model, runs) & runs
+    return common
 
 
 def measurement_source() -> str:
@@ -161,7 +193,8 @@ def codec_quality(
     accuracy = measured_accuracy(codec, block_size)
     if not accuracy:
         return None
-    return CodecChoice(codec, None, role, capacity(codec, num_kv_heads, head_dim, block_size), accuracy)
+    cap = capacity(codec, num_kv_heads, head_dim, block_size)
+    return CodecChoice(codec, None, role, cap, accuracy, measured_on(codec, block_size))
 
 
 def choose_codec(budget: int | None, num_kv_heads: int, head_dim: int, block_size: int) -> CodecChoice:
@@ -175,15 +208,21 @@ def choose_codec(budget: int | None, num_kv_heads: int, head_dim: int, block_siz
     else:
         low, high = float(max([b for b in BUDGETS if b < budget], default=0)), float(budget)
     role = "the cold tier" if budget is None else f"--kv-cache-bits {budget}"
+    names = [
+        name
+        for name in CODEC_NAMES
+        if low < WIDTH[name] <= high
+        and head_dim_problem(name, head_dim) is None
+        and measured_on(name, block_size)
+    ]
+    common = common_measures(names, block_size)
     candidates = []
-    for name in CODEC_NAMES:
-        if not low < WIDTH[name] <= high or head_dim_problem(name, head_dim) is not None:
-            continue
-        accuracy = measured_accuracy(name, block_size)
-        if not accuracy:
-            continue
-        cap = capacity(name, num_kv_heads, head_dim, block_size)
-        candidates.append(CodecChoice(name, budget, role, cap, accuracy))
+    for name in names:
+        accuracy = measured_accuracy(name, block_size, common)
+        if accuracy:
+            cap = capacity(name, num_kv_heads, head_dim, block_size)
+            measures = {m: common[m] for m in accuracy}
+            candidates.append(CodecChoice(name, budget, role, cap, accuracy, measures))
     if not candidates:
         raise ConfigError(
             f"no measured KV codec fits {budget} bits with head_dim {head_dim}; name one with --kv-cache-dtype",

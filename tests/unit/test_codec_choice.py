@@ -140,3 +140,35 @@ def test_a_named_lossy_codec_says_its_loss(measured):
     assert got is not None and not got.meets
     assert got.describe().startswith("--kv-cache-dtype turbo3: turbo3, ")
     assert "it loses 61% of bf16's answers" in got.describe()
+
+
+def test_codecs_are_compared_on_the_measures_they_all_have(tmp_path, monkeypatch):
+    """int2 has a lookup run only; kint2-vturbo2 has lookup and multi-hop. Pooled over its own runs,
+    kint2-vturbo2 (0.85x lookup, 0.2x multi-hop) would lose to int2's lookup alone; on the common
+    measure (lookup) it keeps more answers, and the choice says which measure it compared on."""
+    measures = {
+        "lookup": {
+            "prompts": 200,
+            "reference": "bf16",
+            "source": "t",
+            "accuracy": {"bf16": 1.0, "int2": 0.8},
+        },
+        "multihop": {"prompts": 200, "reference": "bf16", "source": "t", "accuracy": {"bf16": 0.5}},
+    }
+    measures["lookup"]["accuracy"]["kint2-vturbo2"] = 0.85
+    measures["multihop"]["accuracy"]["kint2-vturbo2"] = 0.1
+    path = tmp_path / "codec_accuracy.json"
+    path.write_text(json.dumps({"models": {"a": measures}}))
+    monkeypatch.setattr(choice, "ACCURACY_FILE", path)
+    choice._measurements.cache_clear()
+    try:
+        assert measured_accuracy("kint2-vturbo2") == {"a": pytest.approx((170 + 20) / (200 + 100))}
+        got = choose_codec(2, 3, 64, 16)
+        assert (got.codec, got.accuracy, got.meets) == ("kint2-vturbo2", {"a": pytest.approx(0.85)}, False)
+        assert "a 0.850x (lookup)" in got.describe()
+        assert got.as_dict()["measures"] == {"a": ["lookup"]}
+        # a user who names it sees every measure it has
+        named = codec_quality("kint2-vturbo2", 3, 64, 16, "--kv-cache-dtype kint2-vturbo2")
+        assert named is not None and "lookup + multihop" in named.describe()
+    finally:
+        choice._measurements.cache_clear()
