@@ -41,6 +41,7 @@ import random
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -370,13 +371,19 @@ def run_measure(
     }
 
 
-def run_codecs(measure: str, args: argparse.Namespace, codecs: list[str], rng: random.Random) -> dict:
+def run_codecs(
+    measure: str,
+    args: argparse.Namespace,
+    codecs: list[str],
+    rng: random.Random,
+    on_codec: Callable[[dict], None] | None = None,
+) -> dict:
     """One measure, full prefill under each KV codec (issue 38): caching off, so every prompt is
     computed afresh and its KV is stored in the codec as it is written and read back by attention
     (prefill chunks and decode). The first codec is the reference (bf16). The documents and prompts
     are the reuse run's for the same --seed and measure order (the seeding draw is made and unused).
     One engine at a time, codec after codec, so TTFT and decode speed compare across time, not per
-    prompt."""
+    prompt. `on_codec` gets the result so far after each codec."""
     docs = make_docs(args.docs, rng)
     groups = seeding_groups(len(docs), rng)  # drawn so that the prompts match the reuse run's
     prompts = make_prompts(measure, docs, args.prompts, rng)
@@ -428,12 +435,17 @@ def run_codecs(measure: str, args: argparse.Namespace, codecs: list[str], rng: r
                 samples[i][codec] = out.text
         llm.close()
         del llm
-        if args.json:  # the codecs so far, in case a long run is stopped
-            with open(args.json + ".partial", "w") as f:
-                json.dump({"measure": measure, "rows": rows, "bytes_per_token": bytes_per_token}, f)
+        if on_codec is not None:  # the codecs so far, in case a long run is stopped
+            on_codec(
+                codec_result(rows, codecs[0], compute_dtype, bytes_per_token, docs, groups, prompts, samples)
+            )
+    return codec_result(rows, codecs[0], compute_dtype, bytes_per_token, docs, groups, prompts, samples)
+
+
+def codec_result(rows, reference, compute_dtype, bytes_per_token, docs, groups, prompts, samples) -> dict:  # type: ignore[no-untyped-def]
     return {
         "rows": rows,
-        "reference": codecs[0],
+        "reference": reference,
         "compute_dtype": compute_dtype,
         "bytes_per_token": bytes_per_token,
         "docs": len(docs),
@@ -729,6 +741,22 @@ def plot_codecs(ax, results: dict, m: str) -> None:  # type: ignore[no-untyped-d
     ax.grid(alpha=0.3)
 
 
+def partial_writer(args: argparse.Namespace, results: dict, measure: str) -> Callable[[dict], None] | None:
+    """With --json: after each codec, JSON.partial holds the run so far in the saved format (its
+    `codecs` the ones done), so that a stopped run's finished codecs can be --merge'd."""
+    if not args.json:
+        return None
+
+    def write(result: dict) -> None:
+        done = {**results, "codecs": list(result["rows"])}
+        done["raw"] = {**results["raw"], measure: result}
+        done["tables"] = {**results["tables"], measure: summarise(measure, result)}
+        with open(args.json + ".partial", "w") as f:
+            json.dump(done, f, indent=1)
+
+    return write
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--model", default="smollm2-135m")
@@ -830,7 +858,7 @@ def main() -> None:
     for k, measure in enumerate(args.measures.split(",")):
         rng = random.Random(args.seed * 1000 + k)
         if codecs:
-            result = run_codecs(measure, args, codecs, rng)
+            result = run_codecs(measure, args, codecs, rng, partial_writer(args, results, measure))
         else:
             result = run_measure(measure, args, strategies, rng)
         table = summarise(measure, result)
