@@ -1,14 +1,25 @@
-"""The engine's scalar numbers, declared once: each with where /v1/stats shows it, its Prometheus
-family, help, unit, and how a cluster merges the replicas' values. The /metrics collector
-(kvserve/metrics.py), the /v1/stats sections (api/stats.py), the cluster's merge (cluster/stats.py)
-and the dashboard's fields (checked by tests/unit/test_stat_table.py) come from it; adding a number
-is one entry."""
+"""Every number kvserve reports, declared once.
+
+- `STATS`: the engine's scalar numbers, each with where /v1/stats shows it, its Prometheus family,
+  help, unit, and how a cluster merges the replicas' values.
+- `FAMILIES`: the engine's labelled Prometheus families (blocks by state, per tier, per weight
+  precision, per audit strategy): name, kind, help, unit, labels and the samples.
+- `OBSERVED`: what the API process observes from each request's outputs (latency histograms, finished
+  and refused requests): name, kind, help, unit, labels and buckets.
+
+The /metrics collector and histograms (kvserve/metrics.py), the /v1/stats sections (api/stats.py), the
+cluster's merge (cluster/stats.py) and the dashboard's fields (checked by tests/unit/test_stat_table.py,
+which also fails on a /metrics family declared anywhere else) come from it; adding a number is one
+entry.
+"""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
+
+from kvserve.engine.precision import PRECISIONS
 
 if TYPE_CHECKING:
     from kvserve.engine.stats import EngineStats
@@ -94,3 +105,172 @@ def stat_sections(s: EngineStats) -> dict[str, dict[str, float | int | str]]:
             section, key = stat.path.split(".")
             out.setdefault(section, {})[key] = stat.value(s)
     return out
+
+
+Samples = Iterable[tuple[tuple[str, ...], float]]  # (label values after model_name, value)
+
+
+@dataclass(frozen=True)
+class Family:
+    """A labelled Prometheus family of the engine's numbers: one sample per label value."""
+
+    prom: str
+    kind: str  # "gauge" or "counter"
+    help: str
+    unit: str
+    labels: tuple[str, ...]  # after model_name
+    samples: Callable[[EngineStats], Samples]
+    shown: Callable[[EngineStats], bool] = lambda s: True  # exported only when this holds
+
+
+def _with_nestedfp(s: EngineStats) -> bool:
+    return s.weights.mode is not None
+
+
+def _tier(attr: str) -> Callable[[EngineStats], Samples]:
+    return lambda s: [((t.tier,), float(getattr(t, attr))) for t in s.tiers]
+
+
+def _precision(read: Callable[[EngineStats, str], float]) -> Callable[[EngineStats], Samples]:
+    return lambda s: [((p,), float(read(s, p))) for p in PRECISIONS]
+
+
+def _audit(attr: str) -> Callable[[EngineStats], Samples]:
+    return lambda s: [((strategy,), float(getattr(a, attr))) for strategy, a in s.content_reuse.audit.items()]
+
+
+def _audit_quantiles(prefix: str) -> Callable[[EngineStats], Samples]:
+    quantiles = (("0.5", "p50"), ("0.95", "p95"), ("1", "max"))
+    return lambda s: [
+        ((strategy, q), float(getattr(a, f"{prefix}_{suffix}")))
+        for strategy, a in s.content_reuse.audit.items()
+        for q, suffix in quantiles
+    ]
+
+
+FAMILIES: tuple[Family, ...] = (
+    Family("kvserve:kv_cache_blocks", "gauge",
+           "The KV pool's blocks by state (sum: the pool): in_use (running requests and the chunks they "
+           "use), pinned, evictable (cached, reclaimable), free.", "blocks", ("state",),
+           lambda s: [((state,), float(n)) for state, n in s.occupancy_blocks.items()]),
+    Family("kvserve:reuse_plans", "counter",
+           "Prompts with content matches by the cost-aware decision (taken, or declined and why).",
+           "prompts", ("decision",),
+           lambda s: [((d,), float(n)) for d, n in s.content_reuse.plans.items()]),
+    Family("kvserve:audit_first_token_kl", "gauge",
+           "Audited first-token KL(full prefill || served), nats, by repair strategy (quantile 1 = max).",
+           "nats", ("strategy", "quantile"), _audit_quantiles("kl")),
+    Family("kvserve:audits", "counter", "Approximately reused prompts recomputed in full by the audit.",
+           "prompts", ("strategy",), _audit("num_audited")),
+    Family("kvserve:audit_top1_agreement", "gauge",
+           "Share of audited prompts whose served first token's top-1 equals the full prefill's.",
+           "ratio", ("strategy",), _audit("top1_agreement")),
+    Family("kvserve:audit_mean_kl", "gauge",
+           "Audited KL(full prefill || served), nats, averaged along each request's served tokens (up to "
+           "--audit-tokens), by repair strategy; quantiles over requests (1 = max).",
+           "nats", ("strategy", "quantile"), _audit_quantiles("mean_kl")),
+    Family("kvserve:audit_greedy_agreement", "gauge",
+           "Share of audited served tokens that are the full prefill's greedy choice at their position.",
+           "ratio", ("strategy",), _audit("greedy_agreement")),
+    Family("kvserve:audit_guard_fired", "counter",
+           "Audits whose mean KL is over --audit-max-kl (their documents are guarded).", "audits", (),
+           lambda s: [((), float(s.content_reuse.num_guard_fired))]),
+    Family("kvserve:audit_guard_skipped_matches", "counter",
+           "Content matches skipped: their document is guarded.", "matches", (),
+           lambda s: [((), float(s.content_reuse.num_guard_skips))]),
+    Family("kvserve:audits_dropped", "counter", "Audits not run (too many pending, or the recompute failed).",
+           "audits", (), lambda s: [((), float(s.content_reuse.num_audits_dropped))]),
+    Family("kvserve:weight_bytes", "gauge", "Bytes the model's weights take.", "bytes", (),
+           lambda s: [((), float(s.weights.weight_bytes))]),
+    Family("kvserve:weight_precision", "gauge",
+           "1 for the weight precision a request admitted now gets (NestedFP), 0 for the other.", "",
+           ("precision",), _precision(lambda s, p: s.weights.mode == p), _with_nestedfp),
+    Family("kvserve:weight_precision_requests", "counter",
+           "Requests admitted, by the weight precision they are served at.", "requests", ("precision",),
+           _precision(lambda s, p: s.weights.requests.get(p, 0)), _with_nestedfp),
+    Family("kvserve:weight_precision_generation_tokens", "counter",
+           "Tokens generated, by the weight precision of the step that computed them.", "tokens",
+           ("precision",), _precision(lambda s, p: s.weights.generated_tokens.get(p, 0)), _with_nestedfp),
+    Family("kvserve:weight_precision_switches", "counter", "Moves between fp16 and fp8 (auto).", "switches",
+           (), lambda s: [((), float(s.weights.num_switches))], _with_nestedfp),
+    Family("kvserve:tier_bytes", "gauge", "Bytes of KV a tier holds.", "bytes", ("tier",), _tier("bytes")),
+    Family("kvserve:tier_chunks", "gauge", "Chunks a tier holds.", "chunks", ("tier",), _tier("chunks")),
+    Family("kvserve:tier_hits", "counter", "Chunk lookups a tier answered.", "hits", ("tier",), _tier("hits")),
+    Family("kvserve:tier_loads", "counter", "Chunks loaded from a tier into the hot pool.", "loads",
+           ("tier",), _tier("loads")),
+    Family("kvserve:tier_load_seconds", "counter",
+           "Seconds spent loading chunks from a tier (divide by tier_loads for the mean).", "seconds",
+           ("tier",), _tier("load_seconds_total")),
+    Family("kvserve:tier_corruptions", "counter", "Damaged or foreign entries a tier detected and removed.",
+           "entries", ("tier",), _tier("corruptions")),
+    Family("kvserve:tier_fallbacks", "counter",
+           "Lookups or loads a tier could not serve (down, no room, unfit): computed instead.", "lookups",
+           ("tier",), _tier("fallbacks")),
+    Family("kvserve:tier_writes", "counter", "Chunks written to a tier.", "chunks", ("tier",), _tier("writes")),
+    Family("kvserve:tier_write_errors", "counter", "Writes to a tier that failed.", "writes", ("tier",),
+           _tier("write_errors")),
+)  # fmt: skip
+
+
+LATENCY_BUCKETS = (
+    0.001,
+    0.005,
+    0.01,
+    0.02,
+    0.04,
+    0.06,
+    0.08,
+    0.1,
+    0.25,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    10.0,
+    20.0,
+)
+QUEUE_BUCKETS = (*LATENCY_BUCKETS, 30.0, 60.0, 120.0, 300.0, 600.0)
+
+
+def one_two_five_buckets(limit: int) -> tuple[float, ...]:
+    """1, 2, 5, 10, 20, 50, ... up to `limit` (vLLM's buckets for token counts)."""
+    buckets: list[float] = []
+    scale = 1
+    while True:
+        for m in (1, 2, 5):
+            if m * scale > limit:
+                return tuple(buckets)
+            buckets.append(float(m * scale))
+        scale *= 10
+
+
+@dataclass(frozen=True)
+class Observed:
+    """A number the API process observes from requests' outputs (kvserve.metrics.Metrics), by key."""
+
+    key: str  # Metrics.observed[key]
+    prom: str
+    kind: str  # "histogram" or "counter"
+    help: str
+    unit: str
+    labels: tuple[str, ...] = ()  # after model_name
+    buckets: Callable[[int], tuple[float, ...]] = lambda max_model_len: LATENCY_BUCKETS  # histograms
+
+
+OBSERVED: tuple[Observed, ...] = (
+    Observed("ttft", "kvserve:time_to_first_token_seconds", "histogram", "Time to first token.", "seconds"),
+    Observed("itl", "kvserve:inter_token_latency_seconds", "histogram", "Time between generated tokens.",
+             "seconds"),
+    Observed("e2e", "kvserve:e2e_request_latency_seconds", "histogram", "Request latency from arrival to finish.",
+             "seconds"),
+    Observed("queue_time", "kvserve:request_queue_time_seconds", "histogram",
+             "Time a request waited from arrival to its first scheduled step.", "seconds",
+             buckets=lambda max_model_len: QUEUE_BUCKETS),
+    Observed("prompt_tokens", "kvserve:request_prompt_tokens", "histogram", "Prompt tokens per finished request.",
+             "tokens", buckets=one_two_five_buckets),
+    Observed("finished", "kvserve:request_success", "counter", "Finished requests by finish reason.",
+             "requests", ("finished_reason",)),
+    Observed("rejected", "kvserve:request_rejected", "counter", "Requests refused with 503 (queue full).",
+             "requests"),
+)  # fmt: skip

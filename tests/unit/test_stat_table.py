@@ -1,9 +1,10 @@
-"""The engine's numbers are declared once (kvserve.stat_table.STATS): /metrics exports each declared
-family, /v1/stats shows each declared path, the cluster merges each as declared, and every number
-the dashboard reads from the cache, queue and tokens sections is declared."""
+"""Every number is declared once (kvserve.stat_table: STATS, FAMILIES, OBSERVED): /metrics exports each
+declared family and nothing else, /v1/stats shows each declared path, the cluster merges each as
+declared, and every number the dashboard reads from the cache, queue and tokens sections is declared."""
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from pathlib import Path
 
@@ -13,7 +14,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from kvserve import LLM
 from kvserve.cluster.stats import merge_declared
 from kvserve.metrics import Metrics
-from kvserve.stat_table import STATS, stat_sections
+from kvserve.stat_table import FAMILIES, OBSERVED, STATS, stat_sections
 
 DASHBOARD_JS = Path(__file__).resolve().parents[2] / "kvserve" / "api" / "dashboard" / "dashboard.js"
 # the cache section's structured parts (not numbers): built beside the declared ones (api/stats.py)
@@ -74,3 +75,44 @@ def test_the_dashboard_reads_only_declared_numbers():
     assert "const c = stats.cache" in js and read, "the dashboard's reads were not found"
     declared = {s.path for s in STATS if s.path}
     assert read - STRUCTURED <= declared, read - STRUCTURED - declared
+
+
+def test_metrics_exports_every_declared_family_and_nothing_else(llm: LLM):
+    """With NestedFP's families shown too (a weights mode), /metrics holds exactly the declared families,
+    each of its declared kind, labels and samples."""
+    s = llm.stats()
+    s = dataclasses.replace(s, weights=dataclasses.replace(s.weights, mode="fp16", requests={"fp16": 3}))
+    metrics = Metrics("m")
+    metrics.engine_stats = s
+    families = {f.name: f for f in text_string_to_metric_families(metrics.prometheus_text().decode())}
+    declared = (
+        {stat.prom for stat in STATS if stat.prom} | {f.prom for f in FAMILIES} | {o.prom for o in OBSERVED}
+    )
+    assert set(families) == declared, set(families) ^ declared
+    proms = (
+        [stat.prom for stat in STATS if stat.prom] + [f.prom for f in FAMILIES] + [o.prom for o in OBSERVED]
+    )
+    assert len(proms) == len(set(proms))
+    for family in FAMILIES:
+        assert family.kind in ("gauge", "counter") and family.help.endswith("."), family.prom
+        got = families[family.prom]
+        assert got.type == family.kind
+        samples = {tuple(x.labels[k] for k in family.labels): x.value for x in got.samples}
+        want = {labels: value for labels, value in family.samples(s)}
+        assert samples == pytest.approx(want), family.prom
+        assert all(set(x.labels) == {"model_name", *family.labels} for x in got.samples)
+    requests = families["kvserve:weight_precision_requests"]
+    assert {x.labels["precision"]: x.value for x in requests.samples} == {"fp16": 3.0, "fp8": 0.0}
+    for o in OBSERVED:
+        assert o.kind in ("histogram", "counter") and o.help.endswith("."), o.prom
+        assert families[o.prom].type == o.kind
+
+
+def test_families_shown_only_when_they_apply(llm: LLM):
+    s = llm.stats()
+    assert s.weights.mode is None
+    metrics = Metrics("m")
+    metrics.engine_stats = s
+    names = {f.name for f in text_string_to_metric_families(metrics.prometheus_text().decode())}
+    assert "kvserve:weight_bytes" in names and "kvserve:weight_precision_requests" not in names
+    assert "kvserve:kv_cache_blocks" in names
