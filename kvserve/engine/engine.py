@@ -293,6 +293,7 @@ class Engine:
         assert self.outputs.request_ids() == set(self._seqs), "outputs kept for requests that are gone"
         assert self.content.request_ids() <= live, "content pieces kept for requests that are gone"
         assert self.precision.request_ids() <= live, "step precisions kept for requests that are gone"
+        assert self.scheduler.repairs.request_ids() <= live, "repairs kept for requests that are gone"
 
     def stats(self) -> EngineStats:
         return EngineStats.of(self)

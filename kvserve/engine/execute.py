@@ -52,11 +52,11 @@ class StepExecute:
         start = time.perf_counter()
         moved = 0
         for item in list(items):
-            repair = item.seq.repair
+            repair = item.repair
             if repair is not None and not repair.moved:  # a repair's first slice
                 assert self.repairer is not None
                 try:
-                    moved += self.repairer.begin(item.seq)
+                    moved += self.repairer.begin(item.seq, repair)
                 except Exception as e:
                     self.host.fail(item.seq, "moving its content matches' KV", e)
                     items.remove(item)

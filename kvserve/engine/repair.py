@@ -56,10 +56,9 @@ class Repairer:
         return self.kv.block_ids(seq.request_id)[repair.plan.prefix_len // self.block_size :]
 
     @torch.inference_mode()
-    def begin(self, seq: Sequence) -> int:
+    def begin(self, seq: Sequence, repair: Repair) -> int:
         """Copy the hits' KV in (K rotated by new - old position); returns the token-layers moved."""
-        repair = seq.repair
-        assert repair is not None and not repair.moved
+        assert not repair.moved
         for kv in self.layers:
             kv.hold_exact(self._assembled(seq, repair))
         hits = repair.plan.hits
@@ -82,7 +81,7 @@ class Repairer:
 
     def probe(self, item: ScheduledSeq) -> AttentionProbe | None:
         """Query-aware repair: the probe of a first-pass slice's question rows (None: it has none)."""
-        repair = item.seq.repair
+        repair = item.repair
         if repair is None or not repair.probing or item.positions is None:
             return None
         asked = set(query_positions(repair.reused, repair.fresh))
@@ -101,20 +100,17 @@ class Repairer:
         )
 
     @torch.inference_mode()
-    def select(self, seq: Sequence) -> None:
+    def select(self, seq: Sequence, repair: Repair) -> None:
         """The first pass is done: the reused tokens the second pass recomputes through every layer."""
-        repair = seq.repair
-        assert repair is not None
         if repair.plan.strategy == "query":
-            self._select_by_query(seq)
+            self._select_by_query(repair)
         else:
-            self._select_by_deviation(seq)
+            self._select_by_deviation(seq, repair)
 
-    def _select_by_query(self, seq: Sequence) -> None:
+    def _select_by_query(self, repair: Repair) -> None:
         """Query-aware: selective's marks (run starts, the tokens before runs, the sink), and `ratio`
         of the other reused tokens, those the question's rows put the most attention mass on."""
-        repair = seq.repair
-        assert repair is not None and repair.awaits_selection and repair.query_mass is not None
+        assert repair.awaits_selection and repair.query_mass is not None
         marks = set(selective_positions(repair.plan, repair.reused))
         others = [p for p in repair.reused if p not in marks]
         num_keep = round(repair.plan.recompute_ratio * len(others))
@@ -125,13 +121,12 @@ class Repairer:
         repair.select(sorted(marks) + chosen)
         repair.query_mass = None
 
-    def _select_by_deviation(self, seq: Sequence) -> None:
+    def _select_by_deviation(self, seq: Sequence, repair: Repair) -> None:
         """CacheBlend: `ratio` of the reused tokens: with seam_tokens, first the first tokens of every
         run (seam-aware); the rest those whose fresh K at the check layer deviates most from the
         moved K (squared distance over heads and dims). Ranking by K beat ranking by V and by both
         on SmolLM2 (docs/blend.md)."""
-        repair = seq.repair
-        assert repair is not None and repair.awaits_selection and repair.check_k is not None
+        assert repair.awaits_selection and repair.check_k is not None
         plan = repair.plan
         fresh_k = self.layers[plan.check_layer].read_slots(self._slots(seq, repair.reused))[0]
         deviation = ((fresh_k.float() - repair.check_k.float()) ** 2).sum(dim=(1, 2))  # [num_reused]
@@ -143,11 +138,10 @@ class Repairer:
         repair.select([repair.reused[i] for i in chosen])
         repair.check_k = None
 
-    def finish(self, seq: Sequence) -> RepairReport:
+    def finish(self, seq: Sequence, repair: Repair) -> RepairReport:
         """The last pass is computed: release the hold and record on the sequence what it reused
         (the first repair's counts: a re-admission after preemption keeps them); what it computed."""
-        repair = seq.repair
-        assert repair is not None and repair.finished
+        assert repair.finished
         for kv in self.layers:
             kv.release_exact(self._assembled(seq, repair))
         layers = repair.token_layers

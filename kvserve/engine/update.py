@@ -23,6 +23,7 @@ from kvserve.engine.sampler import greedy_tokens, plain_greedy, sample_one
 from kvserve.request import FinishReason, Request
 from kvserve.scheduler.batch import ScheduledSeq
 from kvserve.scheduler.content import ContentMatcher
+from kvserve.scheduler.repair import Repair
 from kvserve.scheduler.scheduler import Scheduler
 from kvserve.scheduler.sequence import Sequence
 from kvserve.structured import GrammarCompiler
@@ -62,7 +63,7 @@ class StepUpdate:
         for item in items:
             self.scheduler.chunks.computed(item)
             row += item.sample
-            if item.positions is not None and not self._advance_repair(item.seq):
+            if item.repair is not None and not self._advance_repair(item.seq, item.repair):
                 continue
             if item.sample:
                 to_sample.append((item.seq, row - 1))
@@ -94,17 +95,17 @@ class StepUpdate:
             return {}
         return {seq.request_id: allowed[i] for i, (seq, _) in enumerate(constrained)}
 
-    def _advance_repair(self, seq: Sequence) -> bool:
+    def _advance_repair(self, seq: Sequence, repair: Repair) -> bool:
         """After a repair slice: CacheBlend's selection when its first pass ends, the end of the
         repair after its last. False if that failed (the request is failed)."""
-        repair, repairer = seq.repair, self.repairer
-        assert repair is not None and repairer is not None
+        repairer = self.repairer
+        assert repairer is not None
         try:
             if repair.awaits_selection:
-                repairer.select(seq)
+                repairer.select(seq, repair)
             if not repair.finished:
                 return True
-            report = repairer.finish(seq)
+            report = repairer.finish(seq, repair)
         except Exception as e:
             self.host.fail(seq, "repairing its reused KV", e)
             return False

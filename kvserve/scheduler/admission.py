@@ -14,7 +14,7 @@ from kvserve.kvcache.chunk_store import CachedChunk
 from kvserve.kvcache.manager import KVCacheManager, cdiv
 from kvserve.scheduler.batch import ContentHit
 from kvserve.scheduler.content import Choice, ContentMatcher
-from kvserve.scheduler.repair import Repair, make_repair
+from kvserve.scheduler.repair import Repair, Repairs, make_repair
 from kvserve.scheduler.sequence import ReuseReport, Sequence
 
 
@@ -57,8 +57,9 @@ class Admissions:
         kv: KVCacheManager,
         content: ContentMatcher | None,
         enable_prefix_caching: bool,
+        repairs: Repairs,
     ):
-        self.kv, self.content = kv, content
+        self.kv, self.content, self.repairs = kv, content, repairs
         self.chunk_size, self.block_size = kv.chunk_size, kv.block_size
         self.enable_prefix_caching = enable_prefix_caching
         self.prefix = PrefixCounters()
@@ -137,5 +138,5 @@ class Admissions:
         if adm.choice is None or adm.choice.plan is None:
             return None
         assert self.content is not None
-        seq.repair = make_repair(adm.choice.plan, seq.num_prompt_tokens, self.content.cost.num_layers)
-        return seq.repair
+        repair = make_repair(adm.choice.plan, seq.num_prompt_tokens, self.content.cost.num_layers)
+        return self.repairs.start(rid, repair)

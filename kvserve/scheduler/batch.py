@@ -18,6 +18,7 @@ class ScheduledSeq:
     # layers they run through (None: all); else the rows are the num_new_tokens after the computed ones
     positions: list[int] | None = None
     num_layers: int | None = None
+    repair: Any = None  # the Repair this slice belongs to (scheduler/repair.py), None: not a repair slice
     # query-aware repair: attention of some of these rows to measure at one layer (attention/probe.py)
     probe: Any = None
     block_ids: list[int] = field(default_factory=list)  # the sequence's blocks (KVCacheManager.block_ids)

@@ -17,14 +17,20 @@ from kvserve.kvcache.chunk_store import CachedChunk
 from kvserve.kvcache.manager import KVCacheManager
 from kvserve.scheduler.batch import ScheduledSeq
 from kvserve.scheduler.content import ContentMatcher
+from kvserve.scheduler.repair import Repairs
 from kvserve.scheduler.sequence import Sequence
 
 
 class ChunkRegistrar:
     def __init__(
-        self, kv: KVCacheManager, content: ContentMatcher | None, enable_prefix_caching: bool = True
+        self,
+        kv: KVCacheManager,
+        content: ContentMatcher | None,
+        repairs: Repairs,
+        enable_prefix_caching: bool = True,
     ):
         self.kv = kv
+        self.repairs = repairs
         self.content = content
         self.enable_prefix_caching = enable_prefix_caching
         self.chunk_size = kv.chunk_size
@@ -36,9 +42,8 @@ class ChunkRegistrar:
         """The step computed item.num_new_tokens tokens of the sequence: register completed chunks.
         A repair slice only advances its pass (the engine ends the repair: `repair_done`)."""
         seq = item.seq
-        if item.positions is not None:
-            assert seq.repair is not None
-            seq.repair.computed(item.num_new_tokens)
+        if item.repair is not None:
+            item.repair.computed(item.num_new_tokens)
             return
         start = seq.num_computed_tokens
         self.num_prompt_tokens_computed += max(
@@ -50,14 +55,13 @@ class ChunkRegistrar:
 
     def repair_done(self, seq: Sequence) -> None:
         """The repair's last pass is computed: the prompt's KV is complete; release the hit sources."""
-        repair = seq.repair
-        assert repair is not None and repair.finished
+        repair = self.repairs.end(seq.request_id)
+        assert repair.finished
         self.kv.release_chunks(
             seq.request_id, {c.prefix_hash for hit in repair.plan.hits for c in hit.hit.chunks}
         )
         self.num_prompt_tokens_computed += len(repair.fresh)
         seq.num_computed_tokens = seq.num_prompt_tokens
-        seq.repair = None
         self.register(seq)
 
     def register(self, seq: Sequence) -> None:

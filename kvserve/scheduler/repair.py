@@ -174,3 +174,30 @@ def make_repair(plan: ReusePlan, n: int, num_layers: int) -> Repair:
     else:
         passes = [RepairPass(fresh, None)]
     return Repair(plan, n, num_layers, passes, reused, fresh)
+
+
+class Repairs:
+    """The content-reuse repairs in progress, by request id: made at admission (Admissions.start),
+    scheduled slice by slice (each ScheduledSeq of a repair carries it), advanced by the registrar,
+    ended when its last pass is computed (ChunkRegistrar.repair_done), dropped when its sequence leaves
+    the pool (a preempted repair is planned again at re-admission)."""
+
+    def __init__(self) -> None:
+        self._by_request: dict[str, Repair] = {}
+
+    def start(self, request_id: str, repair: Repair) -> Repair:
+        assert request_id not in self._by_request, f"{request_id} is already repairing"
+        self._by_request[request_id] = repair
+        return repair
+
+    def get(self, request_id: str) -> Repair | None:
+        return self._by_request.get(request_id)
+
+    def end(self, request_id: str) -> Repair:
+        return self._by_request.pop(request_id)
+
+    def drop(self, request_id: str) -> None:
+        self._by_request.pop(request_id, None)
+
+    def request_ids(self) -> set[str]:
+        return set(self._by_request)

@@ -38,7 +38,7 @@ from kvserve.scheduler.content import ContentMatcher
 from kvserve.scheduler.cost import CostModel
 from kvserve.scheduler.queue import AdmissionQueue
 from kvserve.scheduler.registration import ChunkRegistrar
-from kvserve.scheduler.repair import Repair
+from kvserve.scheduler.repair import Repair, Repairs
 from kvserve.scheduler.sequence import SeqStatus, Sequence
 from kvserve.scheduler.slowdown import SlowdownLimit, is_decoding
 
@@ -72,8 +72,9 @@ class Scheduler:
         self.running: list[Sequence] = []
         self.num_preemptions = 0
         self.content = content if enable_prefix_caching else None
-        self.chunks = ChunkRegistrar(kv, self.content, enable_prefix_caching)
-        self.admissions = Admissions(kv, self.content, enable_prefix_caching)
+        self.repairs = Repairs()
+        self.chunks = ChunkRegistrar(kv, self.content, self.repairs, enable_prefix_caching)
+        self.admissions = Admissions(kv, self.content, enable_prefix_caching, self.repairs)
         # a prefill slice that is not its prompt's last ends on a multiple of this (the block size where the KV
         # storage encodes whole blocks, else 1: `LayerKV.per_token`)
         self.granularity = granularity or self.block_size
@@ -119,7 +120,9 @@ class Scheduler:
         batch = ScheduledBatch()
         budget = self.max_num_batched_tokens
         idle = self.idle
-        decoding = [s for s in self.running if is_decoding(s) and (idle or not s.request.background)]
+        decoding = [
+            s for s in self.running if is_decoding(s, self.repairs) and (idle or not s.request.background)
+        ]
         longest = max((s.num_tokens for s in [*self.running, *self.waiting]), default=0)
         prefill = self.slowdown.rows(decoding, longest)  # for prefill and repair slices beside decodes
         for seq in list(self.running):
@@ -129,13 +132,13 @@ class Scheduler:
                 continue
             if seq.request.background and not idle:
                 continue
-            decode = is_decoding(seq)
+            decode = is_decoding(seq, self.repairs)
             room = budget if decode else min(budget, prefill)
             if seq.request.background:
                 room = min(room, BACKGROUND_ROWS)
             item: ScheduledSeq | None
-            if seq.repair is not None:  # its blocks were all allocated at admission
-                item = self._repair_slice(seq, seq.repair, room)
+            if (repair := self.repairs.get(seq.request_id)) is not None:  # blocks allocated at admission
+                item = self._repair_slice(seq, repair, room)
             else:
                 n = slice_len(seq.num_computed_tokens, seq.num_tokens, room, self.granularity)
                 if n <= 0 or not self._ensure_blocks(seq, seq.num_computed_tokens + n, batch):
@@ -202,7 +205,7 @@ class Scheduler:
         if not rows or (cur := repair.current) is None:
             return None
         sample = repair.completes_prompt(rows) and seq.num_tokens == seq.num_prompt_tokens and seq.generates
-        return self._item(seq, len(rows), sample, positions=rows, num_layers=cur.num_layers)
+        return self._item(seq, len(rows), sample, positions=rows, num_layers=cur.num_layers, repair=repair)
 
     def _item(
         self,
@@ -211,9 +214,12 @@ class Scheduler:
         sample: bool,
         positions: list[int] | None = None,
         num_layers: int | None = None,
+        repair: Repair | None = None,
     ) -> ScheduledSeq:
         block_ids = self.kv.block_ids(seq.request_id)
-        return ScheduledSeq(seq, num_new_tokens, sample, positions, num_layers, block_ids=block_ids)
+        return ScheduledSeq(
+            seq, num_new_tokens, sample, positions, num_layers, repair=repair, block_ids=block_ids
+        )
 
     def _ensure_blocks(self, seq: Sequence, num_tokens: int, batch: ScheduledBatch) -> bool:
         """Give `seq` blocks for `num_tokens` tokens, evicting and preempting as needed.
@@ -249,7 +255,7 @@ class Scheduler:
     # --- leaving -----------------------------------------------------------------------------------
     def _release(self, seq: Sequence) -> None:
         self.kv.free(seq.request_id)
-        seq.repair = None  # a preempted repair is planned again at re-admission
+        self.repairs.drop(seq.request_id)  # a preempted repair is planned again at re-admission
         seq.num_computed_tokens = 0
 
     def finish(self, seq: Sequence, reason: FinishReason, error: str | None = None) -> None:

@@ -4,6 +4,7 @@ tensors are derived from it once per step (ModelRunner).
 The rest of a request's state lives with its owner, keyed by request id: its blocks and the chunks
 it uses or computes with the KVCacheManager (kvcache/manager.py), its output text, logprobs and what
 was streamed with the OutputProcessor (engine/output.py), its content pieces with the ContentMatcher,
+a content-reuse repair in progress with Repairs (scheduler/repair.py),
 the precisions its steps ran at with the PrecisionPolicy, a pinning warm's booking with WarmPins,
 a tier load it waits for with EngineTiers, an audit's trace with the Auditor.
 
@@ -22,7 +23,6 @@ import torch
 from kvserve.request import FinishReason, Request, TokenLogprob
 
 if TYPE_CHECKING:
-    from kvserve.scheduler.repair import Repair
     from kvserve.structured import GrammarMatcher
 
 
@@ -65,7 +65,6 @@ class Sequence:
     # at position j - 1), so the logits of positions [0, len) are no longer needed
     prompt_logprobs: list[TokenLogprob] = field(default_factory=list)
     report: ReuseReport | None = None  # None until its first admission
-    repair: Repair | None = None  # a content-reuse repair in progress (scheduler/repair.py)
     status: SeqStatus = SeqStatus.WAITING
     finish_reason: FinishReason | None = None
     error: str | None = None

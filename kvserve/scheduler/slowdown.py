@@ -15,11 +15,12 @@ lower the decode ITL, so it is not done.
 from __future__ import annotations
 
 from kvserve.scheduler.cost import CostModel, Work
+from kvserve.scheduler.repair import Repairs
 from kvserve.scheduler.sequence import Sequence
 
 
-def is_decoding(seq: Sequence) -> bool:
-    return seq.repair is None and seq.num_tokens - seq.num_computed_tokens == 1
+def is_decoding(seq: Sequence, repairs: Repairs) -> bool:
+    return repairs.get(seq.request_id) is None and seq.num_tokens - seq.num_computed_tokens == 1
 
 
 class SlowdownLimit:

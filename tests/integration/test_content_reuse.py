@@ -73,8 +73,8 @@ def test_cacheblend_spends_the_compute_it_reports():
     repairer = llm.engine.repairer
     original = repairer.finish
 
-    def spy(seq):
-        captured["report"] = report = original(seq)
+    def spy(seq, repair):
+        captured["report"] = report = original(seq, repair)
         return report
 
     repairer.finish = spy  # type: ignore[method-assign]
@@ -109,13 +109,13 @@ def test_query_aware_repair_recomputes_what_the_question_attends_to():
     repairer = llm.engine.repairer
     original_select, original_finish = repairer.select, repairer.finish
 
-    def spy_select(seq):
-        captured["mass"] = seq.repair.query_mass.clone()
-        original_select(seq)
-        captured["chosen"] = set(seq.repair.passes[-1].positions) - set(seq.repair.fresh)
+    def spy_select(seq, repair):
+        captured["mass"] = repair.query_mass.clone()
+        original_select(seq, repair)
+        captured["chosen"] = set(repair.passes[-1].positions) - set(repair.fresh)
 
-    def spy_finish(seq):
-        captured["report"] = report = original_finish(seq)
+    def spy_finish(seq, repair):
+        captured["report"] = report = original_finish(seq, repair)
         return report
 
     repairer.select, repairer.finish = spy_select, spy_finish  # type: ignore[method-assign]

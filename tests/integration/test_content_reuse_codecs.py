@@ -120,8 +120,8 @@ def _spy(
     begin, finish = repairer.begin, repairer.finish
     writes: list[list[tuple]] = []
 
-    def recording_begin(seq):  # type: ignore[no-untyped-def]
-        moved = begin(seq)
+    def recording_begin(seq, repair):  # type: ignore[no-untyped-def]
+        moved = begin(seq, repair)
         writes[:] = [[] for _ in engine.layers]
         for idx, kv in enumerate(engine.layers):
             write = kv.write
@@ -133,17 +133,17 @@ def _spy(
             kv.write = record  # type: ignore[method-assign]
         return moved
 
-    def checking_finish(seq):  # type: ignore[no-untyped-def]
+    def checking_finish(seq, repair):  # type: ignore[no-untyped-def]
         for kv in engine.layers:
             del kv.write
-        plan = seq.repair.plan
+        plan = repair.plan
         try:  # the engine turns an exception in here into a failed request: keep it for the test
             cases.append(_check_against_oracle(llm, codec, plan, writes))
             if earlier_blocks & set(engine.kv.block_ids(seq.request_id)):
                 cases[-1].add("block recycled from an earlier owner")
         except AssertionError as e:
             failures.append(str(e))
-        return finish(seq)
+        return finish(seq, repair)
 
     repairer.begin = recording_begin  # type: ignore[method-assign]
     repairer.finish = checking_finish  # type: ignore[method-assign]
