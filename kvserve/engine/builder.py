@@ -16,12 +16,9 @@ import torch
 from kvserve.attention.base import AttentionBackend
 from kvserve.attention.registry import create_backend
 from kvserve.config import ServeConfig
-from kvserve.engine.repair import Repairer
-from kvserve.errors import ConfigError, InvalidRequestError
+from kvserve.errors import ConfigError
 from kvserve.kvcache.kv_storage import DenseLayerKV, LayerKV
 from kvserve.kvcache.manager import KVCacheManager
-from kvserve.kvcache.piece_index import PieceIndex
-from kvserve.kvcache.pieces import line_end_ids
 from kvserve.kvcache.quantized_storage import QuantizedLayerKV, create_layer_kv
 from kvserve.models.fused_llama import FusedLlamaForward, unsupported_reason
 from kvserve.models.hf_adapter import ATTN_IMPLEMENTATION, check_supported
@@ -30,7 +27,6 @@ from kvserve.models.nested import weight_bytes as model_weight_bytes
 from kvserve.models.random_weights import is_random_model, load_random_model
 from kvserve.quant.choice import CodecChoice, choose_codec, codec_quality
 from kvserve.quant.registry import CODEC_NAMES
-from kvserve.request import REUSE_OPTION_NAMES, ReuseOptions
 from kvserve.scheduler.content import ContentMatcher
 from kvserve.scheduler.cost import CostModel
 from kvserve.scheduler.scheduler import Scheduler
@@ -397,51 +393,6 @@ def _eos_ids(model: torch.nn.Module, tokenizer: Tokenizer) -> tuple[int, ...]:
     return tuple(sorted(ids))
 
 
-# model families whose decoder is embed -> layers(hidden, position_embeddings) -> norm, so the
-# repair forward can drive the layers itself
-CONTENT_REUSE_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
-
-
-def check_content_reuse(model: Any) -> tuple[Any, str]:
-    """(RopeRotator, "") when approximate reuse is possible on this model, else (None, reason).
-    Runs the start-up self-check: moved K must equal K computed at the new positions."""
-    from kvserve.errors import UnsupportedModelError
-    from kvserve.kvcache.rope import RopeRotator, self_check
-
-    model_type = getattr(model.config, "model_type", "")
-    if model_type not in CONTENT_REUSE_MODEL_TYPES:
-        return None, f"model type {model_type!r} is not supported for approximate reuse"
-    try:
-        rotator = RopeRotator.from_model(model)
-    except UnsupportedModelError as e:
-        return None, e.message
-    ok, detail = self_check(model, rotator)
-    if not ok:
-        return None, f"RoPE self-check failed ({detail})"
-    log.info("RoPE self-check passed: %s", detail)
-    return rotator, ""
-
-
-def build_content_reuse(
-    config: ServeConfig, parts: EngineParts, kv: KVCacheManager, cost: CostModel
-) -> tuple[ContentMatcher, Repairer | None]:
-    """The content matcher (always: it reports why content reuse is off) and, where the model's
-    RoPE can be re-rotated, the repairer that moves matched KV in."""
-    rotator, reason = check_content_reuse(parts.model)
-    line_ends = line_end_ids(parts.tokenizer.token_texts()) if config.pieces == "lines" else frozenset()
-    content = ContentMatcher(config, PieceIndex(kv.store), cost, rotator is not None, reason, line_ends)
-    repairer = Repairer(parts.layers, rotator, torch.device(parts.info.device), kv) if rotator else None
-    require_content_reuse(config.reuse, rotator, reason)
-    if config.reuse == "any" and config.recompute_strategy == "auto" and content.verified is None:
-        log.warning(
-            "--reuse any: no repair is verified to keep task accuracy on %s (docs/blend.md), so "
-            "content matches are served exactly; name one (--recompute-strategy, or a request's "
-            "recompute_strategy) to opt into its measured loss",
-            config.model,
-        )
-    return content, repairer
-
-
 def build_scheduler(
     config: ServeConfig, kv: KVCacheManager, content: ContentMatcher, cost: CostModel, per_token: bool
 ) -> Scheduler:
@@ -458,37 +409,3 @@ def build_scheduler(
         cost=cost,
         decode_slowdown_limit=config.decode_slowdown_limit,
     )
-
-
-def require_content_reuse(reuse: str, rotator: Any, reason: str) -> None:
-    """Start-up: a server whose default is `--reuse any` must be able to honour it (ConfigError)."""
-    if reuse == "any" and rotator is None:
-        raise ConfigError(
-            f"--reuse any needs approximate reuse, which is unavailable here: {reason}; "
-            "start with --reuse prefix (exact prefix reuse only)",
-            param="reuse",
-        )
-
-
-def check_reuse_request(
-    options: ReuseOptions | None, available: bool, reason: str, default_reuse: str = "prefix"
-) -> None:
-    """Per request: reuse='any' where approximate reuse is unavailable is a 400 naming `reuse`, never
-    a silently prefix-only answer; so is a repair or audit option on a request served with exact
-    reuse only (it would do nothing)."""
-    if options is None:
-        return
-    if options.reuse == "any" and not available:
-        raise InvalidRequestError(
-            f"reuse='any' (approximate reuse) is unavailable on this server: {reason}; "
-            "send reuse='prefix' or leave it out",
-            param="reuse",
-        )
-    if (options.reuse or default_reuse) != "any":
-        for name in REUSE_OPTION_NAMES:
-            if name != "reuse" and getattr(options, name) is not None:
-                raise InvalidRequestError(
-                    f"{name} applies to approximate reuse, and this request is served with exact "
-                    "prefix reuse only: also send reuse='any', or leave it out",
-                    param=name,
-                )

@@ -21,7 +21,8 @@ import torch
 
 from kvserve.config import ServeConfig
 from kvserve.engine.audit import Auditor
-from kvserve.engine.builder import build_content_reuse, build_parts, build_scheduler
+from kvserve.engine.builder import build_parts, build_scheduler
+from kvserve.engine.content_reuse import build_content_reuse
 from kvserve.engine.execute import StepExecute
 from kvserve.engine.intake import Intake
 from kvserve.engine.model_runner import ModelRunner
@@ -293,7 +294,6 @@ class Engine:
         assert self.outputs.request_ids() == set(self._seqs), "outputs kept for requests that are gone"
         assert self.content.request_ids() <= live, "content pieces kept for requests that are gone"
         assert self.precision.request_ids() <= live, "step precisions kept for requests that are gone"
-        assert self.scheduler.repairs.request_ids() <= live, "repairs kept for requests that are gone"
 
     def stats(self) -> EngineStats:
         return EngineStats.of(self)

@@ -15,7 +15,8 @@ import time
 import torch
 
 from kvserve.config import ServeConfig
-from kvserve.engine.builder import RuntimeInfo, check_reuse_request
+from kvserve.engine.builder import RuntimeInfo
+from kvserve.engine.content_reuse import check_reuse_request
 from kvserve.engine.pins import WarmPins
 from kvserve.engine.precision import PRECISIONS, PrecisionPolicy
 from kvserve.errors import InvalidRequestError

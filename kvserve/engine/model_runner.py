@@ -207,7 +207,7 @@ class ModelRunner:
 
     def _hf_by_layer(self, inputs: StepInputs, backend: AttentionBackend) -> torch.Tensor:
         """HF's decoder layers one by one, dropping rows at the cuts. It is the decoder's own forward
-        (embed, rotary, layers, norm) for the models approximate reuse supports (engine/builder.py:
+        (embed, rotary, layers, norm) for the models approximate reuse supports (engine/content_reuse.py:
         CONTENT_REUSE_MODEL_TYPES), the only ones whose batches have cuts."""
         hidden = self.decoder.embed_tokens(inputs.input_ids)  # [1, T, hidden]
         position_ids = inputs.position_ids

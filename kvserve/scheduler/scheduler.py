@@ -205,21 +205,12 @@ class Scheduler:
         if not rows or (cur := repair.current) is None:
             return None
         sample = repair.completes_prompt(rows) and seq.num_tokens == seq.num_prompt_tokens and seq.generates
-        return self._item(seq, len(rows), sample, positions=rows, num_layers=cur.num_layers, repair=repair)
+        item = self._item(seq, len(rows), sample)
+        item.positions, item.num_layers, item.repair = rows, cur.num_layers, repair
+        return item
 
-    def _item(
-        self,
-        seq: Sequence,
-        num_new_tokens: int,
-        sample: bool,
-        positions: list[int] | None = None,
-        num_layers: int | None = None,
-        repair: Repair | None = None,
-    ) -> ScheduledSeq:
-        block_ids = self.kv.block_ids(seq.request_id)
-        return ScheduledSeq(
-            seq, num_new_tokens, sample, positions, num_layers, repair=repair, block_ids=block_ids
-        )
+    def _item(self, seq: Sequence, num_new_tokens: int, sample: bool) -> ScheduledSeq:
+        return ScheduledSeq(seq, num_new_tokens, sample, block_ids=self.kv.block_ids(seq.request_id))
 
     def _ensure_blocks(self, seq: Sequence, num_tokens: int, batch: ScheduledBatch) -> bool:
         """Give `seq` blocks for `num_tokens` tokens, evicting and preempting as needed.
@@ -294,6 +285,7 @@ class Scheduler:
     def check_integrity(self) -> None:
         for seq in self.running:
             assert len(self.kv.block_ids(seq.request_id)) >= -(-seq.num_computed_tokens // self.block_size)
-        self.kv.check_integrity([s.request_id for s in self.running])
+        self.kv.check_integrity(running := [s.request_id for s in self.running])
+        assert self.repairs.request_ids() <= set(running), "a repair kept for a sequence not running"
         if self.content is not None:
             self.content.index.check_integrity()

@@ -175,9 +175,9 @@ def test_prefix_only_requests_are_not_content_indexed():
 
 
 def test_warm_without_content_reuse_keeps_no_tail_pieces(monkeypatch: pytest.MonkeyPatch):
-    from kvserve.engine import builder
+    from kvserve.engine import content_reuse
 
-    monkeypatch.setattr(builder, "check_content_reuse", lambda model: (None, "off for this test"))
+    monkeypatch.setattr(content_reuse, "check_content_reuse", lambda model: (None, "off for this test"))
     llm = make()
     assert not llm.stats().content_reuse.available
     result = llm.warm(corpus_token_ids(llm, 2 * CHUNK + 10, seed=490), pin=True)

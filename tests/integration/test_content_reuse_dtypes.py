@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from kvserve import LLM, SamplingParams
-from kvserve.engine.builder import check_content_reuse, check_reuse_request, require_content_reuse
+from kvserve.engine.content_reuse import check_content_reuse, check_reuse_request, require_content_reuse
 from kvserve.errors import ConfigError, InvalidRequestError
 from kvserve.request import ReuseOptions
 from tests.integration.helpers import corpus_token_ids, generate_with_logits
@@ -117,7 +117,7 @@ def test_a_server_started_with_reuse_any_where_it_is_unavailable_fails_at_start_
 @pytest.fixture
 def reuse_unavailable(monkeypatch: pytest.MonkeyPatch) -> str:
     reason = "RoPE self-check failed (made to fail by the test)"
-    monkeypatch.setattr("kvserve.engine.builder.check_content_reuse", lambda model: (None, reason))
+    monkeypatch.setattr("kvserve.engine.content_reuse.check_content_reuse", lambda model: (None, reason))
     return reason
 
 
