@@ -5,6 +5,8 @@ the model loaded once; the parent alternates the same measurements between the w
 trial, so that load from other processes hits both alike. Prints one table of medians and ratios.
 
   cold TTFT     a never-seen prompt of --prompt-tokens tokens, max_tokens=1 (prefill dominates)
+  warm TTFT     a prefix of --prompt-tokens tokens cached by the request before, then a new 64-token
+                suffix after it (the prefix-reuse benchmark's warm case)
   decode x1     generated tokens/s of one request (short prompt), decode phase only
   decode x8     the same with 8 concurrent requests
   attention     cpu_paged alone, SmolLM2's shape (9 / 3 heads, head_dim 64), fp32 KV, mixed block layout:
@@ -87,6 +89,11 @@ for line in sys.stdin:
     elif cmd == "cold":
         (out,) = llm.generate([corpus(llm, int(n), seed=int(seed))], SamplingParams(max_tokens=1, temperature=0))
         result = out.metrics.ttft_s
+    elif cmd == "warm":  # a cached prefix of n tokens and a new 64-token suffix (bench_prefix_reuse's warm)
+        prefix, one = corpus(llm, int(n), seed=100 + int(seed)), SamplingParams(max_tokens=1, temperature=0)
+        llm.generate([prefix + corpus(llm, 64, seed=200 + int(seed))], one)
+        (out,) = llm.generate([prefix + corpus(llm, 64, seed=300 + int(seed))], one)
+        result = out.metrics.ttft_s
     else:
         result = decode_tok_s(llm, [corpus(llm, 32, seed=5000 + i) for i in range(int(n))], 64)
     print(json.dumps({"result": result}), flush=True)
@@ -139,8 +146,8 @@ def main() -> None:
     ap.add_argument(
         "--cases",
         nargs="+",
-        default=["cold", "decode1", "decode8"],
-        choices=["cold", "decode1", "decode8", "attention"],
+        default=["cold", "warm", "decode1", "decode8"],
+        choices=["cold", "warm", "decode1", "decode8", "attention"],
     )
     ap.add_argument(
         "--base-ext-dir", default="", help="build directory of the base tree's CPU extension (kept)"
@@ -159,6 +166,7 @@ def main() -> None:
             Worker("this", ROOT, ext_root, args.threads, args.model),
         ]
         all_cases = {"cold": ("cold TTFT (ms)", f"cold {args.prompt_tokens}", 1e3),
+                     "warm": ("warm TTFT (ms)", f"warm {args.prompt_tokens}", 1e3),
                      "decode1": ("decode x1 (tok/s)", "decode 1", 1.0),
                      "decode8": ("decode x8 (tok/s)", "decode 8", 1.0)}  # fmt: skip
         attention = [  # batch x q_len x context
