@@ -5,8 +5,11 @@ of N bits that the serving model's head_dim can pack (a nominal width of at most
 next smaller budget: 4 bits is int4, nvfp4, mxfp4, turbo4 and turbo3.5; a user asking for 8 bits is not
 served 4; the cold tier takes any width under 16),
 the one with the most capacity whose measured task accuracy is at least TARGET x bf16's on every
-measured model (answers kept over the SCORED measures' prompts). Where none is, the best measured
-one within the budget is picked and its loss said (CodecChoice.meets False). A K/V codec's width is
+measured model (answers kept over the SCORED measures' prompts). The codecs compared are judged on
+the same prompts: a budget compares only those of its codecs run on every measure any of them was run
+on, per model (`best_measured`; a codec lacking one waits for its run), and if none is, all of them on
+the measures they share. Where none meets the target, the best measured one within the budget is
+picked and its loss said (CodecChoice.meets False). A K/V codec's width is
 the mean of its two halves (kint3-vturbo3 is a 3-bit codec). Capacity is the codec's tokens per byte
 against bf16 at the model's head count and head_dim (metadata included), so it is computed, not
 measured.
@@ -161,6 +164,18 @@ def measured_accuracy(
     return out
 
 
+def best_measured(codecs: list[str], block_size: int) -> list[str]:
+    """Those of `codecs` run on every SCORED measure any of them was run on, on every model (the
+    codecs a budget compares, so that each is judged on the same prompts as the others); all of
+    them when none is."""
+    full: dict[str, frozenset[str]] = {}
+    for codec in codecs:
+        for model, runs in measured_on(codec, block_size).items():
+            full[model] = full.get(model, frozenset()) | runs
+    complete = [c for c in codecs if measured_on(c, block_size) == full]
+    return complete or codecs
+
+
 def common_measures(codecs: list[str], block_size: int) -> dict[str, frozenset[str]]:
     """Model -> the SCORED measures every one of `codecs` measured on that model has: codecs compared
     with each other are compared on the same prompts (one measured on lookup only is not set beside
@@ -197,8 +212,9 @@ def codec_quality(
     return CodecChoice(codec, None, role, cap, accuracy, measured_on(codec, block_size))
 
 
-def choose_codec(budget: int | None, num_kv_heads: int, head_dim: int, block_size: int) -> CodecChoice:
-    """The measured codec a budget gets (None: no bit limit, the cold tier) on this model's layout."""
+def budget_codecs(budget: int | None, head_dim: int, block_size: int) -> list[str]:
+    """The measured codecs a budget chooses among on this head_dim: a nominal width of at most
+    `budget` bits and more than the next smaller budget (None: the cold tier, any width under 16)."""
     if budget is not None and budget not in BUDGETS:
         raise ConfigError(
             f"kv_cache_bits must be one of {list(BUDGETS)} (or 0), got {budget}", param="kv_cache_bits"
@@ -207,14 +223,19 @@ def choose_codec(budget: int | None, num_kv_heads: int, head_dim: int, block_siz
         low, high = 0.0, 15.0
     else:
         low, high = float(max([b for b in BUDGETS if b < budget], default=0)), float(budget)
-    role = "the cold tier" if budget is None else f"--kv-cache-bits {budget}"
-    names = [
+    return [
         name
         for name in CODEC_NAMES
         if low < WIDTH[name] <= high
         and head_dim_problem(name, head_dim) is None
         and measured_on(name, block_size)
     ]
+
+
+def choose_codec(budget: int | None, num_kv_heads: int, head_dim: int, block_size: int) -> CodecChoice:
+    """The measured codec a budget gets (None: no bit limit, the cold tier) on this model's layout."""
+    names = best_measured(budget_codecs(budget, head_dim, block_size), block_size)
+    role = "the cold tier" if budget is None else f"--kv-cache-bits {budget}"
     common = common_measures(names, block_size)
     candidates = []
     for name in names:

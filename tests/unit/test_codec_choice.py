@@ -142,33 +142,57 @@ def test_a_named_lossy_codec_says_its_loss(measured):
     assert "it loses 61% of bf16's answers" in got.describe()
 
 
-def test_codecs_are_compared_on_the_measures_they_all_have(tmp_path, monkeypatch):
-    """int2 has a lookup run only; kint2-vturbo2 has lookup and multi-hop. Pooled over its own runs,
-    kint2-vturbo2 (0.85x lookup, 0.2x multi-hop) would lose to int2's lookup alone; on the common
-    measure (lookup) it keeps more answers, and the choice says which measure it compared on."""
-    measures = {
-        "lookup": {
-            "prompts": 200,
-            "reference": "bf16",
-            "source": "t",
-            "accuracy": {"bf16": 1.0, "int2": 0.8},
-        },
-        "multihop": {"prompts": 200, "reference": "bf16", "source": "t", "accuracy": {"bf16": 0.5}},
+def test_codecs_none_run_on_every_measure_are_compared_on_those_they_share(tmp_path, monkeypatch):
+    """On model a, kint2-vturbo2 has multi-hop and int2 has not; on model b, the reverse. Neither is
+    run on every measure, so both are compared on the one they share, lookup, on each model; pooled
+    over its own runs, kint2-vturbo2 (0.85x lookup, 0.2x multi-hop on a) would lose to int2."""
+
+    def run(accuracy: dict[str, float]) -> dict:
+        return {"prompts": 200, "reference": "bf16", "source": "t", "accuracy": {"bf16": 1.0, **accuracy}}
+
+    models = {
+        "a": {"lookup": run({"int2": 0.8, "kint2-vturbo2": 0.85}), "multihop": run({"kint2-vturbo2": 0.2})},
+        "b": {"lookup": run({"int2": 0.8, "kint2-vturbo2": 0.9}), "multihop": run({"int2": 0.1})},
     }
-    measures["lookup"]["accuracy"]["kint2-vturbo2"] = 0.85
-    measures["multihop"]["accuracy"]["kint2-vturbo2"] = 0.1
+    path = tmp_path / "codec_accuracy.json"
+    path.write_text(json.dumps({"models": models}))
+    monkeypatch.setattr(choice, "ACCURACY_FILE", path)
+    choice._measurements.cache_clear()
+    try:
+        assert measured_accuracy("kint2-vturbo2")["a"] == pytest.approx((170 + 40) / 400)
+        got = choose_codec(2, 3, 64, 16)
+        assert got.codec == "kint2-vturbo2" and not got.meets
+        assert got.accuracy == {"a": pytest.approx(0.85), "b": pytest.approx(0.9)}
+        assert "a 0.850x (lookup)" in got.describe()
+        assert got.as_dict()["measures"] == {"a": ["lookup"], "b": ["lookup"]}
+        # a user who names it sees every measure it has
+        named = codec_quality("kint2-vturbo2", 3, 64, 16, "--kv-cache-dtype kint2-vturbo2")
+        assert named is not None and "a 0.525x (lookup + multihop)" in named.describe()
+    finally:
+        choice._measurements.cache_clear()
+
+
+def test_a_budget_compares_only_its_codecs_run_on_every_measure(tmp_path, monkeypatch):
+    """int2 has lookup only; kint2-vturbo2 and int2dq have lookup and multi-hop. int2 waits for its
+    multi-hop run (it is left out, not compared on lookup alone), and the other two are compared on
+    both measures: int2dq keeps more answers pooled, though kint2-vturbo2 keeps more on lookup."""
+    runs = {
+        "lookup": {"bf16": 1.0, "int2": 0.99, "kint2-vturbo2": 0.9, "int2dq": 0.8},
+        "multihop": {"bf16": 0.5, "kint2-vturbo2": 0.1, "int2dq": 0.4},
+    }
+    measures = {
+        m: {"prompts": 200, "reference": "bf16", "source": "t", "accuracy": a} for m, a in runs.items()
+    }
     path = tmp_path / "codec_accuracy.json"
     path.write_text(json.dumps({"models": {"a": measures}}))
     monkeypatch.setattr(choice, "ACCURACY_FILE", path)
     choice._measurements.cache_clear()
     try:
-        assert measured_accuracy("kint2-vturbo2") == {"a": pytest.approx((170 + 20) / (200 + 100))}
+        assert choice.best_measured(["int2", "kint2-vturbo2", "int2dq"], 16) == ["kint2-vturbo2", "int2dq"]
         got = choose_codec(2, 3, 64, 16)
-        assert (got.codec, got.accuracy, got.meets) == ("kint2-vturbo2", {"a": pytest.approx(0.85)}, False)
-        assert "a 0.850x (lookup)" in got.describe()
-        assert got.as_dict()["measures"] == {"a": ["lookup"]}
-        # a user who names it sees every measure it has
-        named = codec_quality("kint2-vturbo2", 3, 64, 16, "--kv-cache-dtype kint2-vturbo2")
-        assert named is not None and "lookup + multihop" in named.describe()
+        assert got.codec == "int2dq" and got.accuracy["a"] == pytest.approx((160 + 80) / 300)
+        assert got.as_dict()["measures"] == {"a": ["lookup", "multihop"]}
+        # with no codec run on every measure, they are compared on the measures they share
+        assert choice.best_measured(["int2"], 16) == ["int2"]
     finally:
         choice._measurements.cache_clear()
