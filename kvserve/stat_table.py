@@ -8,9 +8,9 @@
   and refused requests): name, kind, help, unit, labels and buckets.
 
 The /metrics collector and histograms (kvserve/metrics.py), the /v1/stats sections (api/stats.py), the
-cluster's merge (cluster/stats.py) and the dashboard's fields (checked by tests/unit/test_stat_table.py,
-which also fails on a /metrics family declared anywhere else) come from it; adding a number is one
-entry.
+cluster's merge (cluster/stats.py) and the dashboard's "All numbers" table (`declared_fields`) come
+from it; tests/unit/test_stat_table.py fails on a /metrics family declared anywhere else and on a
+dashboard card reading an undeclared number. Adding a number is one entry.
 """
 
 from __future__ import annotations
@@ -95,6 +95,12 @@ STATS: tuple[Stat, ...] = (
          "Reused tokens recomputed by the repair (selective / cacheblend).",
          "tokens", "sum", lambda s: s.content_reuse.num_recomputed_tokens),
 )  # fmt: skip
+
+
+def declared_fields() -> list[dict[str, str]]:
+    """The /v1/stats numbers the dashboard lists in "All numbers": path, unit and help of each declared
+    one, in the table's order (GET /dashboard/fields.json; no data, so open like the page)."""
+    return [{"path": s.path, "unit": s.unit, "help": s.help} for s in STATS if s.path is not None]
 
 
 def stat_sections(s: EngineStats) -> dict[str, dict[str, float | int | str]]:

@@ -10,9 +10,10 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from kvserve.api.errors import error_body
 
 MAX_BODY_BYTES = 4 * 1024 * 1024
-OPEN_PATHS = frozenset({"/health", "/dashboard"})
-# the dashboard's page and its static files carry no data (its numbers come from /v1/stats, which
-# needs the key): a browser must be able to load them before it has the key to send
+OPEN_PATHS = frozenset({"/health", "/dashboard", "/dashboard/fields.json"})
+# the dashboard's page, its static files and its list of declared numbers (names, units, help) carry
+# no data (its numbers come from /v1/stats, which needs the key): a browser must be able to load them
+# before it has the key to send
 OPEN_PREFIXES = ("/dashboard/static/",)
 
 

@@ -67,6 +67,7 @@ from kvserve.request import (
     sample_requests,
     warm_request,
 )
+from kvserve.stat_table import declared_fields
 
 T = TypeVar("T")
 B = TypeVar("B", bound=BaseModel)
@@ -371,6 +372,10 @@ def _stats_routes(app: FastAPI, state: ServerState) -> None:
         return FileResponse(DASHBOARD / "index.html", headers={"Cache-Control": "no-cache"})
 
     app.mount("/dashboard/static", StaticFiles(directory=DASHBOARD), name="dashboard")
+
+    @app.get("/dashboard/fields.json", include_in_schema=False)
+    async def dashboard_fields() -> JSONResponse:
+        return JSONResponse(declared_fields())
 
     @app.get("/v1/stats", response_model=None, responses=responses(Stats))
     async def stats() -> JSONResponse:

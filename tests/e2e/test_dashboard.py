@@ -14,6 +14,7 @@ from typing import Any
 
 import pytest
 
+from kvserve.stat_table import STATS
 from tests.e2e.conftest import ROOT, TINY, Server, launch, stop, wait_until
 
 KEY = "dashboard-key"
@@ -30,7 +31,7 @@ CHROMIUM_FLAGS = (
     "--disable-sync",
     "--disable-quic",
     "--no-first-run",
-    "--window-size=1400,2000",
+    "--window-size=1400,2900",
 )
 
 
@@ -194,6 +195,10 @@ def test_the_page_follows_traffic_and_matches_stats(server: Server, browser: Any
             ),
             "ttft": browser.execute_script("return charts.ttft.data[1]"),
             "itl": browser.execute_script("return charts.itl.data[1]"),
+            "numbers": browser.execute_script(
+                "return [...document.querySelectorAll('#numbers tbody tr')]"
+                ".map(r => [r.cells[0].textContent, r.cells[1].textContent, r.cells[3].textContent])"
+            ),
         }
 
     cache, chunk = stats["cache"], stats["config"]["chunk_size"]
@@ -225,6 +230,8 @@ def test_the_page_follows_traffic_and_matches_stats(server: Server, browser: Any
         "audited": [[name, f"{a['num_audited']:,}"] for name, a in cache["reuse"]["audit"].items()],
         "ttft": stats["latency"]["histograms"]["ttft_s"]["counts"],
         "itl": stats["latency"]["histograms"]["inter_token_s"]["counts"],
+        # "All numbers": every declared /v1/stats number, listed from the table (kvserve/stat_table.py)
+        "numbers": [[s.path, _shown_value(stats, s.path, s.unit), s.help] for s in STATS if s.path],
     }
     got = wait_until(lambda: (s := shown()) == want and s, 10) or shown()
     assert got == want
@@ -237,6 +244,17 @@ def test_the_page_follows_traffic_and_matches_stats(server: Server, browser: Any
     SCREENSHOT.parent.mkdir(parents=True, exist_ok=True)
     browser.save_screenshot(str(SCREENSHOT))
     assert SCREENSHOT.stat().st_size > 20_000
+
+
+def _shown_value(stats: dict[str, Any], path: str, unit: str) -> str:
+    """A number as dashboard.js's fmtValue writes it."""
+    section, key = path.split(".")
+    value = stats[section][key]
+    if isinstance(value, str):
+        return value
+    if unit == "ratio":
+        return f"{100 * value:.1f} %"
+    return f"{int(value):,}" if float(value).is_integer() else f"{value:.3f}"
 
 
 def _settled(server: Server) -> dict[str, Any] | None:
@@ -260,7 +278,8 @@ def _strip(d: dict[str, Any]) -> Any:
 def test_static_files_are_open_and_data_is_not(server: Server) -> None:
     import httpx
 
-    for path in ("/dashboard", "/dashboard/static/dashboard.js", "/dashboard/static/uPlot.iife.min.js"):
+    open_paths = ("/dashboard", "/dashboard/static/dashboard.js", "/dashboard/static/uPlot.iife.min.js")
+    for path in (*open_paths, "/dashboard/fields.json"):
         assert httpx.get(server.base_url + path).status_code == 200, path
     assert httpx.get(server.base_url + "/v1/stats").status_code == 401
     assert httpx.get(server.base_url + "/dashboard/static/../../v1/stats").status_code in (401, 404)

@@ -11,6 +11,7 @@ const COLORS = { in_use: "#d9480f", pinned: "#7048e8", evictable: "#1c7ed6", fre
 const history = { t: [], in_use: [], pinned: [], evictable: [], free: [], computed: [], exact: [], approx: [],
                   hitNow: [], hitAll: [], running: [], waiting: [] };
 let previous = null; // the last snapshot, for per-interval rates
+let fields = null; // the declared numbers (GET /dashboard/fields.json): path, unit, help
 const charts = {};
 
 function $(id) { return document.getElementById(id); }
@@ -140,6 +141,21 @@ function escapeText(s) {
   return String(s).replace(/[&<>"']/g, (ch) => ({ "&": "&amp;", "<": "&lt;", ">": "&gt;", '"': "&quot;", "'": "&#39;" })[ch]);
 }
 
+function fmtValue(value, unit) {
+  if (typeof value !== "number") return escapeText(value);
+  if (unit === "ratio") return fmtPct(value);
+  return Number.isInteger(value) ? fmtInt(value) : value.toFixed(3);
+}
+
+function drawAllNumbers(stats) {
+  if (!fields) return;
+  fillRows($("numbers").tBodies[0], fields.map((f) => {
+    const [section, key] = f.path.split(".");
+    return ["<code>" + escapeText(f.path) + "</code>", fmtValue(stats[section][key], f.unit), escapeText(f.unit),
+            escapeText(f.help)];
+  }));
+}
+
 function drawNumbers(stats) {
   const c = stats.cache, occ = c.occupancy_blocks, tok = tokenTotals(stats);
   setText("model", stats.model.id + " · " + c.codec + " KV");
@@ -188,7 +204,9 @@ async function poll() {
     $("board").hidden = false;
     if (!charts.pool) makeCharts(stats);
     record(stats, now);
+    if (!fields) fields = await fetch("/dashboard/fields.json", { cache: "no-store" }).then((r) => r.json());
     drawNumbers(stats);
+    drawAllNumbers(stats);
     drawCharts(stats);
     setText("status", "live · updated " + new Date(now).toLocaleTimeString());
     document.body.dataset.polls = String(Number(document.body.dataset.polls || 0) + 1);
