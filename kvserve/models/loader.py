@@ -174,10 +174,47 @@ def _build_tiny_random_llama() -> Path:
     return _save_atomically(target, lambda tmp: (model.save_pretrained(tmp), tokenizer.save_pretrained(tmp)))
 
 
+def _build_tiny_random_qwen2() -> Path:
+    """A deterministic random-weight Qwen2 (4 layers, 4 heads, 2 KV heads, head_dim 16, q/k/v biases,
+    an untied head, RoPE base 1e6) with the SmolLM2 tokenizer: the Qwen family's layout in seconds,
+    for the tests that run every cache feature on each family."""
+    target = cache_dir() / "models" / "tiny-random-qwen2-v1"
+    if (target / "config.json").exists():
+        return target
+    import torch
+    from transformers import AutoTokenizer, Qwen2Config, Qwen2ForCausalLM
+
+    tokenizer = AutoTokenizer.from_pretrained(_build_smollm2())
+    config = Qwen2Config(
+        vocab_size=len(tokenizer),
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=4096,
+        rope_theta=1000000.0,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=2,
+        tie_word_embeddings=False,
+    )
+    torch.manual_seed(0)
+    model = Qwen2ForCausalLM(config)
+    with torch.no_grad():
+        for p in model.parameters():  # init independent of transformers' init scheme; biases nonzero
+            p.copy_(torch.randn(p.shape, generator=torch.Generator().manual_seed(p.numel() + 7)) * 0.1)
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.fill_(1.0)
+    return _save_atomically(target, lambda tmp: (model.save_pretrained(tmp), tokenizer.save_pretrained(tmp)))
+
+
 BUILTINS: dict[str, Callable[[], Path]] = {
     "smollm2-135m": _build_smollm2,
     QWEN_CODER: _build_qwen_coder,
     "tiny-random-llama": _build_tiny_random_llama,
+    "tiny-random-qwen2": _build_tiny_random_qwen2,
 }
 
 
