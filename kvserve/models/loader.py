@@ -138,76 +138,53 @@ def _build_qwen_coder() -> Path:
         shutil.rmtree(scratch, ignore_errors=True)
 
 
-def _build_tiny_random_llama() -> Path:
-    """A deterministic random-weight Llama (4 layers, 4 heads, 2 KV heads, head_dim 16) with the
-    SmolLM2 tokenizer: seconds to build and run, for unit tests."""
-    target = cache_dir() / "models" / "tiny-random-llama-v1"
+def _build_tiny_random(name: str, family: str, seed_offset: int, **config: object) -> Path:
+    """A deterministic random-weight model of `family` ("llama", "qwen2": 4 layers, 4 heads, 2 KV heads,
+    head_dim 16, and `config`) with the SmolLM2 tokenizer, saved once as `name`: seconds to build and
+    run, for tests. Weights are drawn per tensor from its size (+ `seed_offset`), norms set to 1."""
+    target = cache_dir() / "models" / name
     if (target / "config.json").exists():
         return target
     import torch
-    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(_build_smollm2())
-    config = LlamaConfig(
+    shape = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4)
+    model_config = AutoConfig.for_model(
+        family,
         vocab_size=len(tokenizer),
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=4,
-        num_attention_heads=4,
         num_key_value_heads=2,
-        head_dim=16,
         max_position_embeddings=4096,
-        rope_theta=10000.0,
         bos_token_id=1,
         eos_token_id=2,
         pad_token_id=2,
-        tie_word_embeddings=True,
+        **shape,
+        **config,
     )
     torch.manual_seed(0)
-    model = LlamaForCausalLM(config)
+    model = AutoModelForCausalLM.from_config(model_config)
     with torch.no_grad():
-        for p in model.parameters():  # init independent of transformers' init scheme
-            p.copy_(torch.randn(p.shape, generator=torch.Generator().manual_seed(p.numel())) * 0.1)
-        for name, p in model.named_parameters():
-            if "norm" in name:
+        for p in model.parameters():  # init independent of transformers' init scheme (biases nonzero)
+            gen = torch.Generator().manual_seed(p.numel() + seed_offset)
+            p.copy_(torch.randn(p.shape, generator=gen) * 0.1)
+        for param_name, p in model.named_parameters():
+            if "norm" in param_name:
                 p.fill_(1.0)
     return _save_atomically(target, lambda tmp: (model.save_pretrained(tmp), tokenizer.save_pretrained(tmp)))
+
+
+def _build_tiny_random_llama() -> Path:
+    """Llama (SmolLM2's family), tied embeddings."""
+    return _build_tiny_random(
+        "tiny-random-llama-v1", "llama", 0, head_dim=16, rope_theta=10000.0, tie_word_embeddings=True
+    )
 
 
 def _build_tiny_random_qwen2() -> Path:
-    """A deterministic random-weight Qwen2 (4 layers, 4 heads, 2 KV heads, head_dim 16, q/k/v biases,
-    an untied head, RoPE base 1e6) with the SmolLM2 tokenizer: the Qwen family's layout in seconds,
-    for the tests that run every cache feature on each family."""
-    target = cache_dir() / "models" / "tiny-random-qwen2-v1"
-    if (target / "config.json").exists():
-        return target
-    import torch
-    from transformers import AutoTokenizer, Qwen2Config, Qwen2ForCausalLM
-
-    tokenizer = AutoTokenizer.from_pretrained(_build_smollm2())
-    config = Qwen2Config(
-        vocab_size=len(tokenizer),
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=4,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=4096,
-        rope_theta=1000000.0,
-        bos_token_id=1,
-        eos_token_id=2,
-        pad_token_id=2,
-        tie_word_embeddings=False,
+    """Qwen2's layout: q/k/v biases, an untied head, RoPE base 1e6."""
+    return _build_tiny_random(
+        "tiny-random-qwen2-v1", "qwen2", 7, rope_theta=1000000.0, tie_word_embeddings=False
     )
-    torch.manual_seed(0)
-    model = Qwen2ForCausalLM(config)
-    with torch.no_grad():
-        for p in model.parameters():  # init independent of transformers' init scheme; biases nonzero
-            p.copy_(torch.randn(p.shape, generator=torch.Generator().manual_seed(p.numel() + 7)) * 0.1)
-        for name, p in model.named_parameters():
-            if "norm" in name:
-                p.fill_(1.0)
-    return _save_atomically(target, lambda tmp: (model.save_pretrained(tmp), tokenizer.save_pretrained(tmp)))
 
 
 BUILTINS: dict[str, Callable[[], Path]] = {
