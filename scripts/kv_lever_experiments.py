@@ -5,6 +5,7 @@ as it is written). A proxy, not the task: each line is a lever's size before any
     .venv/bin/python scripts/kv_lever_experiments.py layers int2      # one layer's K at int2, the rest exact
     .venv/bin/python scripts/kv_lever_experiments.py prerope int2 int3  # K quantized before RoPE, or after
     .venv/bin/python scripts/kv_lever_experiments.py sink kint2-vturbo2   # the first block kept exact, or not
+    .venv/bin/python scripts/kv_lever_experiments.py halves kint3-vturbo2  # K alone, then V alone
 """
 
 import sys
@@ -61,6 +62,11 @@ def k_only(name: str, layers: set[int]) -> list[KVCodec]:
     return [KVCodec("k-only", make_codec(name, H, D, i).k if i in layers else exact, exact) for i in range(L)]
 
 
+def v_only(name: str) -> list[KVCodec]:
+    exact = PassthroughCodec(H, D, torch.float32)
+    return [KVCodec("v-only", exact, make_codec(name, H, D, i).v) for i in range(L)]
+
+
 def dppl(codecs: list[KVCodec]) -> str:
     return f"{100 * (b.perplexity(model, ids, codecs) / reference - 1):+.2f}%"
 
@@ -76,6 +82,11 @@ for name in names:
         for state["prerope"] in (False, True):
             where = "before" if state["prerope"] else "after"
             print(f"K {name} {where} RoPE (V exact): dPPL {dppl(k_only(name, set(range(L))))}", flush=True)
+    elif what == "halves":  # each half of the codec alone, the other exact
+        print(
+            f"{name}: K alone dPPL {dppl(k_only(name, set(range(L))))}, V alone {dppl(v_only(name))}",
+            flush=True,
+        )
     elif what == "sink":
         for state["sink"] in (0, 16):
             codecs = [make_codec(name, H, D, i) for i in range(L)]
