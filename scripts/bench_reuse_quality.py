@@ -392,6 +392,10 @@ def run_codecs(
     bytes_per_token: dict[str, float] = {}
     reference: list[RequestOutput] = []
     samples = [{"prompt": i, "answers": p.answers} for i, p in enumerate(prompts[: args.keep_samples])]
+
+    def so_far() -> dict:
+        return codec_result(rows, codecs[0], compute_dtype, bytes_per_token, docs, groups, prompts, samples)
+
     for codec in codecs:
         llm = LLM(
             model=args.model,
@@ -436,10 +440,8 @@ def run_codecs(
         llm.close()
         del llm
         if on_codec is not None:  # the codecs so far, in case a long run is stopped
-            on_codec(
-                codec_result(rows, codecs[0], compute_dtype, bytes_per_token, docs, groups, prompts, samples)
-            )
-    return codec_result(rows, codecs[0], compute_dtype, bytes_per_token, docs, groups, prompts, samples)
+            on_codec(so_far())
+    return so_far()
 
 
 def codec_result(rows, reference, compute_dtype, bytes_per_token, docs, groups, prompts, samples) -> dict:  # type: ignore[no-untyped-def]

@@ -56,8 +56,8 @@ class Admissions:
         self,
         kv: KVCacheManager,
         content: ContentMatcher | None,
-        enable_prefix_caching: bool,
         repairs: Repairs,
+        enable_prefix_caching: bool,
     ):
         self.kv, self.content, self.repairs = kv, content, repairs
         self.chunk_size, self.block_size = kv.chunk_size, kv.block_size

@@ -74,7 +74,7 @@ class Scheduler:
         self.content = content if enable_prefix_caching else None
         self.repairs = Repairs()
         self.chunks = ChunkRegistrar(kv, self.content, self.repairs, enable_prefix_caching)
-        self.admissions = Admissions(kv, self.content, enable_prefix_caching, self.repairs)
+        self.admissions = Admissions(kv, self.content, self.repairs, enable_prefix_caching)
         # a prefill slice that is not its prompt's last ends on a multiple of this (the block size where the KV
         # storage encodes whole blocks, else 1: `LayerKV.per_token`)
         self.granularity = granularity or self.block_size
