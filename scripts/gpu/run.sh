@@ -21,7 +21,7 @@ cd "$(dirname "$0")/../.."
 REPO=$(pwd)
 RESULTS=${1:?usage: scripts/gpu/run.sh RESULTS_DIR [--stages a,b,...]}
 shift
-STAGES="env,wheels,build,tests,kernels,nested,engine,server,profile,sweep,debug"
+STAGES="env,wheels,build,tests,kernels,nested,engine,server,profile,sweep,psweep,debug"
 PACK=""
 while [[ $# -gt 0 ]]; do
   case "$1" in
@@ -44,11 +44,11 @@ export KVSERVE_CACHE_DIR=${KVSERVE_CACHE_DIR:-/tmp/kvserve-cache}
 export BUNDLE RESULTS PYTHON SITE CHECK=""
 
 # stage caps in seconds (the first full run must end within 8 minutes on an H100: docs/gpu.md)
-declare -A CAP=([env]=45 [wheels]=40 [build]=150 [tests]=180 [kernels]=120 [nested]=60 [engine]=180 [server]=90 [profile]=150
-  [sweep]=150 [debug]=60)
+declare -A CAP=([env]=45 [wheels]=40 [build]=150 [tests]=180 [kernels]=120 [nested]=150 [engine]=180 [server]=90 [profile]=150
+  [sweep]=150 [psweep]=150 [debug]=60)
 # what a stage needs: cuda = a CUDA device; bench = a CUDA device to measure, none to check its arguments
 declare -A NEEDS=([env]="" [wheels]="" [build]=cuda [tests]=cuda [kernels]=bench [nested]=bench [engine]=bench [server]=bench [profile]=bench
-  [sweep]=bench [debug]=cuda)
+  [sweep]=bench [psweep]=bench [debug]=cuda)
 
 for stage in ${STAGES//,/ }; do
   [[ -n "${CAP[$stage]:-}" ]] || { echo "unknown stage $stage (known: ${!CAP[*]})" >&2; exit 2; }
@@ -138,6 +138,11 @@ stage_profile() {
 stage_sweep() {
   # the decode launch choices (splits, tile, warps, fp8 conversion): what sets the %HBM at 4k-8k
   "$PYTHON" scripts/gpu/sweep_decode.py --json "$RESULTS/sweep_decode.json" $CHECK
+}
+
+stage_psweep() {
+  # the prefill launch choices (tile, warps, stages, fp8 conversion): the fp8 prefill's 1.7x of bf16
+  "$PYTHON" scripts/gpu/sweep_prefill.py --json "$RESULTS/sweep_prefill.json" $CHECK
 }
 
 stage_debug() {

@@ -24,6 +24,7 @@ from kvserve.kernels.triton.paged_decode import (  # noqa: E402
     e2m1_to_fp16,
     e4m3_native_to_fp16,
     e4m3_to_fp16,
+    e4m3_to_fp32,
     e8m0_to_fp32,
     mxfp4_tile,
 )
@@ -116,12 +117,13 @@ def test_compiles_for_sm90_and_sm80_without_gpu():
     if "GPUTarget" in proc.stderr and "ImportError" in proc.stderr:
         pytest.skip(f"this triton cannot compile for a target without a GPU: {proc.stderr[-300:]}")
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    # prefill{,-fp8kv}, decode{,-fp8kv,-int8kv,-mxfp4kv}, merge, nested-fp8, nested-fp16; sm_90 also the
-    # two fp8kv-native variants (the hardware conversion, sm_89 and later)
-    for arch, count in ((90, 11), (80, 9)):
+    # prefill{,-fp8kv,-fp8kv-fp32}, decode{,-fp8kv,-int8kv,-mxfp4kv}, merge, nested-{fp8,fp16}{,-swap}; sm_90
+    # also the two fp8kv-native variants (the hardware conversion, sm_89 and later)
+    for arch, count in ((90, 14), (80, 12)):
         assert proc.stdout.count(f"ok   sm_{arch}") == count, proc.stdout
     assert "decode-int8kv" in proc.stdout and "decode-mxfp4kv" in proc.stdout
     assert "prefill-fp8kv-native" in proc.stdout and "decode-fp8kv-native" in proc.stdout
+    assert "prefill-fp8kv-fp32" in proc.stdout and "nested-fp16-swap" in proc.stdout
 
 
 @pytest.mark.parametrize("codec", ["fp8_e4m3", "int8", "mxfp4"])
@@ -295,14 +297,24 @@ def _convert_e4m3_native_kernel(codes_ptr, out_ptr, N: tl.constexpr):
     tl.store(out_ptr + offs, e4m3_native_to_fp16(tl.load(codes_ptr + offs)))
 
 
-@pytest.mark.parametrize("kernel", [_convert_e4m3_kernel, _convert_e4m3_native_kernel])
+@triton.jit
+def _convert_e4m3_fp32_kernel(codes_ptr, out_ptr, N: tl.constexpr):
+    offs = tl.arange(0, N)
+    tl.store(out_ptr + offs, e4m3_to_fp32(tl.load(codes_ptr + offs)))
+
+
+@pytest.mark.parametrize(
+    "kernel", [_convert_e4m3_kernel, _convert_e4m3_native_kernel, _convert_e4m3_fp32_kernel]
+)
 def test_e4m3_conversions_are_exact(kernel):
-    """The integer bit trick and the hardware conversion (sm_89+; the interpreter emulates it)."""
+    """The integer bit tricks (to fp16, to fp32: subnormal codes too) and the hardware conversion
+    (sm_89+; the interpreter emulates it)."""
     if kernel is _convert_e4m3_native_kernel and ON_GPU and torch.cuda.get_device_capability() < (8, 9):
         pytest.skip("no hardware fp8 conversion before sm_89")
     codes = torch.tensor([c for c in range(256) if c & 0x7F != 0x7F], dtype=torch.uint8)  # no NaN codes
     codes = torch.cat([codes, codes[:2]])  # 256 lanes
-    out = torch.empty(256, dtype=torch.float16, device=DEVICE)
+    dtype = torch.float32 if kernel is _convert_e4m3_fp32_kernel else torch.float16
+    out = torch.empty(256, dtype=dtype, device=DEVICE)
     kernel[(1,)](codes.to(DEVICE), out, 256)
     assert torch.equal(out.cpu().float(), codes.view(torch.float8_e4m3fn).float())
 
@@ -338,6 +350,37 @@ def test_fp8_prefill_reads_codes_in_place(monkeypatch, kind, dtype, native):
         monkeypatch.setattr(module, "native_fp8", lambda device: native)
     out = _quantized_forward(query, kv, meta, 0.125)
     torch.testing.assert_close(out.float(), ref.float(), atol=TOL[dtype], rtol=0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_fp8_prefill_conversions_and_launches_agree(dtype):
+    """Every fp8 conversion decodes the same values, so the prefill's output is the same bit for bit;
+    another tile shape, warp count or stage count changes only the summation order (a few ulps)."""
+    from kvserve.kernels.triton.paged_prefill import FP8_CONVERTS, paged_prefill
+
+    if ON_GPU and torch.cuda.get_device_capability() < (8, 9):
+        pytest.skip("no hardware fp8 conversion before sm_89")
+    query, kv, meta = _fp8_pool(SHAPES["chunked_prefill"], 8, 2, 64, 16, dtype)
+    from kvserve.kernels.paged_kv import paged_kv
+
+    pool = paged_kv(kv, dtype)
+    query = query.to(DEVICE)
+    args = [
+        t.to(DEVICE)
+        for t in (pool.k_cache, pool.v_cache, meta.block_tables, meta.query_start_loc, meta.seq_lens)
+    ]
+    scales = dict(k_scale=pool.k_scale.to(DEVICE), v_scale=pool.v_scale.to(DEVICE))
+
+    def run(**launch):
+        return paged_prefill(query, *args, max_query_len=meta.max_query_len, scale=0.125, **scales, **launch)
+
+    base = run(fp8_convert="bits")
+    for convert in FP8_CONVERTS[1:]:
+        assert torch.equal(run(fp8_convert=convert), base), convert
+    other = run(block_m=32, block_n=32, num_warps=8, num_stages=2)
+    torch.testing.assert_close(other.float(), base.float(), atol=TOL[dtype], rtol=0)
+    with pytest.raises(ValueError, match="fp8_convert must be one of"):
+        run(fp8_convert="cvt")
 
 
 def test_fp8_prefill_rejects_bad_scales():

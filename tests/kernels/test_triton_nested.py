@@ -27,14 +27,26 @@ def planes(out_f: int, in_f: int, seed: int) -> NestedWeight:
     )
 
 
+LAUNCHES = {  # the default; the weight as the dot's first operand; inputs split three ways, with and without
+    "default": {},
+    "swap": dict(swap=True, block_m=16, block_n=64),
+    "split": dict(split_k=3, block_k=32),
+    "swap-split": dict(swap=True, split_k=2, block_m=16, block_n=64, block_k=32),
+}
+
+
+@pytest.mark.parametrize("launch", list(LAUNCHES))
 @pytest.mark.parametrize("mode", ["fp8", "fp16"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("rows", [1, 5, 20])
-def test_matches_the_modes_reference(mode, dtype, rows):
-    n = planes(48, 96, rows)  # 48 outputs and 96 inputs: partial 64-wide tiles both ways
+def test_matches_the_modes_reference(mode, dtype, rows, launch):
+    n = planes(48, 96, rows)  # 48 outputs and 96 inputs: partial 64-wide tiles both ways (and 32-wide splits)
     x = torch.randn(rows, 96, generator=torch.Generator().manual_seed(7)).to(dtype)
     on = {k: v.to(DEVICE) for k, v in (("hi", n.hi), ("lo", n.lo), ("scale", n.scale))}
-    y = nested_linear(x.to(DEVICE), on["hi"], on["lo"], on["scale"], fp16=mode == "fp16").cpu()
+    y = nested_linear(
+        x.to(DEVICE), on["hi"], on["lo"], on["scale"], fp16=mode == "fp16", **LAUNCHES[launch]
+    ).cpu()
+    assert y.dtype == dtype and y.shape == (rows, 48)
     want = x.float() @ n.dequant(mode).T
     tol = 1e-4 if dtype == torch.float32 else 2e-3
     torch.testing.assert_close(y.float(), want, atol=tol * float(want.abs().max()), rtol=0)
@@ -56,3 +68,5 @@ def test_rejects_mismatched_shapes():
         nested_linear(torch.randn(2, 31), n.hi, n.lo, n.scale, fp16=True)
     with pytest.raises(ValueError, match="uint8"):
         nested_linear(torch.randn(2, 32), n.hi.float(), n.lo, n.scale, fp16=True)
+    with pytest.raises(ValueError, match="split_k"):
+        nested_linear(torch.randn(2, 32), n.hi, n.lo, n.scale, fp16=True, split_k=0)

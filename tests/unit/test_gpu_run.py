@@ -18,7 +18,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[2]
 RUN = ROOT / "scripts" / "gpu" / "run.sh"
 GPU_STAGES = ["build", "tests", "debug"]
-BENCH_STAGES = ["kernels", "nested", "engine", "server", "profile", "sweep"]
+BENCH_STAGES = ["kernels", "nested", "engine", "server", "profile", "sweep", "psweep"]
 # what run.sh's wheels stage imports on the GPU machine, by top-level package directory
 PACKAGES = ["fastapi", "starlette", "pydantic", "pydantic_core", "uvicorn", "sse_starlette", "llguidance"]
 PACKAGES += ["openai", "jiter", "transformers"]

@@ -78,15 +78,15 @@ def variants(quick: bool, arch: int = 90) -> list[tuple[str, object, str, dict]]
     for dtype in dtypes:
         for d in head_dims:
             common = dict(HEAD_DIM=d, BLOCK_SIZE=16, DOT_FP32=False)
-            prefill = dict(common, GROUP=4, BLOCK_M=64, BLOCK_N=64, FP8_KV=False, NATIVE_FP8=False)
+            prefill = dict(common, GROUP=4, BLOCK_M=64, BLOCK_N=64, FP8_KV=False, FP8_CONVERT=0)
             out.append(("prefill", paged_prefill_kernel, dtype, prefill))
-            for label, native in fp8_modes:
+            for label, convert in [*((label, int(native)) for label, native in fp8_modes), ("fp8kv-fp32", 2)]:
                 out.append(
                     (
                         f"prefill-{label}",
                         paged_prefill_kernel,
                         dtype,
-                        dict(prefill, FP8_KV=True, NATIVE_FP8=native),
+                        dict(prefill, FP8_KV=True, FP8_CONVERT=convert),
                     )
                 )
             decode = dict(common, GROUP=8, GROUP_PAD=16, BLOCK_N=64)
@@ -108,8 +108,10 @@ def variants(quick: bool, arch: int = 90) -> list[tuple[str, object, str, dict]]
                 out.append((label, paged_decode_split_kernel, dtype, dict(decode, **flags)))
             out.append(("merge", merge_splits_kernel, dtype, dict(HEAD_DIM=d, SPLITS_PAD=16)))
         for fp16 in (False, True):
-            tiles = dict(FP16=fp16, X_FP32=False, BLOCK_M=16, BLOCK_N=64, BLOCK_K=64)
+            tiles = dict(FP16=fp16, X_FP32=False, BLOCK_M=16, BLOCK_N=64, BLOCK_K=64, SWAP=False, SPLIT_K=1)
             out.append((f"nested-{'fp16' if fp16 else 'fp8'}", nested_linear_kernel, dtype, tiles))
+            swapped = dict(tiles, BLOCK_M=128, BLOCK_N=128, SWAP=True, num_warps=8)
+            out.append((f"nested-{'fp16' if fp16 else 'fp8'}-swap", nested_linear_kernel, dtype, swapped))
     return out
 
 

@@ -59,6 +59,16 @@ def e4m3_native_to_fp16(codes):
     return codes.to(tl.float8e4nv, bitcast=True).to(tl.float16)
 
 
+@triton.jit
+def e4m3_to_fp32(codes):
+    """fp8 e4m3fn bit patterns (uint8) -> exact fp32 with integer ops: sign to bit 31,
+    exponent|mantissa to bits 20..26 (the value times 2^-120, subnormal codes on fp32 subnormals),
+    then x 2^120. For bf16 queries this skips the fp16 -> bf16 conversion the fp16 routes need."""
+    c = codes.to(tl.uint32)
+    bits = ((c & 0x80) << 24) | ((c & 0x7F) << 20)
+    return bits.to(tl.float32, bitcast=True) * 1.329227995784916e36  # 2^120
+
+
 def native_fp8(device: torch.device) -> bool:
     """Whether the kernels decode fp8 codes with the hardware conversion: CUDA devices of compute
     capability 8.9 or later (Ada, Hopper, Blackwell); elsewhere, and under the CPU interpreter, the

@@ -19,8 +19,21 @@ import triton.language as tl
 
 from kvserve.kernels.checks import check_paged_args, check_scales
 from kvserve.kernels.triton.common import LOG2E, dot_fp32
-from kvserve.kernels.triton.paged_decode import e4m3_native_to_fp16, e4m3_to_fp16, native_fp8
+from kvserve.kernels.triton.paged_decode import e4m3_native_to_fp16, e4m3_to_fp16, e4m3_to_fp32, native_fp8
 from kvserve.kernels.triton.reductions import reduce_max, reduce_sum
+
+# FP8_CONVERT 0, 1, 2: e4m3_to_fp16 (integer bits), e4m3_native_to_fp16 (the hardware cvt), e4m3_to_fp32
+FP8_CONVERTS = ("bits", "native", "fp32")
+
+
+@triton.jit
+def fp8_values(codes, FP8_CONVERT: tl.constexpr):
+    if FP8_CONVERT == 1:
+        return e4m3_native_to_fp16(codes)
+    elif FP8_CONVERT == 2:
+        return e4m3_to_fp32(codes)
+    else:
+        return e4m3_to_fp16(codes)
 
 
 @triton.jit
@@ -55,7 +68,7 @@ def paged_prefill_kernel(
     BLOCK_N: tl.constexpr,
     DOT_FP32: tl.constexpr,  # bf16 tl.dot is wrong in the CPU interpreter (triton 3.9): upcast there
     FP8_KV: tl.constexpr,
-    NATIVE_FP8: tl.constexpr,  # FP8_KV: decode codes with the hardware conversion (native_fp8)
+    FP8_CONVERT: tl.constexpr,  # FP8_KV: 0 integer bits to fp16, 1 the hardware cvt to fp16, 2 integer bits to fp32
 ):
     m_tile = tl.program_id(0)
     seq = tl.program_id(1)
@@ -92,10 +105,8 @@ def paged_prefill_kernel(
         in_block = offs_n % BLOCK_SIZE
         k_rows = block_ids * stride_kb + in_block * stride_kt + kv_head * stride_kh
         k = tl.load(k_cache_ptr + k_rows[:, None] + offs_d[None, :], mask=n_ok[:, None], other=0.0)  # [N, D]
-        if FP8_KV and NATIVE_FP8:
-            k = e4m3_native_to_fp16(k).to(q.dtype)  # exact in fp16 / bf16 / fp32
-        elif FP8_KV:
-            k = e4m3_to_fp16(k).to(q.dtype)
+        if FP8_KV:
+            k = fp8_values(k, FP8_CONVERT).to(q.dtype)  # exact in fp16 / bf16 / fp32
         if DOT_FP32:
             k = k.to(tl.float32)
         s = tl.dot(q, tl.trans(k)) * qk_scale  # [M, N] fp32, log2 units
@@ -110,10 +121,8 @@ def paged_prefill_kernel(
         l_i = l_i * alpha + reduce_sum(p, 1)
         v_rows = block_ids * stride_vb + in_block * stride_vt + kv_head * stride_vh
         v = tl.load(v_cache_ptr + v_rows[:, None] + offs_d[None, :], mask=n_ok[:, None], other=0.0)
-        if FP8_KV and NATIVE_FP8:
-            v = e4m3_native_to_fp16(v).to(q.dtype)
-        elif FP8_KV:
-            v = e4m3_to_fp16(v).to(q.dtype)
+        if FP8_KV:
+            v = fp8_values(v, FP8_CONVERT).to(q.dtype)
         if FP8_KV:  # the V scale goes on p after l_i took it, as in paged_decode
             p = p * tl.load(v_scale_ptr + scale_rows, mask=n_ok, other=0.0)[None, :]
         if DOT_FP32:
@@ -139,9 +148,13 @@ def paged_prefill(
     block_n: int = 64,
     k_scale: torch.Tensor | None = None,  # given: an fp8_e4m3 pool, [num_blocks, block_size, H_kv] fp32
     v_scale: torch.Tensor | None = None,
-    native_fp8_decode: bool | None = None,  # fp8: None = native_fp8(query.device)
+    fp8_convert: str | None = None,  # fp8: one of FP8_CONVERTS; None = "native" where native_fp8, else "bits"
+    num_warps: int = 4,
+    num_stages: int | None = None,  # None: Triton's default
 ) -> torch.Tensor:  # [T, H, D], dtype of query
-    """Launches paged_prefill_kernel on the current stream after checking every argument."""
+    """Launches paged_prefill_kernel on the current stream after checking every argument. The tile
+    shape, warps, stages and fp8 conversion are the launch's (scripts/gpu/sweep_prefill.py measures
+    them on a GPU)."""
     fp8 = k_scale is not None or v_scale is not None
     shape = check_paged_args(
         query,
@@ -159,7 +172,11 @@ def paged_prefill(
         return out
     scales = (k_scale, v_scale) if fp8 else (out, out)  # pointers the dense variant never reads
     scale_strides = k_scale.stride()[:2] if k_scale is not None else (0, 0)
-    native = fp8 and (native_fp8(query.device) if native_fp8_decode is None else native_fp8_decode)
+    if fp8_convert is None:
+        fp8_convert = "native" if fp8 and native_fp8(query.device) else "bits"
+    if fp8_convert not in FP8_CONVERTS:
+        raise ValueError(f"fp8_convert must be one of {FP8_CONVERTS}, got {fp8_convert!r}")
+    options = {} if num_stages is None else {"num_stages": num_stages}
     grid = (math.ceil(max_query_len / block_m), shape.num_seqs, shape.num_heads)
     paged_prefill_kernel[grid](
         query, k_cache, v_cache, *scales, out, block_tables, query_start_loc, seq_lens, scale * LOG2E,
@@ -168,6 +185,7 @@ def paged_prefill(
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         block_tables.stride(0), *scale_strides,
         GROUP=shape.num_heads // shape.num_kv_heads, HEAD_DIM=shape.head_dim, BLOCK_SIZE=shape.block_size,
-        BLOCK_M=block_m, BLOCK_N=block_n, DOT_FP32=dot_fp32(query), FP8_KV=fp8, NATIVE_FP8=native,
+        BLOCK_M=block_m, BLOCK_N=block_n, DOT_FP32=dot_fp32(query), FP8_KV=fp8,
+        FP8_CONVERT=FP8_CONVERTS.index(fp8_convert), num_warps=num_warps, **options,
     )  # fmt: skip
     return out
