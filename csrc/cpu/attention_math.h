@@ -226,17 +226,19 @@ inline void probs_to_bf16(const float* p, int64_t n, uint16_t* out) {
 
 constexpr int pv_rows(int d) { return std::max(1, std::min(8, 16 / (d / kLanes))); }
 
-// One lane's online-softmax step over its n valid tokens of the step (scores in s, overwritten with
-// the probabilities, times v_mult when given): block max, rescale of (m, l), exp, sum. Returns the
+// One lane's online-softmax step over its valid tokens [first, n) of the step (scores in s, overwritten
+// with the probabilities, 0 outside them, times v_mult when given): block max, rescale of (m, l), exp, sum. Returns the
 // factor the lane's accumulator must be multiplied by.
-inline float softmax_step(float* s, int64_t n, const float* k_mult, const float* v_mult, float& m, float& l) {
+inline float softmax_step(float* s, int64_t n, const float* k_mult, const float* v_mult, float& m, float& l,
+                          int64_t first = 0) {
   const vi idx = lane_index();
   const int64_t nv = (n + kLanes - 1) / kLanes;
   vf mx = splat(kNegInf);
   for (int64_t v = 0; v < nv; ++v) {
     vf x = loadu(s + v * kLanes);
     if (k_mult) x = x * loadu(k_mult + v * kLanes);
-    x = (idx + static_cast<int32_t>(v * kLanes)) < static_cast<int32_t>(n) ? x : splat(kNegInf);
+    const vi at = idx + static_cast<int32_t>(v * kLanes);
+    x = (at < static_cast<int32_t>(n)) & (at >= static_cast<int32_t>(first)) ? x : splat(kNegInf);
     storeu(s + v * kLanes, x);
     mx = mx > x ? mx : x;
   }
@@ -245,7 +247,8 @@ inline float softmax_step(float* s, int64_t n, const float* k_mult, const float*
   vf sum = {};
   for (int64_t v = 0; v < nv; ++v) {
     vf e = exp_nonpositive(loadu(s + v * kLanes) - new_max);
-    e = (idx + static_cast<int32_t>(v * kLanes)) < static_cast<int32_t>(n) ? e : vf{};
+    const vi at = idx + static_cast<int32_t>(v * kLanes);
+    e = (at < static_cast<int32_t>(n)) & (at >= static_cast<int32_t>(first)) ? e : vf{};
     sum += e;
     if (v_mult) e = e * loadu(v_mult + v * kLanes);
     storeu(s + v * kLanes, e);

@@ -28,6 +28,8 @@ struct Problem {
   const int32_t* seq_lens;      // [num_seqs]
   const int32_t* row_start;     // [num_seqs + 1]
   std::vector<int32_t> pos;     // [num_rows]: each row's position
+  int64_t window;               // > 0: a row at position p sees (p - window, p] (a sliding-window layer)
+  std::vector<int32_t> lo;      // [num_rows]: the first position each row sees (0 without a window)
 };
 
 // Query rows `rows`, reading KV through sequence seq's block table; split >= 0: only that split, stored
@@ -48,7 +50,7 @@ struct Work {
   std::vector<typename M::K> kt;
   std::vector<float> zeros, k_mult, v_mult, scores, acc, total;
   std::vector<float> m, l, tm, tl, corr;
-  std::vector<int32_t> lane_pos, active, n_valid;
+  std::vector<int32_t> lane_pos, lane_lo, active, n_valid, first_valid;
   std::vector<const typename M::Q*> lane_q, q_act;
   std::vector<const typename M::P*> p_act;  // fp32: the scores, overwritten with probabilities
   std::vector<const float*> tok_k, tok_v;
@@ -63,7 +65,8 @@ struct Work {
       : scratch(kBf16 ? 0 : p.step_tokens / p.block_size * p.h_kv, Scratch(p.block_size, p.d)),
         kt(p.h_kv * p.d / M::kPack * p.step_tokens), zeros(p.d), k_mult(p.h_kv * p.step_tokens),
         v_mult(p.h_kv * p.step_tokens), scores(lanes * p.step_tokens), acc(lanes * p.d), total(lanes * p.d), m(lanes),
-        l(lanes), tm(lanes), tl(lanes), corr(lanes), lane_pos(lanes), active(lanes), n_valid(lanes), lane_q(lanes),
+        l(lanes), tm(lanes), tl(lanes), corr(lanes), lane_pos(lanes), lane_lo(lanes), active(lanes), n_valid(lanes),
+        first_valid(lanes), lane_q(lanes),
         q_act(lanes), p_act(lanes), tok_k(p.h_kv * p.step_tokens), tok_v(p.h_kv * p.step_tokens), s_ptr(lanes),
         acc_ptr(lanes), has_k_mult(p.h_kv), has_v_mult(p.h_kv), vt2(kBf16 ? p.h_kv * p.d / 2 * p.step_tokens : 0),
         tok_v16(kBf16 ? p.h_kv * p.step_tokens : 0), probs16(kBf16 ? lanes * p.step_tokens : 0) {}
@@ -163,10 +166,11 @@ void run_step(const Problem& p, Work<M>& w, int64_t h, int64_t start, int64_t nu
   int64_t n_common = sp;
   for (int64_t i = 0; i < num_rows * group; ++i) {
     const int64_t lane = (i / group) * p.num_heads + h * group + i % group;
-    if (w.lane_pos[lane] < start) continue;
+    if (w.lane_pos[lane] < start || w.lane_lo[lane] >= start + sp) continue;
     const int64_t n = std::min<int64_t>(sp, w.lane_pos[lane] + 1 - start);
     w.active[num_active] = static_cast<int32_t>(lane);
     w.n_valid[num_active] = static_cast<int32_t>(n);
+    w.first_valid[num_active] = static_cast<int32_t>(std::max<int64_t>(0, w.lane_lo[lane] - start));
     w.q_act[num_active] = w.lane_q[lane];
     w.s_ptr[num_active] = w.scores.data() + num_active * sp;
     if constexpr (kBf16) {
@@ -185,7 +189,7 @@ void run_step(const Problem& p, Work<M>& w, int64_t h, int64_t start, int64_t nu
                        num_active);
   for (int64_t a = 0; a < num_active; ++a) {
     const int64_t lane = w.active[a];
-    w.corr[a] = softmax_step(w.s_ptr[a], w.n_valid[a], k_mult, v_mult, w.m[lane], w.l[lane]);
+    w.corr[a] = softmax_step(w.s_ptr[a], w.n_valid[a], k_mult, v_mult, w.m[lane], w.l[lane], w.first_valid[a]);
     // probabilities past n_valid are 0: a lane's last pair may hold one
     if constexpr (kBf16) {
       const int64_t n_vec = (w.n_valid[a] + kLanes - 1) / kLanes * kLanes;  // what softmax_step wrote
@@ -215,13 +219,14 @@ void run_item(const Problem& p, const Reader& reader, Work<M>& w, const Item& it
               float* partials, const int64_t* partial_base) {
   const int64_t h_all = p.num_heads, st = p.split_tokens, num_rows = static_cast<int64_t>(it.rows.size());
   const int64_t num_lanes = num_rows * h_all;
-  int64_t max_pos = 0;
-  for (const int64_t r : it.rows) max_pos = std::max<int64_t>(max_pos, p.pos[r]);
+  int64_t max_pos = 0, min_lo = p.pos[it.rows[0]];
+  for (const int64_t r : it.rows) max_pos = std::max<int64_t>(max_pos, p.pos[r]), min_lo = std::min<int64_t>(min_lo, p.lo[r]);
   const int64_t first_split = it.split >= 0 ? it.split : 0;
   const int64_t last_split = it.split >= 0 ? it.split : max_pos / st;
   for (int64_t lane = 0; lane < num_lanes; ++lane) {
     const int64_t r = it.rows[lane / h_all];
     w.lane_pos[lane] = p.pos[r];
+    w.lane_lo[lane] = p.lo[r];
     w.lane_q[lane] = q + (r * h_all + lane % h_all) * (D / M::kPack);
     w.tm[lane] = kNegInf;
   }
@@ -231,6 +236,7 @@ void run_item(const Problem& p, const Reader& reader, Work<M>& w, const Item& it
     std::fill(w.m.begin(), w.m.begin() + num_lanes, kNegInf);
     std::fill(w.l.begin(), w.l.begin() + num_lanes, 0.f);
     for (int64_t start = split_begin; start < split_begin + st && start <= max_pos; start += p.step_tokens) {
+      if (start + p.step_tokens <= min_lo) continue;  // before every row's window: nothing to read
       const int64_t n_max = std::min<int64_t>(p.step_tokens, max_pos + 1 - start);
       const int64_t next_n = std::min<int64_t>(p.step_tokens, max_pos + 1 - start - p.step_tokens);
       if constexpr (Work<M>::kBf16) {

@@ -3,7 +3,9 @@
 //
 // Rows: query [T, H, D]; sequence b owns rows [row_start[b], row_start[b + 1]) and KV positions
 // [0, seq_lens[b]) through block_tables[b]; a row at position p attends to KV positions [0, p]
-// (p = seq_len - q_len + j for the j-th of q_len rows unless positions are given).
+// (p = seq_len - q_len + j for the j-th of q_len rows unless positions are given), or with window > 0
+// (a sliding-window layer) KV positions (p - window, p]: steps wholly before every row's window are
+// skipped, and a step's positions before a row's window are masked like those after it.
 //
 // Batch invariance: a row's output is a pure function of its query, its position and the KV it
 // attends to. Every (row, head) runs the same sequence of operations whatever else is in the call,
@@ -40,7 +42,7 @@ using namespace kvserve_cpu;
 
 Problem make_problem(const at::Tensor& query, int64_t h_kv, int64_t block_size, const at::Tensor& block_tables,
                      const at::Tensor& seq_lens, const at::Tensor& row_start, const at::Tensor& positions,
-                     double scale) {
+                     double scale, int64_t window) {
   TORCH_CHECK(query.device().is_cpu() && query.dim() == 3 && query.is_contiguous(),
               "query must be a contiguous CPU tensor [num_rows, num_heads, head_dim]");
   auto int_vector = [](const at::Tensor& t, const char* name, int64_t dim) {
@@ -74,7 +76,10 @@ Problem make_problem(const at::Tensor& query, int64_t h_kv, int64_t block_size, 
   const bool explicit_positions = positions.numel() > 0;
   TORCH_CHECK(!explicit_positions || positions.size(0) == p.num_rows, "positions need one entry per query row");
   const int32_t* given = explicit_positions ? positions.data_ptr<int32_t>() : nullptr;
+  TORCH_CHECK(window >= 0, "window must be >= 0 (0: none), got ", window);
+  p.window = window;
   p.pos.resize(p.num_rows);
+  p.lo.assign(p.num_rows, 0);
   for (int64_t b = 0; b < p.num_seqs; ++b) {
     const int64_t r0 = p.row_start[b], r1 = p.row_start[b + 1], len = p.seq_lens[b];
     TORCH_CHECK(r0 <= r1, "query_start_loc must not decrease");
@@ -84,6 +89,7 @@ Problem make_problem(const at::Tensor& query, int64_t h_kv, int64_t block_size, 
       p.pos[r] = given ? given[r] : static_cast<int32_t>(len - (r1 - r));
       TORCH_CHECK(p.pos[r] >= 0 && p.pos[r] < len, "position ", p.pos[r], " of row ", r, " is outside [0, seq_lens[",
                   b, "])");
+      if (window > 0) p.lo[r] = static_cast<int32_t>(std::max<int64_t>(0, p.pos[r] - window + 1));
     }
     const int64_t blocks_used = (len + block_size - 1) / block_size;
     for (int64_t i = 0; i < blocks_used; ++i) {
@@ -133,13 +139,14 @@ at::Tensor run_dense(const Problem& p, const at::Tensor& k_cache, const at::Tens
 
 at::Tensor paged_attention_dense(const at::Tensor& query, const at::Tensor& k_cache, const at::Tensor& v_cache,
                                  const at::Tensor& block_tables, const at::Tensor& seq_lens,
-                                 const at::Tensor& query_start_loc, const at::Tensor& positions, double scale) {
+                                 const at::Tensor& query_start_loc, const at::Tensor& positions, double scale,
+                                 int64_t window) {
   check_pool(k_cache, "k_cache", k_cache.scalar_type(), 4);
   check_pool(v_cache, "v_cache", k_cache.scalar_type(), 4);
   TORCH_CHECK(k_cache.sizes() == v_cache.sizes(), "k_cache and v_cache shapes differ");
   TORCH_CHECK(k_cache.size(3) == query.size(2), "head_dim of query and pool differ");
   const Problem p = make_problem(query, k_cache.size(2), k_cache.size(1), block_tables, seq_lens, query_start_loc,
-                                 positions, scale);
+                                 positions, scale, window);
   check_block_ids(p, k_cache.size(0));
   switch (k_cache.scalar_type()) {
     case at::kFloat: return run_dense<float>(p, k_cache, v_cache, query);
@@ -152,7 +159,7 @@ at::Tensor paged_attention_dense(const at::Tensor& query, const at::Tensor& k_ca
 at::Tensor paged_attention_fp8(const at::Tensor& query, const at::Tensor& k_codes, const at::Tensor& v_codes,
                                const at::Tensor& k_scale, const at::Tensor& v_scale, const at::Tensor& block_tables,
                                const at::Tensor& seq_lens, const at::Tensor& query_start_loc,
-                               const at::Tensor& positions, double scale) {
+                               const at::Tensor& positions, double scale, int64_t window) {
   check_pool(k_codes, "k_codes", at::kByte, 4);
   check_pool(v_codes, "v_codes", at::kByte, 4);
   check_pool(k_scale, "k_scale", at::kFloat, 3);
@@ -161,7 +168,7 @@ at::Tensor paged_attention_fp8(const at::Tensor& query, const at::Tensor& k_code
   TORCH_CHECK(k_scale.sizes() == k_codes.sizes().slice(0, 3) && v_scale.sizes() == k_scale.sizes(),
               "fp8 scales must be [num_blocks, block_size, num_kv_heads]");
   const Problem p = make_problem(query, k_codes.size(2), k_codes.size(1), block_tables, seq_lens, query_start_loc,
-                                 positions, scale);
+                                 positions, scale, window);
   check_block_ids(p, k_codes.size(0));
   Fp8Reader reader{k_codes.data_ptr<uint8_t>(), v_codes.data_ptr<uint8_t>(), k_scale.data_ptr<float>(),
                    v_scale.data_ptr<float>(), p.block_size, p.h_kv, p.d};
@@ -182,7 +189,8 @@ at::Tensor paged_attention_int8(const at::Tensor& query, const at::Tensor& k_cod
                                 const at::Tensor& k_zero, const at::Tensor& shadow, const at::Tensor& slot_of_block,
                                 const at::Tensor& v_codes, const at::Tensor& v_scale, const at::Tensor& v_zero,
                                 const at::Tensor& block_tables, const at::Tensor& seq_lens,
-                                const at::Tensor& query_start_loc, const at::Tensor& positions, double scale) {
+                                const at::Tensor& query_start_loc, const at::Tensor& positions, double scale,
+                                int64_t window) {
   check_pool(k_codes, "k_codes", at::kByte, 4);
   check_pool(v_codes, "v_codes", at::kByte, 4);
   check_pool(k_scale, "k_scale", at::kHalf, 3);
@@ -201,7 +209,7 @@ at::Tensor paged_attention_int8(const at::Tensor& query, const at::Tensor& k_cod
   TORCH_CHECK(shadow.size(0) == 0 || shadow.sizes().slice(1) == k_codes.sizes().slice(1),
               "the open-block shadow must be [capacity, block_size, num_kv_heads, head_dim]");
   const Problem p = make_problem(query, k_codes.size(2), k_codes.size(1), block_tables, seq_lens, query_start_loc,
-                                 positions, scale);
+                                 positions, scale, window);
   check_block_ids(p, num_blocks);
   const int32_t* slots = slot_of_block.data_ptr<int32_t>();
   for (int64_t i = 0; i < num_blocks; ++i) {

@@ -118,6 +118,9 @@ class AttentionBackend(ABC):
     """
 
     name: str = "base"
+    # Whether forward takes `window` (a sliding-window layer: a row at position p sees (p - window, p]);
+    # a model with such layers runs only on a backend that does (registry.create_backend).
+    takes_window: bool = False
 
     @abstractmethod
     def forward(
@@ -126,6 +129,7 @@ class AttentionBackend(ABC):
         kv: LayerKV,
         meta: AttentionMetadata,
         scale: float,
+        window: int | None = None,
     ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
         ...
 

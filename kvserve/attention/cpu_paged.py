@@ -34,6 +34,7 @@ from types import ModuleType
 import torch
 
 from kvserve.attention.base import AttentionBackend, AttentionMetadata, dense_copy
+from kvserve.attention.reference import ReferenceBackend
 from kvserve.kernels import cpu_ext
 from kvserve.kernels.paged_kv import PagedKV
 from kvserve.kvcache.kv_storage import DenseLayerKV, LayerKV
@@ -219,7 +220,12 @@ def attention_merged(
 
 
 def extension_attention(
-    ext: ModuleType, query: torch.Tensor, kv: LayerKV, meta: AttentionMetadata, scale: float
+    ext: ModuleType,
+    query: torch.Tensor,
+    kv: LayerKV,
+    meta: AttentionMetadata,
+    scale: float,
+    window: int | None = None,
 ) -> torch.Tensor:
     """Every row of the step through the extension's batch-invariant kernel (kv.head_dim must be in
     cpu_ext.HEAD_DIMS); pools it cannot read in place through a dense copy of the referenced blocks."""
@@ -229,7 +235,15 @@ def extension_attention(
         k, v, block_tables = dense_copy(kv, meta.block_tables, query.dtype)
         pool = PagedKV("dense", k, v)
     return cpu_ext.attention(
-        ext, query, pool, block_tables, meta.seq_lens, meta.query_start_loc, scale, meta.query_positions
+        ext,
+        query,
+        pool,
+        block_tables,
+        meta.seq_lens,
+        meta.query_start_loc,
+        scale,
+        meta.query_positions,
+        window,
     )
 
 
@@ -239,6 +253,7 @@ class CpuPagedBackend(AttentionBackend):
     `use_extension=False` keeps to torch ops."""
 
     name = "cpu_paged"
+    takes_window = True
 
     def __init__(self, use_extension: bool = True):
         self.ext = cpu_ext.load_or_none() if use_extension else None
@@ -260,11 +275,18 @@ class CpuPagedBackend(AttentionBackend):
         return self.ext is not None and head_dim in cpu_ext.HEAD_DIMS
 
     def forward(
-        self, query: torch.Tensor, kv: LayerKV, meta: AttentionMetadata, scale: float
+        self,
+        query: torch.Tensor,
+        kv: LayerKV,
+        meta: AttentionMetadata,
+        scale: float,
+        window: int | None = None,
     ) -> torch.Tensor:
         if self.ext is not None and kv.head_dim in cpu_ext.HEAD_DIMS:
-            return extension_attention(self.ext, query, kv, meta, scale)
+            return extension_attention(self.ext, query, kv, meta, scale, window)
         assert meta.query_positions is None, "rows at arbitrary positions: use the positional backend"
+        if window:  # the torch-ops spans have no lower edge: the reference's explicit mask
+            return ReferenceBackend().forward(query, kv, meta, scale, window)
         return torch_ops_attention(query, kv, meta, scale)
 
 

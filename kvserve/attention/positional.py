@@ -29,8 +29,14 @@ class PositionalBackend(AttentionBackend):
         return True
 
     def forward(
-        self, query: torch.Tensor, kv: LayerKV, meta: AttentionMetadata, scale: float
+        self,
+        query: torch.Tensor,
+        kv: LayerKV,
+        meta: AttentionMetadata,
+        scale: float,
+        window: int | None = None,
     ) -> torch.Tensor:
+        assert not window, f"{self.name} takes no sliding window (takes_window is False)"
         assert meta.query_positions is not None
         if self.use_extension and query.device.type == "cpu" and kv.head_dim in cpu_ext.HEAD_DIMS:
             ext = cpu_ext.load_or_none()  # built once per process, on the first CPU call

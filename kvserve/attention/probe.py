@@ -57,8 +57,14 @@ class ProbingBackend(AttentionBackend):
             self.by_layer.setdefault(id(layers[p.layer]), []).append(p)
 
     def forward(
-        self, query: torch.Tensor, kv: LayerKV, meta: AttentionMetadata, scale: float
+        self,
+        query: torch.Tensor,
+        kv: LayerKV,
+        meta: AttentionMetadata,
+        scale: float,
+        window: int | None = None,
     ) -> torch.Tensor:
+        assert not window, "attention probes measure full-attention layers only (content reuse)"
         out = self.inner.forward(query, kv, meta, scale)
         for probe in self.by_layer.get(id(kv), []):
             probe.observe(query, kv, scale)

@@ -1,7 +1,8 @@
 """Plain-torch reference attention: the oracle every other backend is tested against.
 
 Per sequence: gather its blocks, cut to seq_len, expand KV heads for GQA, explicit bottom-right
-causal mask, softmax in float64 (float32 inputs) or float32. Slow and obviously right.
+causal mask (and a sliding-window layer's lower edge), softmax in float64 (float32 inputs) or
+float32. Slow and obviously right.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ def attention_one_sequence(
     k: torch.Tensor,  # [seq_len, H_kv, D]
     v: torch.Tensor,  # [seq_len, H_kv, D]
     scale: float,
+    window: int | None = None,  # a row at position p sees (p - window, p]
 ) -> torch.Tensor:  # [q_len, H, D]
     q_len, num_heads, _ = q.shape
     seq_len, num_kv_heads, _ = k.shape
@@ -27,16 +29,25 @@ def attention_one_sequence(
     scores = torch.einsum("qhd,khd->hqk", q.to(acc), k) * scale  # [H, q_len, seq_len]
     q_pos = torch.arange(seq_len - q_len, seq_len, device=q.device).unsqueeze(1)
     k_pos = torch.arange(seq_len, device=q.device).unsqueeze(0)
-    scores = scores.masked_fill(k_pos > q_pos, float("-inf"))
+    hidden = k_pos > q_pos
+    if window:
+        hidden |= k_pos <= q_pos - window
+    scores = scores.masked_fill(hidden, float("-inf"))
     probs = torch.softmax(scores, dim=-1)
     return torch.einsum("hqk,khd->qhd", probs, v).to(q.dtype)
 
 
 class ReferenceBackend(AttentionBackend):
     name = "reference"
+    takes_window = True
 
     def forward(
-        self, query: torch.Tensor, kv: LayerKV, meta: AttentionMetadata, scale: float
+        self,
+        query: torch.Tensor,
+        kv: LayerKV,
+        meta: AttentionMetadata,
+        scale: float,
+        window: int | None = None,
     ) -> torch.Tensor:
         out = torch.empty_like(query)
         start = 0
@@ -46,7 +57,9 @@ class ReferenceBackend(AttentionBackend):
             k, v = kv.gather(block_ids)  # [n, block_size, H_kv, D]
             k = k.reshape(-1, kv.num_kv_heads, kv.head_dim)[:seq_len]
             v = v.reshape(-1, kv.num_kv_heads, kv.head_dim)[:seq_len]
-            out[start : start + q_len] = attention_one_sequence(query[start : start + q_len], k, v, scale)
+            out[start : start + q_len] = attention_one_sequence(
+                query[start : start + q_len], k, v, scale, window
+            )
             start += q_len
         return out
 

@@ -44,38 +44,49 @@ def backend_class(name: str) -> type[AttentionBackend]:
     return _load(name)
 
 
-def _availability(name: str, device: torch.device, facts: dict) -> tuple[bool, str]:
+def _availability(name: str, device: torch.device, facts: dict, windowed: bool) -> tuple[bool, str]:
     try:
         cls = _load(name)
     except ImportError as exc:
         return False, f"cannot be imported ({exc})"
+    if windowed and not cls.takes_window:
+        return False, (
+            "it takes no sliding-window layers, which this model has "
+            "(cpu_paged and reference do: --device cpu, or --attention-backend reference)"
+        )
     return cls.is_available(device, **facts)
 
 
 def create_backend(
-    name: str, device: torch.device, *, head_dim: int | None = None, dtype: torch.dtype | None = None
+    name: str,
+    device: torch.device,
+    *,
+    head_dim: int | None = None,
+    dtype: torch.dtype | None = None,
+    windowed: bool = False,
 ) -> AttentionBackend:
-    """A backend that runs on `device` for a model of this head_dim and dtype (None: not checked).
+    """A backend that runs on `device` for a model of this head_dim and dtype (None: not checked), and
+    with `windowed`, sliding-window layers (AttentionBackend.takes_window).
 
     `auto`: triton, then the cuda extension on GPUs; cpu_paged on CPU; else the torch reference
     (slow; logged). A named backend that cannot run here is a ConfigError that says what to do.
     """
     facts = {"head_dim": head_dim, "dtype": dtype}
     if name != "auto":
-        cls = backend_class(name)
-        ok, reason = cls.is_available(device, **facts)
+        backend_class(name)  # the ConfigError naming the choices
+        ok, reason = _availability(name, device, facts, windowed)
         if not ok:
             raise ConfigError(
                 f"attention_backend {name!r} is not available here: {reason}", param="attention_backend"
             )
-        return cls()
+        return _load(name)()
     reasons = []
     for candidate in AUTO_ORDER.get(device.type, ()):
-        ok, reason = _availability(candidate, device, facts)
+        ok, reason = _availability(candidate, device, facts, windowed)
         if ok:
             return _load(candidate)()
         reasons.append(f"{candidate}: {reason}")
-    ok, reason = _availability("reference", device, facts)
+    ok, reason = _availability("reference", device, facts, windowed)
     if not ok:
         raise ConfigError(
             f"no attention backend runs on {device} ({'; '.join([*reasons, f'reference: {reason}'])})",

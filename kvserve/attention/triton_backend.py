@@ -24,8 +24,14 @@ class TritonBackend(AttentionBackend):
     name = "triton"
 
     def forward(
-        self, query: torch.Tensor, kv: LayerKV, meta: AttentionMetadata, scale: float
+        self,
+        query: torch.Tensor,
+        kv: LayerKV,
+        meta: AttentionMetadata,
+        scale: float,
+        window: int | None = None,
     ) -> torch.Tensor:
+        assert not window, f"{self.name} takes no sliding window (takes_window is False)"
         assert getattr(meta, "query_positions", None) is None, (
             "rows at arbitrary positions: use the positional backend"
         )

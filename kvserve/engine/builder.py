@@ -21,7 +21,7 @@ from kvserve.kvcache.kv_storage import DenseLayerKV, LayerKV
 from kvserve.kvcache.manager import KVCacheManager
 from kvserve.kvcache.quantized_storage import QuantizedLayerKV, create_layer_kv
 from kvserve.models.fused_llama import FusedLlamaForward, unsupported_reason
-from kvserve.models.hf_adapter import ATTN_IMPLEMENTATION, check_supported
+from kvserve.models.hf_adapter import ATTN_IMPLEMENTATION, check_supported, sliding_window
 from kvserve.models.loader import model_fingerprint, resolve_model_path
 from kvserve.models.nested import weight_bytes as model_weight_bytes
 from kvserve.models.random_weights import is_random_model, load_random_model
@@ -318,7 +318,13 @@ def build_parts(config: ServeConfig) -> EngineParts:
     num_kv_heads = getattr(mc, "num_key_value_heads", None) or mc.num_attention_heads
     head_dim = getattr(mc, "head_dim", None) or mc.hidden_size // mc.num_attention_heads
     # before the pool is allocated: a backend that cannot run this model here fails start-up, not a request
-    backend = create_backend(config.attention_backend, device, head_dim=head_dim, dtype=dtype)
+    backend = create_backend(
+        config.attention_backend,
+        device,
+        head_dim=head_dim,
+        dtype=dtype,
+        windowed=sliding_window(mc) is not None,
+    )
     codec, quality = resolve_codec(config, dtype, num_kv_heads, head_dim)
     cold_codec, cold_quality = resolve_cold_codec(config, num_kv_heads, head_dim)
     probe = create_layer_kv(codec, 1, config.block_size, num_kv_heads, head_dim, dtype, torch.device("cpu"))

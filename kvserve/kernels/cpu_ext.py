@@ -161,15 +161,17 @@ def attention(
     query_start_loc: torch.Tensor,  # [num_seqs + 1] int32
     scale: float,
     positions: torch.Tensor | None = None,  # [num_rows] int32; None: each sequence's rows end its KV
+    window: int | None = None,  # a sliding-window layer's window
 ) -> torch.Tensor:  # [num_rows, H, D]
     """Causal attention of every row over its sequence's blocks, read in place in the pool's format:
-    a row at position p sees KV positions [0, p]."""
+    a row at position p sees KV positions [0, p], or with a window (p - window, p]."""
     args = (
         _int32(block_tables),
         _int32(seq_lens),
         _int32(query_start_loc),
         NO_POSITIONS if positions is None else _int32(positions),
         float(scale),
+        int(window or 0),
     )
     query = query if query.is_contiguous() else query.contiguous()
     if pool.kv_format == "dense":

@@ -42,6 +42,7 @@ from torch import nn
 from kvserve.attention.base import AttentionBackend, AttentionMetadata
 from kvserve.kvcache.kv_storage import LayerKV
 from kvserve.models.cpu_linear import RowInvariantLinear
+from kvserve.models.hf_adapter import sliding_window
 from kvserve.models.nested import NestedLinear, RowPrecision, concat
 
 MODEL_TYPES = ("llama", "mistral", "qwen2")  # RMSNorm, SiLU gated MLP, RoPE, no q/k norms or softcaps
@@ -91,6 +92,8 @@ def unsupported_reason(model: nn.Module, ext: ModuleType | None) -> str:
         return "the CPU extension is unavailable"
     if config.model_type not in MODEL_TYPES:
         return f"model type {config.model_type!r} is not one of {', '.join(MODEL_TYPES)}"
+    if sliding_window(config):
+        return "it has sliding-window layers (the fused forward passes no window to attention)"
     if getattr(config, "hidden_act", "silu") != "silu":
         return f"activation {config.hidden_act!r} is not silu"
     for layer in model.model.layers:

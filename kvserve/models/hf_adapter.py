@@ -2,7 +2,8 @@
 
 - `kvserve_attention` is registered in transformers' AttentionInterface as "kvserve"; no mask
   function is registered under that name, so transformers builds no mask (our backends apply the
-  causal rule per packed sequence).
+  causal rule per packed sequence, and a sliding-window layer's window, which the modeling code
+  passes as `sliding_window`).
 - `PoolCache` is passed as `past_key_values`: `update` writes the new tokens' K/V (already rotated
   by the model) into the pool slots of the current step and hands them back unchanged.
 """
@@ -29,12 +30,11 @@ def kvserve_attention(
     dropout: float = 0.0,
     **kwargs: object,
 ) -> tuple[torch.Tensor, None]:
-    if kwargs.get("sliding_window"):
-        raise UnsupportedModelError("sliding-window attention layers are not supported by kvserve yet")
     ctx = get_forward_context()
     q = query[0].transpose(0, 1)  # [num_tokens, num_heads, head_dim]
     scale = scaling if scaling is not None else q.shape[-1] ** -0.5
-    out = ctx.backend.forward(q, ctx.layers[module.layer_idx], ctx.meta, scale)
+    window = kwargs.get("sliding_window")  # a sliding-window layer's (Gemma 2/3, Mistral): (p - W, p]
+    out = ctx.backend.forward(q, ctx.layers[module.layer_idx], ctx.meta, scale, window=window or None)
     return out.unsqueeze(0), None  # [1, num_tokens, num_heads, head_dim]
 
 
@@ -65,6 +65,18 @@ class PoolCache(Cache):
         return 0
 
 
+def sliding_window(config: object) -> int | None:
+    """The window of the model's sliding-window layers (tokens a row sees, itself included), or None
+    when every layer attends to the whole context."""
+    window = getattr(config, "sliding_window", None)
+    if not window or not getattr(config, "use_sliding_window", True):
+        return None
+    layer_types = getattr(config, "layer_types", None)
+    if layer_types is not None and all(t == "full_attention" for t in layer_types):
+        return None
+    return int(window)
+
+
 def check_supported(model: torch.nn.Module) -> None:
     """Refuse models kvserve cannot drive, naming the reason."""
     config = model.config
@@ -79,11 +91,9 @@ def check_supported(model: torch.nn.Module) -> None:
             f"{name} is not a decoder-only RoPE model (kvserve needs model.layers and model.rotary_emb; "
             "absolute position embeddings cannot be served)"
         )
-    if getattr(config, "sliding_window", None) and getattr(config, "use_sliding_window", True):
-        layer_types = getattr(config, "layer_types", None) or []
-        if not layer_types or any(t != "full_attention" for t in layer_types):
-            raise UnsupportedModelError(
-                f"{name} uses sliding-window attention, which kvserve does not support yet"
-            )
+    if getattr(config, "use_bidirectional_attention", False):
+        raise UnsupportedModelError(
+            f"{name} attends bidirectionally (an encoder): kvserve serves causal decoders"
+        )
     if getattr(config, "is_encoder_decoder", False):
         raise UnsupportedModelError(f"{name} is an encoder-decoder model")

@@ -162,6 +162,7 @@ def test_extension_rejects_bad_arguments(ext):
         meta.query_start_loc,
         none,
         0.125,
+        0,  # no sliding window
     )
     with pytest.raises(RuntimeError, match="block_tables must be a contiguous int32"):
         ext.paged_attention_dense(*good[:3], meta.block_tables.long(), *good[4:])
@@ -172,9 +173,11 @@ def test_extension_rejects_bad_arguments(ext):
     with pytest.raises(RuntimeError, match="v_cache must be"):
         ext.paged_attention_dense(query, kv.k_cache, kv.v_cache.half(), *good[3:])
     with pytest.raises(RuntimeError, match="position 40 of row 0 is outside"):
-        ext.paged_attention_dense(*good[:6], torch.tensor([40], dtype=torch.int32), 0.125)
+        ext.paged_attention_dense(*good[:6], torch.tensor([40], dtype=torch.int32), 0.125, 0)
     with pytest.raises(RuntimeError, match="query_start_loc must run from 0"):
-        ext.paged_attention_dense(*good[:5], torch.tensor([0, 2], dtype=torch.int32), none, 0.125)
+        ext.paged_attention_dense(*good[:5], torch.tensor([0, 2], dtype=torch.int32), none, 0.125, 0)
+    with pytest.raises(RuntimeError, match="window must be >= 0"):
+        ext.paged_attention_dense(*good[:8], -1)
     with pytest.raises(RuntimeError, match="head_dim must be"):
         q48 = torch.randn(1, 4, 48)
         k48 = torch.randn(kv.k_cache.shape[:3] + (48,))
