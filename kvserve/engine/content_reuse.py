@@ -34,7 +34,14 @@ def check_content_reuse(model: Any) -> tuple[Any, str]:
     Runs the start-up self-check: moved K must equal K computed at the new positions."""
     from kvserve.errors import UnsupportedModelError
     from kvserve.kvcache.rope import RopeRotator, self_check
+    from kvserve.models.hf_adapter import sliding_window
 
+    if sliding_window(model.config):
+        return None, (
+            "the model has sliding-window layers: approximate reuse is declined on them (the repair "
+            "forward and its attention probes run full-attention rows only, and a chunk moved into a "
+            "window would need its KV recomputed against the new window anyway)"
+        )
     model_type = getattr(model.config, "model_type", "")
     if model_type not in CONTENT_REUSE_MODEL_TYPES:
         return None, f"model type {model_type!r} is not supported for approximate reuse"

@@ -91,6 +91,10 @@ def check_supported(model: torch.nn.Module) -> None:
             f"{name} is not a decoder-only RoPE model (kvserve needs model.layers and model.rotary_emb; "
             "absolute position embeddings cannot be served)"
         )
+    if getattr(config, "attn_logit_softcapping", None):
+        raise UnsupportedModelError(
+            f"{name} soft-caps its attention logits (Gemma 2), which kvserve's attention backends do not"
+        )
     if getattr(config, "use_bidirectional_attention", False):
         raise UnsupportedModelError(
             f"{name} attends bidirectionally (an encoder): kvserve serves causal decoders"

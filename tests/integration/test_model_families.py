@@ -1,12 +1,16 @@
 """Every cache feature on each model family kvserve serves, on small random-weight models of each
 (issue 35), so the default test run needs no model package: tiny-random-llama (Llama: SmolLM2's
-family) and tiny-random-qwen2 (Qwen2: q/k/v biases, an untied head, RoPE base 1e6).
+family), tiny-random-qwen2 (Qwen2: q/k/v biases, an untied head, RoPE base 1e6) and tiny-random-gemma3
+(Gemma 3: sliding-window layers around a global one, a RoPE base per layer type, q/k norms, a final
+logit soft-cap).
 
 - exact prefix reuse: cache on == cache off, token for token, logits within float tolerance, for a
   repeat, a full hit and a new suffix after a cached prefix;
 - warm == cold, bitwise, under quantized KV codecs (the CPU extension's invariant kernels);
 - a disk-tier restart: a new engine on the same directory answers from the disk tier as cold does;
-- content reuse is available (the model's RoPE re-rotates and passes the start-up self-check).
+- content reuse is available (the model's RoPE re-rotates and passes the start-up self-check), or for
+  a model with sliding-window layers declined with that reason;
+- the served forward equals the modeling code's own (transformers' eager attention and masks).
 """
 
 from __future__ import annotations
@@ -21,7 +25,8 @@ from kvserve.kernels import cpu_ext
 from tests.integration.helpers import corpus_token_ids, generate_with_logits
 from tests.integration.test_codec_invariance import _engines, check_warm_equals_cold
 
-FAMILIES = ["tiny-random-llama", "tiny-random-qwen2"]
+FAMILIES = ["tiny-random-llama", "tiny-random-qwen2", "tiny-random-gemma3"]
+WINDOWED = {"tiny-random-gemma3"}  # sliding-window layers (a 24-token window): content reuse declined
 CHUNK = 32
 GREEDY = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
 TOL = 1e-4  # fp32 logits, cached KV against recomputed (the same kernels, another batch shape)
@@ -54,7 +59,11 @@ def test_exact_reuse_equals_no_cache(model: str):
         torch.testing.assert_close(logits, want_logits, atol=TOL, rtol=0, msg=name)
     s = cached.engine.stats()
     assert s.num_hit_tokens >= 5 * CHUNK + 5 * CHUNK + 3 * CHUNK  # the repeat, the full hit, the prefix
-    assert cached.engine.content.enabled, cached.engine.content.disabled_reason
+    if model in WINDOWED:
+        assert not cached.engine.content.enabled
+        assert "sliding-window layers" in cached.engine.content.disabled_reason
+    else:
+        assert cached.engine.content.enabled, cached.engine.content.disabled_reason
 
 
 @pytest.mark.skipif(bool(cpu_ext.unavailable_reason()), reason="bitwise warm == cold needs the CPU extension")
@@ -81,3 +90,26 @@ def test_a_disk_tier_restart_answers_as_cold_does(model: str, tmp_path: Path):
     assert (disk.hits, disk.loads, disk.corruptions) == (4, 4, 0)
     assert second.engine.stats().num_hit_tokens == 4 * CHUNK
     second.engine.close()
+
+
+@pytest.mark.parametrize("model", FAMILIES)
+def test_the_served_forward_equals_the_modeling_codes(model: str):
+    """Greedy tokens and every sampled step's logits against transformers' own forward of the same
+    weights (eager attention, its own causal and sliding-window masks) over the whole sequence: for
+    tiny-random-gemma3 the prompt is several windows long, so every sliding layer's window is crossed
+    in prefill and in decode, and the cached run crosses it again after a prefix hit."""
+    from transformers import AutoModelForCausalLM
+
+    llm = make(model)
+    prompt = corpus_token_ids(llm, 3 * CHUNK + 11, seed=8)
+    hf = AutoModelForCausalLM.from_pretrained(
+        llm.engine.info.model_path, dtype=torch.float32, attn_implementation="eager"
+    ).eval()
+    for name in ("cold", "after a prefix hit"):
+        ids, logits = run(llm, prompt)
+        with torch.inference_mode():
+            ref = hf(torch.tensor([prompt + ids[:-1]])).logits[0].float()
+        n = len(prompt)
+        assert ids == ref[n - 1 :].argmax(-1).tolist(), name
+        torch.testing.assert_close(logits, ref[n - 1 :], atol=TOL, rtol=0, msg=name)
+    assert llm.engine.stats().num_hit_tokens >= 3 * CHUNK

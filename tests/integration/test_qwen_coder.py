@@ -7,6 +7,7 @@ command otherwise. On 2 cores they take about a minute once converted; the first
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 from importlib import metadata
 from pathlib import Path
@@ -44,9 +45,9 @@ def test_a_damaged_part_is_refused(monkeypatch: pytest.MonkeyPatch, tmp_path: Pa
         path.write_bytes(payload)
         parts.append(path)
     good = [("d0", "f0", 10, hashlib.sha256(b"GGUF-first").hexdigest()), ("d1", "f1", 6, "0" * 64)]
-    monkeypatch.setattr(loader, "QWEN_CODER_PARTS", tuple(good))
+    split = dataclasses.replace(loader.QWEN_CODER_GGUF, parts=tuple(good))
     with pytest.raises(ModelNotFoundError, match=r"part1\.bin is damaged .* reinstall d1==0\.9\.0"):
-        loader._assemble(parts, tmp_path / "out.gguf")
+        loader._assemble(split, parts, tmp_path / "out.gguf")
 
 
 @pytest.fixture(scope="module")

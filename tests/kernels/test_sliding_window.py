@@ -108,3 +108,32 @@ def test_torch_ops_path_takes_the_window_through_the_reference():
     query, dense, meta = make_batch([(30, 90), (1, 200)], 4, 2, 16, 16, torch.float32, "mixed")
     got = CpuPagedBackend(use_extension=False).forward(query, dense, meta, 0.25, 20)
     torch.testing.assert_close(got, ReferenceBackend().forward(query, dense, meta, 0.25, 20))
+
+
+def test_which_models_are_windowed_and_which_are_refused():
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from kvserve.errors import UnsupportedModelError
+    from kvserve.models.hf_adapter import check_supported, sliding_window
+
+    tiny = dict(
+        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2
+    )
+    gemma3 = AutoConfig.for_model("gemma3_text", sliding_window=24, **tiny)
+    assert sliding_window(gemma3) == 24
+    full = AutoConfig.for_model(
+        "gemma3_text", sliding_window=24, layer_types=["full_attention", "full_attention"], **tiny
+    )
+    assert sliding_window(full) is None
+    assert (
+        sliding_window(AutoConfig.for_model("qwen2", sliding_window=4096, use_sliding_window=False, **tiny))
+        is None
+    )
+    assert sliding_window(AutoConfig.for_model("llama", **tiny)) is None
+    check_supported(AutoModelForCausalLM.from_config(gemma3))
+    gemma2 = AutoConfig.for_model("gemma2", attn_logit_softcapping=50.0, **tiny)
+    with pytest.raises(UnsupportedModelError, match="soft-caps its attention logits"):
+        check_supported(AutoModelForCausalLM.from_config(gemma2))
+    bidirectional = AutoConfig.for_model("gemma3_text", use_bidirectional_attention=True, **tiny)
+    with pytest.raises(UnsupportedModelError, match="bidirectionally"):
+        check_supported(AutoModelForCausalLM.from_config(bidirectional))

