@@ -51,7 +51,7 @@ class LLM:
     # --- prompts -----------------------------------------------------------------------------------
     def to_token_ids(self, prompt: PromptLike, add_generation_prompt: bool = True) -> list[int]:
         if isinstance(prompt, str):
-            return self.tokenizer.encode(prompt)
+            return self.tokenizer.encode_prompt(prompt)
         if isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
             return list(prompt)
         if isinstance(prompt, list) and all(isinstance(m, dict) for m in prompt):

@@ -38,7 +38,7 @@ def warm_up(engine: Any, texts: Sequence[str]) -> None:
     from kvserve.llm import warm
 
     for i, text in enumerate(tqdm(texts, desc="warm-up", unit="prefix", disable=not texts)):
-        warm(engine, f"startup-warm-{i}", engine.tokenizer.encode(text), pin=True)
+        warm(engine, f"startup-warm-{i}", engine.tokenizer.encode_prompt(text), pin=True)
 
 
 def start_backend(config: ServeConfig, banner: str = "") -> LocalBackend:

@@ -67,8 +67,16 @@ class Tokenizer:
         return _template_uses_tools(self.hf.chat_template)
 
     def encode(self, text: str) -> list[int]:
+        """The text's tokens alone (no special tokens added: a rendered chat template has its own)."""
         with self._lock:
             return list(self.hf.encode(text, add_special_tokens=False))
+
+    def encode_prompt(self, text: str) -> list[int]:
+        """A text prompt's tokens (completions, /tokenize, warm texts) with the special tokens the
+        model's tokenizer adds, as transformers and vLLM do: Gemma's <bos>, which the model needs in
+        front; nothing for SmolLM2 or Qwen2, whose tokenizers add none."""
+        with self._lock:
+            return list(self.hf.encode(text, add_special_tokens=True))
 
     def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         with self._lock:
@@ -112,7 +120,7 @@ class Tokenizer:
             rendered, tools = hermes_messages(rendered, tools), None
         if self.hf.chat_template is None:
             text = "".join(f"{m['role']}: {m['content']}\n" for m in rendered)
-            return self.encode(text + ("assistant: " if add_generation_prompt else ""))
+            return self.encode_prompt(text + ("assistant: " if add_generation_prompt else ""))
         with_tools: dict[str, Any] = {"tools": tools} if tools else {}
         with self._lock:
             ids = self.hf.apply_chat_template(

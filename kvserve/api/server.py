@@ -194,7 +194,7 @@ def _info_routes(app: FastAPI, state: ServerState) -> None:
         if body.messages is not None:
             ids = await state.chat_ids(body.messages, body.add_generation_prompt)
         else:
-            ids = await state.off_loop(state.tokenizer.encode, body.prompt or "")
+            ids = await state.off_loop(state.tokenizer.encode_prompt, body.prompt or "")
         return {"tokens": ids, "count": len(ids), "max_model_len": state.info.max_model_len}
 
     @app.post("/detokenize", response_model=None, responses=responses(DetokenizeResponse, 400, 404, 413))
@@ -246,7 +246,7 @@ def _completion_prompts(
     tok: Any, raw: list[str | list[int]], echo: bool
 ) -> tuple[list[list[int]], list[str]]:
     """Token ids of each prompt, and each prompt's text to echo ("" without echo)."""
-    prompts = [tok.encode(p) if isinstance(p, str) else list(p) for p in raw]
+    prompts = [tok.encode_prompt(p) if isinstance(p, str) else list(p) for p in raw]
     texts = [(p if isinstance(p, str) else tok.decode(p)) if echo else "" for p in raw]
     return prompts, texts
 
@@ -338,7 +338,7 @@ def _cache_routes(app: FastAPI, state: ServerState) -> None:
         if body.messages is not None:
             return await state.chat_ids(body.messages, add_generation_prompt=False)
         if body.text is not None:
-            return await state.off_loop(state.tokenizer.encode, body.text)
+            return await state.off_loop(state.tokenizer.encode_prompt, body.text)
         token_ids = list(body.prompt_token_ids or [])
         check_token_ids(token_ids, state.vocab_size, "prompt_token_ids")
         return token_ids

@@ -67,3 +67,16 @@ def test_served_forward_matches_hf_across_the_window_and_a_prefix_hit(gemma: LLM
         diff = (logits - ref[n - 1 :]).abs().max().item()
         assert diff <= TOL, f"{name}: sampled-step logits differ from HF's by {diff:.2e}"
     assert gemma.stats().num_hit_tokens >= 640
+
+
+def test_text_prompts_get_the_tokenizers_bos(gemma: LLM):
+    """A completion's text prompt is encoded as transformers and vLLM do, with Gemma's <bos> in front
+    (without it the model degenerates); so is a chat prompt, once (this base model has no chat
+    template: the plain "role: content" rendering is a text prompt)."""
+    tok = gemma.tokenizer
+    bos = tok.hf.bos_token_id
+    assert gemma.to_token_ids("The capital of France is")[0] == bos
+    chat = gemma.to_token_ids([{"role": "user", "content": "Hi"}])
+    assert chat[0] == bos and chat[1] != bos
+    (out,) = gemma.generate(["The capital of France is"], SamplingParams(max_tokens=8, temperature=0))
+    assert "France" in out.text or "Paris" in out.text, out.text

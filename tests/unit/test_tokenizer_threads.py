@@ -112,3 +112,14 @@ def test_the_streamed_detokenizer_equals_the_window_reference():
             fast = IncrementalDetokenizer(tok, tail)
             slow = IncrementalDetokenizer(tok, tail, window=True)
             assert [fast.add(i) for i in ids] == [slow.add(i) for i in ids], (name, tail, ids)
+
+
+def test_text_prompts_add_only_what_the_tokenizer_adds():
+    """encode_prompt adds the tokenizer's own special tokens (Gemma's <bos>); SmolLM2's adds none, so
+    its prompts are encode's."""
+    from kvserve.models.loader import resolve_model_path
+    from kvserve.tokenizer import Tokenizer
+
+    tok = Tokenizer(resolve_model_path("smollm2-135m"))
+    for text in ("Hello world", "", "<|im_start|>user"):
+        assert tok.encode_prompt(text) == tok.encode(text)
