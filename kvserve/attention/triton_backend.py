@@ -1,4 +1,6 @@
-"""Triton paged attention: split-KV decode for pure-decode steps, the FA2 prefill kernel otherwise.
+"""Triton paged attention: split-KV decode for pure-decode steps, the FA2 prefill kernel otherwise, and
+for every step of a sliding-window layer (the prefill kernel takes the window; decode rows are valid
+input to it).
 
 Kernels live in kvserve/kernels/triton/ and are imported on first use. Dense pools are read in
 place (fp16, bf16, fp32; head_dim 64 or 128). fp8_e4m3, mxfp4 and int8 (KIVI, open blocks' K from
@@ -16,12 +18,13 @@ import os
 import torch
 
 from kvserve.attention.base import AttentionBackend, AttentionMetadata, dense_copy
-from kvserve.kernels.paged_kv import paged_kv
+from kvserve.kernels.paged_kv import PagedKV, paged_kv
 from kvserve.kvcache.kv_storage import DenseLayerKV, LayerKV
 
 
 class TritonBackend(AttentionBackend):
     name = "triton"
+    takes_window = True
 
     def forward(
         self,
@@ -31,11 +34,12 @@ class TritonBackend(AttentionBackend):
         scale: float,
         window: int | None = None,
     ) -> torch.Tensor:
-        assert not window, f"{self.name} takes no sliding window (takes_window is False)"
         assert getattr(meta, "query_positions", None) is None, (
             "rows at arbitrary positions: use the positional backend"
         )
         pool = paged_kv(kv, query.dtype)
+        if window:  # a sliding-window layer: every step through the prefill kernel (decode rows too)
+            return self._prefill(query, kv, pool, meta, scale, window)
         if pool is not None and meta.is_pure_decode:  # dense, fp8_e4m3, mxfp4 or int8: read in place
             from kvserve.kernels.triton.paged_decode import paged_decode
 
@@ -43,26 +47,34 @@ class TritonBackend(AttentionBackend):
                 query, pool.k_cache, pool.v_cache, meta.block_tables, meta.query_start_loc, meta.seq_lens,
                 max_seq_len=meta.max_seq_len, scale=scale, **pool.extras(),
             )  # fmt: skip
-        if pool is not None and pool.kv_format == "fp8_e4m3":  # the prefill kernel reads fp8 in place too
-            from kvserve.kernels.triton.paged_prefill import paged_prefill
+        if meta.is_pure_decode and pool is None:
+            from kvserve.kernels.triton.paged_decode import paged_decode
 
+            k, v, block_tables = dense_copy(kv, meta.block_tables, query.dtype)
+            args = (query, k, v, block_tables, meta.query_start_loc, meta.seq_lens)
+            return paged_decode(*args, max_seq_len=meta.max_seq_len, scale=scale)
+        return self._prefill(query, kv, pool, meta, scale, None)
+
+    @staticmethod
+    def _prefill(
+        query: torch.Tensor, kv: LayerKV, pool: PagedKV | None, meta: AttentionMetadata, scale: float,
+        window: int | None,
+    ) -> torch.Tensor:  # fmt: skip
+        """The prefill kernel: dense and fp8_e4m3 pools in place, others through a dense copy."""
+        from kvserve.kernels.triton.paged_prefill import paged_prefill
+
+        rest = (meta.query_start_loc, meta.seq_lens)
+        launch = dict(max_query_len=meta.max_query_len, scale=scale, window=window)
+        if pool is not None and pool.kv_format == "fp8_e4m3":  # the prefill kernel reads fp8 in place too
             return paged_prefill(
-                query, pool.k_cache, pool.v_cache, meta.block_tables, meta.query_start_loc, meta.seq_lens,
-                max_query_len=meta.max_query_len, scale=scale, k_scale=pool.k_scale, v_scale=pool.v_scale,
+                query, pool.k_cache, pool.v_cache, meta.block_tables, *rest, **launch,
+                k_scale=pool.k_scale, v_scale=pool.v_scale,
             )  # fmt: skip
         if isinstance(kv, DenseLayerKV):
             k, v, block_tables = kv.k_cache, kv.v_cache, meta.block_tables
         else:
             k, v, block_tables = dense_copy(kv, meta.block_tables, query.dtype)
-        if meta.is_pure_decode:
-            from kvserve.kernels.triton.paged_decode import paged_decode
-
-            args = (query, k, v, block_tables, meta.query_start_loc, meta.seq_lens)
-            return paged_decode(*args, max_seq_len=meta.max_seq_len, scale=scale)
-        from kvserve.kernels.triton.paged_prefill import paged_prefill
-
-        args = (query, k, v, block_tables, meta.query_start_loc, meta.seq_lens)
-        return paged_prefill(*args, max_query_len=meta.max_query_len, scale=scale)
+        return paged_prefill(query, k, v, block_tables, *rest, **launch)
 
     @classmethod
     def is_available(

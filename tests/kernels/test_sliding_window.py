@@ -100,7 +100,7 @@ def test_backends_without_a_window_are_refused_for_windowed_models():
     """create_backend: a named backend that takes no window is a ConfigError that says which do; auto
     on CPU takes cpu_paged, which does."""
     with pytest.raises(ConfigError, match="sliding-window"):
-        create_backend("triton", torch.device("cpu"), head_dim=64, windowed=True)
+        create_backend("cuda", torch.device("cpu"), head_dim=64, windowed=True)
     assert create_backend("auto", torch.device("cpu"), head_dim=64, windowed=True).takes_window
 
 

@@ -117,9 +117,9 @@ def test_compiles_for_sm90_and_sm80_without_gpu():
     if "GPUTarget" in proc.stderr and "ImportError" in proc.stderr:
         pytest.skip(f"this triton cannot compile for a target without a GPU: {proc.stderr[-300:]}")
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    # prefill{,-fp8kv,-fp8kv-fp32}, decode{,-fp8kv,-int8kv,-mxfp4kv}, merge, nested-{fp8,fp16}{,-swap}; sm_90
+    # prefill{,-window,-fp8kv,-fp8kv-fp32}, decode{,-fp8kv,-int8kv,-mxfp4kv}, merge, nested-{fp8,fp16}{,-swap}; sm_90
     # also the two fp8kv-native variants (the hardware conversion, sm_89 and later)
-    for arch, count in ((90, 14), (80, 12)):
+    for arch, count in ((90, 15), (80, 13)):
         assert proc.stdout.count(f"ok   sm_{arch}") == count, proc.stdout
     assert "decode-int8kv" in proc.stdout and "decode-mxfp4kv" in proc.stdout
     assert "prefill-fp8kv-native" in proc.stdout and "decode-fp8kv-native" in proc.stdout
@@ -163,7 +163,7 @@ def _int8_pool(lens, h, h_kv, d, bs, dtype, layout="shuffled", seed=0):
     return query, kv, meta
 
 
-def _quantized_forward(query, kv, meta, scale, **launch):
+def _quantized_forward(query, kv, meta, scale, window=None, **launch):
     """TritonBackend on a QuantizedLayerKV (or paged_decode with launch options, the operands from
     paged_kv); on a GPU, a device copy."""
     if ON_GPU:
@@ -174,7 +174,7 @@ def _quantized_forward(query, kv, meta, scale, **launch):
         meta.seq_lens = meta.seq_lens.cuda()
         query = query.cuda()
     if not launch:
-        return TritonBackend().forward(query, kv, meta, scale).cpu()
+        return TritonBackend().forward(query, kv, meta, scale, window).cpu()
     from kvserve.kernels.paged_kv import paged_kv
     from kvserve.kernels.triton.paged_decode import paged_decode
 
@@ -381,6 +381,30 @@ def test_fp8_prefill_conversions_and_launches_agree(dtype):
     torch.testing.assert_close(other.float(), base.float(), atol=TOL[dtype], rtol=0)
     with pytest.raises(ValueError, match="fp8_convert must be one of"):
         run(fp8_convert="cvt")
+
+
+@pytest.mark.parametrize("fmt", ["dense", "fp8_e4m3", "int8"])
+@pytest.mark.parametrize("window", [1, 9, 40, 5000])
+def test_sliding_window_matches_the_reference(fmt, window):
+    """A sliding-window layer's every step (prefill, chunked prefill, decode and mixed rows) through
+    the prefill kernel, dense and fp8 pools in place, int8 through a dense copy: a row at p sees
+    (p - window, p], as the reference masks it; rows whose window starts past a tile see nothing there."""
+    lens = [(37, 37), (9, 70), (1, 150), (20, 20)]
+    if fmt == "dense":
+        query, kv, meta = make_batch(lens, 8, 2, 64, 16, torch.float32, "shuffled")
+    elif fmt == "fp8_e4m3":
+        query, kv, meta = _fp8_pool(lens, 8, 2, 64, 16, torch.float32)
+    else:
+        from kvserve.attention.testing import quantized_copy
+
+        query, dense, meta = make_batch(lens, 8, 2, 64, 16, torch.float32, "shuffled")
+        kv = quantized_copy(dense, meta, "int8", torch.float32)
+    ref = ReferenceBackend().forward(query, kv, meta, 0.125, window)
+    if fmt == "dense":
+        out = TritonBackend().forward(_to_device(query, kv, meta), kv, meta, 0.125, window).cpu()
+    else:
+        out = _quantized_forward(query, kv, meta, 0.125, window=window)
+    torch.testing.assert_close(out, ref, atol=TOL[torch.float32], rtol=0)
 
 
 def test_fp8_prefill_rejects_bad_scales():

@@ -78,8 +78,11 @@ def variants(quick: bool, arch: int = 90) -> list[tuple[str, object, str, dict]]
     for dtype in dtypes:
         for d in head_dims:
             common = dict(HEAD_DIM=d, BLOCK_SIZE=16, DOT_FP32=False)
-            prefill = dict(common, GROUP=4, BLOCK_M=64, BLOCK_N=64, FP8_KV=False, FP8_CONVERT=0)
+            prefill = dict(
+                common, GROUP=4, BLOCK_M=64, BLOCK_N=64, FP8_KV=False, FP8_CONVERT=0, WINDOWED=False
+            )
             out.append(("prefill", paged_prefill_kernel, dtype, prefill))
+            out.append(("prefill-window", paged_prefill_kernel, dtype, dict(prefill, WINDOWED=True)))
             for label, convert in [*((label, int(native)) for label, native in fp8_modes), ("fp8kv-fp32", 2)]:
                 out.append(
                     (

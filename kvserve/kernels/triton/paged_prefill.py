@@ -4,7 +4,8 @@ Grid (query tiles of BLOCK_M rows, num_seqs, num_heads). A program loads its que
 the sequence's KV in tiles of BLOCK_N tokens through the block table with an online softmax in
 fp32 (exp2, scale folded with log2(e)), and stops at the last KV position its last row can see.
 Causal mask aligned bottom-right: query row j of a sequence with q_len rows and seq_len KV tokens
-sees positions [0, seq_len - q_len + j]. Decode rows (q_len == 1) are valid input too. Dense pools
+sees positions [0, seq_len - q_len + j], and in a sliding-window layer only the last `window` of them
+(the loop then starts at the first row's window). Decode rows (q_len == 1) are valid input too. Dense pools
 and fp8_e4m3 pools (uint8 codes, one fp32 scale per slot and KV head, as paged_decode reads them)
 are read in place.
 """
@@ -48,6 +49,7 @@ def paged_prefill_kernel(
     query_start_loc_ptr,  # [num_seqs + 1] int32
     seq_lens_ptr,  # [num_seqs] int32
     qk_scale,  # softmax scale * log2(e)
+    window,  # WINDOWED: a row at position p sees (p - window, p]
     stride_qt,
     stride_qh,
     stride_ot,
@@ -69,6 +71,7 @@ def paged_prefill_kernel(
     DOT_FP32: tl.constexpr,  # bf16 tl.dot is wrong in the CPU interpreter (triton 3.9): upcast there
     FP8_KV: tl.constexpr,
     FP8_CONVERT: tl.constexpr,  # FP8_KV: 0 integer bits to fp16, 1 the hardware cvt to fp16, 2 integer bits to fp32
+    WINDOWED: tl.constexpr,  # a sliding-window layer: the loop starts at the first row's window
 ):
     m_tile = tl.program_id(0)
     seq = tl.program_id(1)
@@ -98,7 +101,10 @@ def paged_prefill_kernel(
     acc = tl.full([BLOCK_M, HEAD_DIM], 0.0, dtype=tl.float32)
     kv_end = ctx_len + tl.minimum(q_len, (m_tile + 1) * BLOCK_M)  # last row's horizon, exclusive
     table = block_tables_ptr + seq.to(tl.int64) * stride_bt
-    for start_n in range(0, kv_end, BLOCK_N):
+    kv_start = 0
+    if WINDOWED:  # tiles wholly before the first row's window are never read
+        kv_start = tl.maximum(ctx_len + m_tile * BLOCK_M - window + 1, 0) // BLOCK_N * BLOCK_N
+    for start_n in range(kv_start, kv_end, BLOCK_N):
         offs_n = start_n + tl.arange(0, BLOCK_N)
         n_ok = offs_n < kv_end
         block_ids = tl.load(table + offs_n // BLOCK_SIZE, mask=n_ok, other=0).to(tl.int64)
@@ -114,10 +120,15 @@ def paged_prefill_kernel(
             scale_rows = block_ids * stride_sb + in_block * stride_st + kv_head
             s = s * tl.load(k_scale_ptr + scale_rows, mask=n_ok, other=0.0)[None, :]
         visible = (offs_n[None, :] <= ctx_len + offs_m[:, None]) & n_ok[None, :]
+        if WINDOWED:
+            visible = visible & (offs_n[None, :] > ctx_len + offs_m[:, None] - window)
         s = tl.where(visible, s, float("-inf"))
-        m_new = tl.maximum(m_i, reduce_max(s, 1))  # finite: every row sees position 0 in the first tile
-        alpha = tl.math.exp2(m_i - m_new)
-        p = tl.math.exp2(s - m_new[:, None])
+        m_new = tl.maximum(m_i, reduce_max(s, 1))  # finite without a window: every row sees position 0
+        m_use = m_new
+        if WINDOWED:  # a row whose window starts past this tile has seen nothing yet: p and alpha are 0
+            m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.math.exp2(m_i - m_use)
+        p = tl.math.exp2(s - m_use[:, None])
         l_i = l_i * alpha + reduce_sum(p, 1)
         v_rows = block_ids * stride_vb + in_block * stride_vt + kv_head * stride_vh
         v = tl.load(v_cache_ptr + v_rows[:, None] + offs_d[None, :], mask=n_ok[:, None], other=0.0)
@@ -151,6 +162,7 @@ def paged_prefill(
     fp8_convert: str | None = None,  # fp8: one of FP8_CONVERTS; None = "native" where native_fp8, else "bits"
     num_warps: int = 4,
     num_stages: int | None = None,  # None: Triton's default
+    window: int | None = None,  # a sliding-window layer: a row at position p sees (p - window, p]
 ) -> torch.Tensor:  # [T, H, D], dtype of query
     """Launches paged_prefill_kernel on the current stream after checking every argument. The tile
     shape, warps, stages and fp8 conversion are the launch's (scripts/gpu/sweep_prefill.py measures
@@ -180,12 +192,12 @@ def paged_prefill(
     grid = (math.ceil(max_query_len / block_m), shape.num_seqs, shape.num_heads)
     paged_prefill_kernel[grid](
         query, k_cache, v_cache, *scales, out, block_tables, query_start_loc, seq_lens, scale * LOG2E,
-        query.stride(0), query.stride(1), out.stride(0), out.stride(1),
+        int(window or 0), query.stride(0), query.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         block_tables.stride(0), *scale_strides,
         GROUP=shape.num_heads // shape.num_kv_heads, HEAD_DIM=shape.head_dim, BLOCK_SIZE=shape.block_size,
         BLOCK_M=block_m, BLOCK_N=block_n, DOT_FP32=dot_fp32(query), FP8_KV=fp8,
-        FP8_CONVERT=FP8_CONVERTS.index(fp8_convert), num_warps=num_warps, **options,
+        FP8_CONVERT=FP8_CONVERTS.index(fp8_convert), WINDOWED=bool(window), num_warps=num_warps, **options,
     )  # fmt: skip
     return out
