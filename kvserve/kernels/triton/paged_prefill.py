@@ -141,6 +141,8 @@ def paged_prefill_kernel(
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
         m_i = m_new
 
+    if WINDOWED:  # a padding row past the sequence may see nothing (0 / 0): it is never stored
+        l_i = tl.where(l_i == 0.0, 1.0, l_i)
     acc = acc / l_i[:, None]
     out = out_ptr + q_rows[:, None] * stride_ot + head * stride_oh + offs_d[None, :]
     tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
