@@ -8,9 +8,6 @@
 //   rms_norm:      y = w * dtype(x * rsqrt(mean(x^2) + eps))   (x^2 summed in fp32)
 //   add_rms_norm_: residual = dtype(residual + x); y = rms_norm(residual)
 //   rope_:         q = dtype(dtype(q * cos) + dtype(rotate_half(q) * sin)), the same for k, in place
-//   silu_mul:      y = dtype(dtype(silu(g)) * u) for the gate and up halves of the fused gate|up projection
-// silu(g) = g * sigmoid(g) in fp32 with the attention kernel's exp (Cephes, about 1 ulp): torch's silu uses
-// another exp, so a bf16 result can differ from torch's by one unit in the last place (rarely; tested).
 // The rotary products and sums are bitwise those of torch's elementwise ops (one rounding each, no fused
 // multiply-add: the extension is compiled with -ffp-contract=off). The sum of squares has an order of its
 // own (kLanes partial sums, then csrc/cpu/vec.h's fixed halving), so norms agree with torch's to rounding,
@@ -22,9 +19,7 @@
 
 #include <cmath>
 #include <cstring>
-#include <type_traits>
 
-#include "attention_math.h"
 #include "parallel.h"
 #include "vec.h"
 
@@ -84,75 +79,7 @@ void for_rows(int64_t rows, int64_t cols, const F& f) {
   });
 }
 
-inline vf load_f32(const float* p) { return loadu(p); }
-inline vf load_f32(const at::BFloat16* p) {
-  typedef uint16_t vh __attribute__((vector_size(kLanes * sizeof(uint16_t))));
-  vh h;
-  std::memcpy(&h, p, sizeof(vh));
-  const vu bits = __builtin_convertvector(h, vu) << 16;
-  vf x;
-  std::memcpy(&x, &bits, sizeof(vf));
-  return x;
-}
-inline vf rounded(vf x, float*) { return x; }
-inline vf rounded(vf x, at::BFloat16*) {  // to bf16 and back: the rounding a bf16 tensor makes
-  const vu bits = bf16_bits(x) << 16;
-  vf y;
-  std::memcpy(&y, &bits, sizeof(vf));
-  return y;
-}
-inline void store_as(float* p, vf x) { storeu(p, x); }
-inline void store_as(at::BFloat16* p, vf x) {
-  typedef uint16_t vh __attribute__((vector_size(kLanes * sizeof(uint16_t))));
-  const vh h = __builtin_convertvector(bf16_bits(x), vh);
-  std::memcpy(p, &h, sizeof(vh));
-}
-
-// kLanes outputs of one row: silu of the gate, rounded to the dtype, times up, rounded.
-template <typename T>
-inline void silu_mul_lanes(const T* g, const T* u, T* y) {
-  const vf x = load_f32(g);
-  const vf e = exp_nonpositive(x < 0 ? x : -x);  // exp(-|x|), in (0, 1]
-  const vf sigmoid = x < 0 ? e / (1.0f + e) : 1.0f / (1.0f + e);
-  const vf s = rounded(x * sigmoid, static_cast<T*>(nullptr));
-  store_as(y, s * load_f32(u));
-}
-
-template <typename T>
-void silu_mul_row(const T* gu, T* y, int64_t inter) {
-  int64_t i = 0;
-  for (; i + kLanes <= inter; i += kLanes) silu_mul_lanes(gu + i, gu + inter + i, y + i);
-  if (i == inter) return;
-  T g[kLanes] = {}, u[kLanes] = {}, out[kLanes];  // the tail through the same lanes (zeros past it)
-  std::memcpy(g, gu + i, (inter - i) * sizeof(T));
-  std::memcpy(u, gu + inter + i, (inter - i) * sizeof(T));
-  silu_mul_lanes(g, u, out);
-  std::memcpy(y + i, out, (inter - i) * sizeof(T));
-}
-
 }  // namespace
-
-// gate_up: [rows, 2 * inter] (the fused gate|up projection, rows contiguous) -> [rows, inter].
-at::Tensor silu_mul(const at::Tensor& gate_up) {
-  TORCH_CHECK(gate_up.device().is_cpu() && gate_up.dim() == 2 && gate_up.stride(1) == 1 && gate_up.size(1) % 2 == 0,
-              "gate_up must be a 2-D CPU tensor [rows, 2 * inter] with contiguous rows");
-  TORCH_CHECK(gate_up.scalar_type() == at::kFloat || gate_up.scalar_type() == at::kBFloat16,
-              "gate_up must be float32 or bfloat16, got ", gate_up.scalar_type());
-  const int64_t rows = gate_up.size(0), inter = gate_up.size(1) / 2;
-  auto y = at::empty({rows, inter}, gate_up.options());
-  auto run = [&](auto* type) {
-    using T = std::remove_pointer_t<decltype(type)>;
-    const T* gp = gate_up.data_ptr<T>();
-    T* yp = y.data_ptr<T>();
-    for_rows(rows, inter, [&](int64_t r) { silu_mul_row(gp + r * gate_up.stride(0), yp + r * inter, inter); });
-  };
-  if (gate_up.scalar_type() == at::kFloat) {
-    run(static_cast<float*>(nullptr));
-  } else {
-    run(static_cast<at::BFloat16*>(nullptr));
-  }
-  return y;
-}
 
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
   check_rows(x, weight, "x");

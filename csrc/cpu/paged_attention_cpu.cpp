@@ -242,7 +242,6 @@ at::Tensor nested_linear(const at::Tensor& x, const at::Tensor& packed, const at
 
 // csrc/cpu/layer_ops.cpp
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps);
-at::Tensor silu_mul(const at::Tensor& gate_up);
 at::Tensor add_rms_norm_(at::Tensor& residual, const at::Tensor& x, const at::Tensor& weight, double eps);
 void rope_(at::Tensor& qk, const at::Tensor& cos, const at::Tensor& sin, int64_t heads, int64_t head_dim);
 void kv_write_(at::Tensor& k_cache, at::Tensor& v_cache, const at::Tensor& slots, const at::Tensor& key,
@@ -261,7 +260,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("nested_linear", &nested_linear, "(x W^T) * scale (+ b) over NestedFP planes: FP8 mode reads hi, FP16 both");
   m.def("rms_norm", &rms_norm, "Llama RMSNorm of each row (fp32 sums; the modeling code's bf16 roundings)");
   m.def("add_rms_norm_", &add_rms_norm_, "residual += x in place, then rms_norm(residual)");
-  m.def("silu_mul", &silu_mul, "silu(gate) * up of the fused gate|up projection's output (the dtype's roundings)");
   m.def("kv_write_", &kv_write_, "rows of key and value into a dense pool's slots in place (slot < 0: skipped)");
   m.def("rope_", &rope_, "rotary embedding of the first heads * head_dim columns of each row, in place");
 }

@@ -6,7 +6,7 @@ about 50 torch ops per layer; at batch 8 on the dev machine (bf16), 19 ms of a 4
 rather than to GEMMs or attention (scripts/profile_step.py). Here a layer is nine calls:
 
     add_rms_norm_ -> row_linear(q|k|v) -> rope_ -> KV write -> attention -> row_linear(o)
-    -> add_rms_norm_ -> row_linear(gate|up) -> silu_mul -> row_linear(down)
+    -> add_rms_norm_ -> row_linear(gate|up) -> silu * up -> row_linear(down)
 
 What it computes is the HF forward's arithmetic, checked against it (tests/kernels/test_fused_llama.py):
 - The projections are the same `row_linear` chains as the wrapped HF modules. q, k and v (and gate and
@@ -14,10 +14,8 @@ What it computes is the HF forward's arithmetic, checked against it (tests/kerne
   so the fused call is bitwise the separate ones. The concatenation shares memory with the HF modules'
   packs (they become views into it), so nothing is stored twice.
 - Rotary embedding and the residual adds are bitwise torch's elementwise ops (csrc/cpu/layer_ops.cpp);
-  cos / sin come from the model's own rotary module (so any RoPE scaling it implements applies).
-  silu(gate) * up is one extension call with torch's roundings but another exp: a bf16 result can be
-  one unit in the last place off torch's, rarely (a torch op pair on strided halves cost 12-17 ms a
-  layer for a 1.8k-token Qwen prompt, about a tenth of its prefill).
+  cos / sin come from the model's own rotary module (so any RoPE scaling it implements applies), and
+  SiLU is torch's.
 - RMSNorm sums squares in an order of its own, so hidden states agree with HF's to rounding (fp32
   logits within 1e-4 of HF's on SmolLM2, 7e-5 the largest seen), not bitwise. Every row's arithmetic
   is fixed whatever the other rows, so batch invariance and cache-on == cache-off hold exactly, as
@@ -38,6 +36,7 @@ from types import ModuleType
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from kvserve.attention.base import AttentionBackend, AttentionMetadata
@@ -232,7 +231,9 @@ class FusedLlamaForward:
             attn = backend.forward(q, kv_layers[i], meta, self.scale)  # [T, heads, head_dim]
             o = layer.o.run(attn.reshape(rows, q_cols), precision)
             x = ext.add_rms_norm_(hidden, o, layer.post_norm, self.eps)
-            mlp = layer.down.run(ext.silu_mul(layer.gate_up.run(x, precision)), precision)
+            gate_up = layer.gate_up.run(x, precision)
+            inter = gate_up.shape[1] // 2
+            mlp = layer.down.run(F.silu(gate_up[:, :inter]) * gate_up[:, inter:], precision)
             x = ext.add_rms_norm_(hidden, mlp, layer.next_norm, self.eps)
             cut = cut_at.get(i)
             if cut is not None:  # row slices of contiguous tensors stay contiguous

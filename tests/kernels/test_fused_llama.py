@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.nn.functional as F
 from transformers.models.llama.modeling_llama import LlamaRMSNorm, apply_rotary_pos_emb
 
 from kvserve import LLM, SamplingParams
@@ -195,25 +194,3 @@ def test_fused_forward_in_bf16_is_as_close_to_fp32_as_hf_is(ext):
 def test_the_engine_hands_dense_pools_the_extensions_write(ext):
     llm = LLM(model="tiny-random-llama", max_cache_bytes=8_000_000)
     assert all(kv.copy_rows is ext.kv_write_ for kv in llm.engine.layers)
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_silu_mul_is_the_modeling_codes_activation(ext, dtype):
-    """silu(gate) * up of a fused gate|up output, rounded as torch rounds it (silu to the dtype, then the
-    product): fp32 to a few ulps, bf16 bitwise but for rare one-ulp differences (another exp); each row
-    alone equals the whole batch's (batch invariance), and a width that is no multiple of the vector."""
-    gen = torch.Generator().manual_seed(3)
-    for inter in (64, 77):
-        gu = (torch.randn(40, 2 * inter, generator=gen) * 4).to(dtype)
-        got = ext.silu_mul(gu)
-        want = F.silu(gu[:, :inter]) * gu[:, inter:]
-        assert got.dtype == dtype and got.shape == (40, inter)
-        if dtype == torch.float32:
-            torch.testing.assert_close(got, want, atol=1e-6, rtol=4e-7)
-        else:
-            torch.testing.assert_close(got.float(), want.float(), atol=0, rtol=2**-7)
-            assert (got == want).float().mean() > 0.99
-        for lo, hi in ((0, 1), (5, 17), (39, 40)):
-            assert torch.equal(ext.silu_mul(gu[lo:hi].clone()), got[lo:hi])
-    with pytest.raises(RuntimeError, match="2 \\* inter"):
-        ext.silu_mul(torch.randn(3, 5))
