@@ -44,17 +44,26 @@ def backend_class(name: str) -> type[AttentionBackend]:
     return _load(name)
 
 
+def _fits(cls: type[AttentionBackend], device: torch.device, facts: dict, windowed: bool) -> tuple[bool, str]:
+    if windowed and not cls.takes_window:
+        takers = [n for n in BACKENDS if _takes_window(n)]
+        return False, f"it takes no sliding-window layers, which this model has ({', '.join(takers)} do)"
+    return cls.is_available(device, **facts)
+
+
+def _takes_window(name: str) -> bool:
+    try:
+        return _load(name).takes_window
+    except ImportError:
+        return False
+
+
 def _availability(name: str, device: torch.device, facts: dict, windowed: bool) -> tuple[bool, str]:
     try:
         cls = _load(name)
     except ImportError as exc:
         return False, f"cannot be imported ({exc})"
-    if windowed and not cls.takes_window:
-        return False, (
-            "it takes no sliding-window layers, which this model has "
-            "(cpu_paged and reference do: --device cpu, or --attention-backend reference)"
-        )
-    return cls.is_available(device, **facts)
+    return _fits(cls, device, facts, windowed)
 
 
 def create_backend(
@@ -73,13 +82,13 @@ def create_backend(
     """
     facts = {"head_dim": head_dim, "dtype": dtype}
     if name != "auto":
-        backend_class(name)  # the ConfigError naming the choices
-        ok, reason = _availability(name, device, facts, windowed)
+        cls = backend_class(name)
+        ok, reason = _fits(cls, device, facts, windowed)
         if not ok:
             raise ConfigError(
                 f"attention_backend {name!r} is not available here: {reason}", param="attention_backend"
             )
-        return _load(name)()
+        return cls()
     reasons = []
     for candidate in AUTO_ORDER.get(device.type, ()):
         ok, reason = _availability(candidate, device, facts, windowed)

@@ -63,18 +63,18 @@ class TritonBackend(AttentionBackend):
         """The prefill kernel: dense and fp8_e4m3 pools in place, others through a dense copy."""
         from kvserve.kernels.triton.paged_prefill import paged_prefill
 
-        rest = (meta.query_start_loc, meta.seq_lens)
-        launch = dict(max_query_len=meta.max_query_len, scale=scale, window=window)
+        k_scale = v_scale = None
         if pool is not None and pool.kv_format == "fp8_e4m3":  # the prefill kernel reads fp8 in place too
-            return paged_prefill(
-                query, pool.k_cache, pool.v_cache, meta.block_tables, *rest, **launch,
-                k_scale=pool.k_scale, v_scale=pool.v_scale,
-            )  # fmt: skip
-        if isinstance(kv, DenseLayerKV):
+            k, v, block_tables = pool.k_cache, pool.v_cache, meta.block_tables
+            k_scale, v_scale = pool.k_scale, pool.v_scale
+        elif isinstance(kv, DenseLayerKV):
             k, v, block_tables = kv.k_cache, kv.v_cache, meta.block_tables
         else:
             k, v, block_tables = dense_copy(kv, meta.block_tables, query.dtype)
-        return paged_prefill(query, k, v, block_tables, *rest, **launch)
+        return paged_prefill(
+            query, k, v, block_tables, meta.query_start_loc, meta.seq_lens, max_query_len=meta.max_query_len,
+            scale=scale, k_scale=k_scale, v_scale=v_scale, window=window,
+        )  # fmt: skip
 
     @classmethod
     def is_available(
