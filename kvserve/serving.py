@@ -25,6 +25,7 @@ def describe(config: ServeConfig, info: Any) -> str:
             f"({info.num_layers} layers x {info.num_kv_heads} KV heads x {info.head_dim})",
             f"  KV pool {info.num_blocks} blocks x {info.block_size} = {info.pool_tokens} tokens, "
             f"{pool_bytes / 2**20:.1f} MiB (budget {config.max_cache_bytes / 2**20:.1f} MiB)",
+            f"  KV layout: {info.kv_layout}",
             f"  context {info.max_model_len} tokens, chunk {config.chunk_size} tokens, "
             f"prefix caching {'on' if config.enable_prefix_caching else 'off'}",
         ]

@@ -46,6 +46,7 @@ def stats_body(
             "model_forward": info.model_forward,
             "max_model_len": info.max_model_len,
             "pool_tokens": info.pool_tokens,
+            "kv_layout": info.kv_layout,
         },
         "weights": {**dataclasses.asdict(s.weights), "bytes_per_param": s.weights.bytes_per_param},
         "config": {

@@ -19,6 +19,11 @@ class ForwardContext:
     layers: list[LayerKV]
     backend: AttentionBackend
     meta: AttentionMetadata
+    # per layer, its layer group's metadata (kvcache/layout.py); None: one group, `meta` for every layer
+    layer_metas: list[AttentionMetadata] | None = None
+
+    def meta_of(self, layer_idx: int) -> AttentionMetadata:
+        return self.meta if self.layer_metas is None else self.layer_metas[layer_idx]
 
 
 _current: ForwardContext | None = None

@@ -18,10 +18,11 @@ from kvserve.attention.registry import create_backend
 from kvserve.config import ServeConfig
 from kvserve.errors import ConfigError
 from kvserve.kvcache.kv_storage import DenseLayerKV, LayerKV
+from kvserve.kvcache.layout import KVLayout
 from kvserve.kvcache.manager import KVCacheManager
 from kvserve.kvcache.quantized_storage import QuantizedLayerKV, create_layer_kv
 from kvserve.models.fused_llama import FusedLlamaForward, unsupported_reason
-from kvserve.models.hf_adapter import ATTN_IMPLEMENTATION, check_supported, sliding_window
+from kvserve.models.hf_adapter import ATTN_IMPLEMENTATION, check_supported, layer_windows, sliding_window
 from kvserve.models.loader import model_fingerprint, resolve_model_path
 from kvserve.models.nested import weight_bytes as model_weight_bytes
 from kvserve.models.random_weights import is_random_model, load_random_model
@@ -56,18 +57,23 @@ class RuntimeInfo:
     num_layers: int
     num_kv_heads: int
     head_dim: int
-    num_blocks: int
+    num_blocks: int  # pool blocks; with layer groups (kvcache/layout.py) a block is one group's
     block_size: int
-    bytes_per_token: float  # all layers, K and V, metadata included
+    bytes_per_token: float  # all layers, K and V, metadata included (a token every layer keeps)
+    kv_layout: str  # KVLayout.describe(): one group, or the global and sliding-window groups
     max_model_len: int
     vocab_size: int  # token ids a request may use: the tokenizer's and the model's logits both cover them
     logits_size: int  # the model's logits per token (its lm_head rows; may exceed the tokenizer's vocabulary)
     eos_token_ids: tuple[int, ...]
     namespace: str
 
+    num_groups: int = 1  # layer groups (kvcache/layout.py)
+
     @property
     def pool_tokens(self) -> int:
-        return self.num_blocks * self.block_size
+        """Tokens the pool holds in every layer (with sliding-window groups, a request holds more:
+        those groups keep only their window)."""
+        return self.num_blocks * self.block_size // self.num_groups
 
 
 def resolve_device(name: str) -> torch.device:
@@ -256,6 +262,7 @@ class EngineParts:
     backend: AttentionBackend
     info: RuntimeInfo
     fused: FusedLlamaForward | None  # the fused CPU decoder forward, None: the HF modeling code
+    layout: KVLayout  # which pool blocks hold each layer's KV (layers[i] is its slot's storage)
 
 
 def attach_row_writer(layers: list[LayerKV], device: torch.device) -> None:
@@ -328,20 +335,23 @@ def build_parts(config: ServeConfig) -> EngineParts:
     codec, quality = resolve_codec(config, dtype, num_kv_heads, head_dim)
     cold_codec, cold_quality = resolve_cold_codec(config, num_kv_heads, head_dim)
     probe = create_layer_kv(codec, 1, config.block_size, num_kv_heads, head_dim, dtype, torch.device("cpu"))
-    bytes_per_block = probe.bytes_per_block() * num_layers
+    layout = KVLayout.of(layer_windows(mc))
+    # a block holds one layer group's KV of block_size tokens (all layers without sliding windows)
+    bytes_per_block = probe.bytes_per_block() * layout.num_slots
     # block codecs (KIVI K) keep each running sequence's open block in full precision: reserve that
     open_block_reserve = config.max_num_seqs * probe.open_block_bytes() * num_layers
     num_blocks = max(0, config.max_cache_bytes - open_block_reserve) // bytes_per_block
-    if num_blocks < 2:
+    if num_blocks < 2 * layout.num_groups:
         raise ConfigError(
             f"max_cache_bytes={config.max_cache_bytes} holds fewer than 2 blocks "
-            f"({bytes_per_block} bytes each); raise it"
+            f"({bytes_per_block * layout.num_groups} bytes each); raise it"
         )
-    layers = [
-        create_layer_kv(codec, num_blocks, config.block_size, num_kv_heads, head_dim, dtype, device, i)
-        for i in range(num_layers)
+    slots = [
+        create_layer_kv(codec, num_blocks, config.block_size, num_kv_heads, head_dim, dtype, device, j)
+        for j in range(layout.num_slots)
     ]
-    attach_row_writer(layers, device)
+    layers = [slots[layout.slot_of(i)] for i in range(num_layers)]  # a group's layers share the slots
+    attach_row_writer(slots, device)
     max_model_len = config.max_model_len or int(getattr(mc, "max_position_embeddings", 2048))
     eos = _eos_ids(model, tokenizer)
     namespace = "|".join(
@@ -356,6 +366,8 @@ def build_parts(config: ServeConfig) -> EngineParts:
             *(["weights=nestedfp"] if nested else []),  # each request adds its precision (Engine.root)
             # a random-weight model's values come from its device's generator: CPU and CUDA differ
             *([f"random@{device.type}"] if is_random_model(path) else []),
+            # blocks of layer groups live in shared slot storages (codecs seeded per slot)
+            *([f"layout=groups{layout.num_groups}x{layout.num_slots}"] if layout.num_groups > 1 else []),
         ]
     )
     info = RuntimeInfo(
@@ -376,14 +388,16 @@ def build_parts(config: ServeConfig) -> EngineParts:
         head_dim=head_dim,
         num_blocks=num_blocks,
         block_size=config.block_size,
-        bytes_per_token=bytes_per_block / config.block_size,
+        bytes_per_token=probe.bytes_per_block() * num_layers / config.block_size,
+        kv_layout=layout.describe(),
+        num_groups=layout.num_groups,
         max_model_len=max_model_len,
         vocab_size=min(tokenizer.vocab_size, int(mc.vocab_size)),
         logits_size=int(mc.vocab_size),
         eos_token_ids=eos,
         namespace=namespace,
     )
-    return EngineParts(model, tokenizer, layers, backend, info, fused)
+    return EngineParts(model, tokenizer, layers, backend, info, fused, layout)
 
 
 def _eos_ids(model: torch.nn.Module, tokenizer: Tokenizer) -> tuple[int, ...]:

@@ -49,8 +49,9 @@ class Engine:
         parts = build_parts(config)
         self.model, self.tokenizer, self.info = parts.model, parts.tokenizer, parts.info
         self.layers = parts.layers
+        slots = list({id(layer): layer for layer in self.layers}.values())  # layer groups share storages
         self.kv = KVCacheManager.create(
-            config, self.info.num_blocks, [layer.on_block_freed for layer in self.layers]
+            config, self.info.num_blocks, [layer.on_block_freed for layer in slots], parts.layout
         )
         self.pool, self.store = self.kv.pool, self.kv.store
         self.pins = WarmPins(self.store, config.chunk_size, config.block_size, config.max_pinned_fraction)
@@ -62,7 +63,13 @@ class Engine:
         tiers = build_tiers(config, self.kv, self.layers, self.info)
         self.tiers = EngineTiers(tiers, self.scheduler, config.demote_after_s) if tiers else None
         self.runner = ModelRunner(
-            self.model, self.layers, parts.backend, device, parts.fused, vocab_size=self.info.vocab_size
+            self.model,
+            self.layers,
+            parts.backend,
+            device,
+            parts.fused,
+            vocab_size=self.info.vocab_size,
+            layout=parts.layout,
         )
         self.precision = PrecisionPolicy(config)
         self.outputs = OutputProcessor(self.tokenizer, self.info.eos_token_ids, self.info.max_model_len)
@@ -249,7 +256,9 @@ class Engine:
 
     def _finish_warm(self, seq: Sequence) -> None:
         open_block = self.scheduler.chunks.register_tail(seq)
-        for layer in self.layers:  # the cached tail's last block will never fill: encode it now
+        for layer in {
+            id(layer): layer for layer in self.layers
+        }.values():  # the tail's last block: encode it now
             layer.seal(open_block)
         error = self.pins.pin(seq) if self.pins.pins(seq) else None
         self.finish(seq, FinishReason.STOP if error is None else FinishReason.ERROR, error=error)

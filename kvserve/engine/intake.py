@@ -86,7 +86,7 @@ class Intake:
                     param="ignore_eos",
                 )
         need_tokens = n if request.warm_only else min(n + request.sampling_params.max_tokens, limit)
-        if -(-need_tokens // self.config.block_size) > self.kv.pool.num_blocks:
+        if self.kv.max_blocks(need_tokens, self.config.max_num_batched_tokens) > self.kv.pool.num_blocks:
             raise InvalidRequestError(
                 f"the request needs {need_tokens} tokens of KV but the pool holds {self.info.pool_tokens}; "
                 "raise max_cache_bytes or lower max_tokens",

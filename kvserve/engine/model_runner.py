@@ -24,6 +24,7 @@ from kvserve.attention.positional import PositionalBackend
 from kvserve.attention.probe import AttentionProbe, ProbingBackend
 from kvserve.engine.prompt_logprobs import ROWS_PER_BLOCK, PromptRows, rows_to_score, score
 from kvserve.kvcache.kv_storage import LayerKV
+from kvserve.kvcache.layout import KVLayout
 from kvserve.models.fused_llama import FusedLlamaForward, LayerCut
 from kvserve.models.hf_adapter import PoolCache
 from kvserve.models.nested import NestedLinear, RowPrecision
@@ -36,13 +37,14 @@ from kvserve.scheduler.cost import Work
 class StepInputs:
     input_ids: torch.Tensor  # [1, num_tokens] int64
     position_ids: torch.Tensor  # [1, num_tokens] int64
-    meta: AttentionMetadata
+    meta: AttentionMetadata  # the first layer group's (the only one without sliding-window layers)
     logits_indices: torch.Tensor  # [num_sampled] int64, rows of the packed batch whose logits are needed
     cuts: list[LayerCut] = field(default_factory=list)  # rows that stop early, by layer
     work: Work = field(default_factory=Work)  # what the forward computes (scheduler/cost.py)
     prompt_rows: list[PromptRows] = field(default_factory=list)  # rows that score prompt tokens
     precision: RowPrecision | None = None  # NestedFP weights: each row's precision (its sequence's)
     probes: list[AttentionProbe] = field(default_factory=list)  # attention measured beside the forward
+    layer_metas: list[AttentionMetadata] | None = None  # per layer, its group's (None: one group)
 
 
 @dataclass
@@ -61,6 +63,7 @@ class ModelRunner:
         device: torch.device,
         fused: FusedLlamaForward | None = None,
         vocab_size: int | None = None,
+        layout: KVLayout | None = None,
     ):
         self.model = model
         self.fused = fused  # the decoder forward when set; else HF's modeling code (the reference)
@@ -72,6 +75,7 @@ class ModelRunner:
         self.device = device
         self.block_size = layers[0].block_size
         self.num_layers = len(layers)
+        self.layout = layout if layout is not None else KVLayout.single(len(layers))
         self.softcap = getattr(model.config, "final_logit_softcapping", None)
         # the tokenizer's ids (RuntimeInfo.vocab_size): an lm_head may have more rows (padding, or a
         # random-weight model's full vocabulary), which nothing may sample or count in a logprob
@@ -79,14 +83,37 @@ class ModelRunner:
 
     def _rows(self, item: ScheduledSeq) -> tuple[list[int], SeqRows]:
         seq = item.seq
+        table = _readable(item.block_tables[0])
         if item.positions is not None:
             positions = torch.tensor(item.positions, dtype=torch.long)
             return [seq.token_ids[p] for p in item.positions], SeqRows(
-                item.block_ids, positions, item.positions[-1] + 1
+                table, positions, item.positions[-1] + 1
             )
         start = seq.num_computed_tokens
         end = start + item.num_new_tokens
-        return seq.token_ids[start:end], SeqRows(item.block_ids, torch.arange(start, end), end)
+        return seq.token_ids[start:end], SeqRows(table, torch.arange(start, end), end)
+
+    def _layer_metas(
+        self, items: list[ScheduledSeq], rows: list[SeqRows], meta: AttentionMetadata, explicit: bool
+    ) -> list[AttentionMetadata] | None:
+        """Each layer's metadata when the layout has more than one layer group: the same rows, each
+        group's block tables and slots."""
+        layout = self.layout
+        if layout.num_groups == 1:
+            return None
+        metas = [meta] + [
+            AttentionMetadata.build(
+                [
+                    SeqRows(_readable(it.block_tables[g]), r.positions, r.seq_len)
+                    for it, r in zip(items, rows, strict=True)
+                ],
+                self.block_size,
+                self.device,
+                explicit_positions=explicit,
+            )
+            for g in range(1, layout.num_groups)
+        ]
+        return [metas[layout.group_of(i)] for i in range(self.num_layers)]
 
     def prepare_inputs(self, batch: ScheduledBatch) -> StepInputs:
         """A step's token ids, positions, metadata (AttentionMetadata.build), sampled rows and cuts.
@@ -124,7 +151,9 @@ class ModelRunner:
                 logits_indices.append(len(input_ids) - 1)
         dev = self.device
         meta = AttentionMetadata.build(rows, self.block_size, dev, explicit_positions=explicit)
+        layer_metas = self._layer_metas(items, rows, meta, explicit)
         cuts = []
+        assert layer_metas is None or all(it.num_layers is None for it in items), "layer groups take no cuts"
         for k in sorted({it.num_layers for it in items if it.num_layers is not None}, reverse=True):
             keep = [r for it, r in zip(items, rows, strict=True) if (it.num_layers or layers) > k]
             sub = AttentionMetadata.build(keep, self.block_size, dev, explicit_positions=explicit)
@@ -140,6 +169,7 @@ class ModelRunner:
             prompt_rows=prompt_rows,
             precision=RowPrecision.of(row_precisions) if row_precisions else None,
             probes=probes,
+            layer_metas=layer_metas,
         )
 
     def backend_for(self, meta: AttentionMetadata) -> AttentionBackend:
@@ -168,7 +198,7 @@ class ModelRunner:
         elif inputs.cuts:
             hidden = self._hf_by_layer(inputs, backend)
         else:
-            with forward_context(ForwardContext(self.layers, backend, inputs.meta)):
+            with forward_context(ForwardContext(self.layers, backend, inputs.meta, inputs.layer_metas)):
                 hidden = self.decoder(
                     input_ids=inputs.input_ids,
                     position_ids=inputs.position_ids,
@@ -238,3 +268,9 @@ class ModelRunner:
                     if r == 0:  # every row stopped: no later layer has work
                         break
         return self.decoder.norm(hidden)[0]
+
+
+def _readable(table: list[int]) -> list[int]:
+    """A block table as kernels read it: a block that left a sliding window (-1) becomes block 0,
+    whose values the window masks (every kernel skips or masks positions before a row's window)."""
+    return [max(b, 0) for b in table]

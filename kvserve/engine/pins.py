@@ -31,7 +31,7 @@ class WarmPins:
         """(the chunk keys a warm of this text leaves in the store, blocks of each)."""
         tokens = seq.request.prompt_token_ids
         hashes = prompt_chunk_hashes(tokens, self.chunk_size, seq.cache.root_hash)
-        blocks = [self.store.blocks_per_chunk] * (len(tokens) // self.chunk_size)
+        blocks = [self.store.blocks_per_chunk * self.store.num_groups] * (len(tokens) // self.chunk_size)
         if len(hashes) > len(blocks):  # the tail (kept when content reuse is available)
             blocks.append(-(-(len(tokens) % self.chunk_size) // self.block_size))
         return hashes, blocks
@@ -77,7 +77,7 @@ class WarmPins:
         self._unbook(seq.request_id)
         hashes, _ = self._keys(seq)
         chunks = [c for c in map(self.store.get, hashes) if c is not None]
-        new = sum(len(c.block_ids) for c in chunks if not c.pinned)
+        new = sum(len(c.all_block_ids) for c in chunks if not c.pinned)
         if not self.store.reserve_pins(new):  # pins changed while it ran
             return self._error(new).message
         self.store.release_pin_reservation(new)

@@ -63,16 +63,24 @@ def _field_bytes(fields: BlockFields, num_blocks: int) -> list[int]:
     ]
 
 
-def export_chunk(layers: list[LayerKV], block_ids: list[int], layout: ChunkLayout | None = None) -> bytes:
-    """The blocks `block_ids` of every layer, as stored, in the layout above. The blocks must be
+def export_chunk(
+    layers: list[LayerKV],
+    block_ids: list[int],
+    layout: ChunkLayout | None = None,
+    layer_block_ids: list[list[int]] | None = None,
+) -> bytes:
+    """The blocks `block_ids` of every layer (or each layer's own, `layer_block_ids`: layer groups of
+    sliding-window models, kvcache/layout.py), as stored, in the layout above. The blocks must be
     complete (LayerKV.export_blocks). `layout` (for these layers and this many blocks) saves
     describing the layers again."""
     assert layers and block_ids, "export of no layers or no blocks"
     layout = layout or ChunkLayout(layers, len(block_ids))
     assert layout.num_blocks == len(block_ids) and layout.num_layers == len(layers)
+    per_layer = layer_block_ids or [block_ids] * len(layers)
+    assert all(len(ids) == len(block_ids) for ids in per_layer)
     parts: list[torch.Tensor] = []  # uint8 views of every field, in body order
-    for layer, fields in zip(layers, layout.fields, strict=True):
-        exported = layer.export_blocks(block_ids)
+    for layer, fields, ids in zip(layers, layout.fields, per_layer, strict=True):
+        exported = layer.export_blocks(ids)
         assert list(exported) == list(fields), "export_blocks out of block_fields order"
         parts.extend(t.detach().cpu().contiguous().reshape(-1).view(torch.uint8) for t in exported.values())
     return layout.prelude_and_header + torch.cat(parts).numpy().tobytes()

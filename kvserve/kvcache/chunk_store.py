@@ -14,7 +14,14 @@ unpinning "system + doc A" keeps the system chunks that "system + doc B" still p
 capped at `max_pinned_blocks`; `reserve_pins` books room for a warm before it runs.
 
 Evictable == no users, no pin, no cached children; only evictable chunks are known to the eviction
-policy. Before a chunk is evicted (for room, or idle: `evict_idle`) the `on_evict` hooks see it with
+policy.
+
+With sliding-window layers (kvcache/layout.py) a chunk holds its global groups' blocks (`block_ids`)
+and its sliding groups' (`window_blocks`). The sliding part is needed only by a prefix hit that
+ends less than a window after the chunk, so it is dropped on its own, before any whole chunk is
+evicted (`drop_windows`: oldest first, once no request reads those blocks and the chunk is not
+pinned); the chunk stays a link of its prefix, and `KVCacheManager.match` ends a hit where the
+sliding parts before it are missing. Before a chunk is evicted (for room, or idle: `evict_idle`) the `on_evict` hooks see it with
 its blocks still intact: the KV tiers demote or write it there (tiers/manager.py).
 """
 
@@ -22,16 +29,17 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from kvserve.kvcache.block_pool import BlockPool
 from kvserve.kvcache.eviction import POLICIES, EvictionPolicy
+from kvserve.kvcache.layout import KVLayout
 
 
 @dataclass
 class CachedChunk:
     prefix_hash: bytes
-    block_ids: list[int]
+    block_ids: list[int]  # the global groups' blocks, group after group (kvcache/layout.py)
     depth: int  # chunk index within the prompt that produced it (0 = first chunk)
     parent: bytes | None  # prefix hash of the chunk before it (None: depth 0, under the root)
     num_tokens: int = 0  # chunk_size, or fewer for a prompt's tail (never prefix-matched)
@@ -45,6 +53,12 @@ class CachedChunk:
     # the cold area (a lossy codec): such KV never goes to the disk or Redis tier
     exact: bool = True
     origin: str = "computed"  # computed here, or the tier it was loaded from ("cold", "disk", "redis")
+    # the sliding-window groups' blocks, group after group; [] when the layout has none or they were dropped
+    window_blocks: list[int] = field(default_factory=list)
+
+    @property
+    def all_block_ids(self) -> list[int]:
+        return self.block_ids + self.window_blocks
 
     @property
     def pinned(self) -> bool:
@@ -57,10 +71,17 @@ class CachedChunk:
 
 class ChunkStore:
     def __init__(
-        self, pool: BlockPool, chunk_size: int, policy: str = "lru_freq", max_pinned_blocks: int | None = None
+        self,
+        pool: BlockPool,
+        chunk_size: int,
+        policy: str = "lru_freq",
+        max_pinned_blocks: int | None = None,
+        layout: KVLayout | None = None,
     ):
         assert chunk_size % pool.block_size == 0
         self.pool = pool
+        self.layout = layout
+        self.num_groups = layout.num_groups if layout is not None else 1  # blocks per block of tokens
         self.chunk_size = chunk_size
         self.blocks_per_chunk = chunk_size // pool.block_size
         self.policy: EvictionPolicy = POLICIES[policy]()
@@ -70,6 +91,7 @@ class ChunkStore:
         self.on_drop: list[Callable[[bytes], None]] = []  # called with each evicted chunk's hash
         self.on_evict: list[Callable[[CachedChunk], None]] = []  # before eviction, blocks intact
         self.num_evicted_chunks = 0
+        self.num_windows_dropped = 0  # sliding-window parts dropped (drop_windows)
         self.num_chunk_hits = 0  # acquisitions of cached chunks by requests that reuse them
         self.num_cached_blocks = 0
         self.num_pinned_blocks = 0
@@ -123,26 +145,35 @@ class ChunkStore:
         depth: int,
         parent: bytes | None,
         num_tokens: int = 0,
+        window_blocks: list[int] | None = None,
     ) -> CachedChunk:
         """Register a chunk computed by a running request, which becomes its first user. The parent
         must be cached (the caller holds it). The caller (kvcache/manager.py) has given the store one
-        pool ref on each block; the store releases it when it drops the chunk. A tail
-        (num_tokens < chunk_size) is held for content matches only."""
+        pool ref on each block (`block_ids` and `window_blocks`); the store releases it when it drops
+        the chunk. A tail (num_tokens < chunk_size) is held for content matches only."""
         num_tokens = num_tokens or self.chunk_size
         assert prefix_hash not in self._chunks and 0 < num_tokens <= self.chunk_size
-        assert len(block_ids) == -(-num_tokens // self.pool.block_size)
+        window_blocks = list(window_blocks or [])
+        self._check_blocks(num_tokens, block_ids, window_blocks)
         if parent is not None:
             parent_chunk = self._chunks[parent]  # KeyError: inserting under an evicted parent
             if parent_chunk.evictable:
                 self.policy.remove(parent)
             parent_chunk.num_children += 1
         chunk = CachedChunk(
-            prefix_hash, list(block_ids), depth, parent, num_tokens, num_users=1, last_used=time.monotonic()
+            prefix_hash,
+            list(block_ids),
+            depth,
+            parent,
+            num_tokens,
+            num_users=1,
+            last_used=time.monotonic(),
+            window_blocks=window_blocks,
         )
         if parent is not None and not self._chunks[parent].exact:
             chunk.exact = False  # computed attending to approximate KV
         self._chunks[prefix_hash] = chunk
-        self.num_cached_blocks += len(block_ids)
+        self.num_cached_blocks += len(chunk.all_block_ids)
         self.policy.touch(prefix_hash)
         return chunk
 
@@ -158,7 +189,7 @@ class ChunkStore:
             if chunk.evictable:
                 self.policy.remove(h)
             if chunk.num_pins == 0:
-                self.num_pinned_blocks += len(chunk.block_ids)
+                self.num_pinned_blocks += len(chunk.all_block_ids)
             chunk.num_pins += 1
             held.append(h)
         if not held:
@@ -172,7 +203,7 @@ class ChunkStore:
             chunk = self._chunks[h]  # pinned chunks are never evicted
             chunk.num_pins -= 1
             if chunk.num_pins == 0:
-                self.num_pinned_blocks -= len(chunk.block_ids)
+                self.num_pinned_blocks -= len(chunk.all_block_ids)
             self._maybe_evictable(chunk)
         return len(held)
 
@@ -213,6 +244,46 @@ class ChunkStore:
             freed += self._evict(victim)
         return freed
 
+    def drop_windows(self, num_blocks: int, keep: set[bytes]) -> int:
+        """Drop the sliding-window parts of cached chunks, oldest first, until `num_blocks` blocks were
+        freed or none is left to drop; returns blocks freed. A part is dropped only when the store
+        alone holds its blocks (no request reads them), its chunk is not pinned and not in `keep`
+        (chunks an admission is about to read)."""
+        if not num_blocks:
+            return 0
+        refs = self.pool.ref_counts
+        candidates = [
+            c
+            for c in self._chunks.values()
+            if c.window_blocks
+            and not c.pinned
+            and c.prefix_hash not in keep
+            and all(refs[b] == 1 for b in c.window_blocks)
+        ]
+        freed = 0
+        for chunk in sorted(candidates, key=lambda c: (c.last_used, c.depth)):
+            if freed >= num_blocks:
+                break
+            freed += len(chunk.window_blocks)
+            self._drop_window(chunk)
+        return freed
+
+    def restore_window(self, chunk: CachedChunk, window_blocks: list[int]) -> None:
+        """Give a chunk whose sliding-window part was dropped that part again (a request recomputed
+        it; the caller gave the store one pool ref on each block)."""
+        assert not chunk.window_blocks
+        self._check_blocks(chunk.num_tokens, chunk.block_ids, window_blocks)
+        chunk.window_blocks = list(window_blocks)
+        self.num_cached_blocks += len(window_blocks)
+        if chunk.pinned:
+            self.num_pinned_blocks += len(window_blocks)
+
+    def _drop_window(self, chunk: CachedChunk) -> None:
+        blocks, chunk.window_blocks = chunk.window_blocks, []
+        self.num_cached_blocks -= len(blocks)
+        self.num_windows_dropped += 1
+        self.pool.release(blocks)
+
     def evict_idle(self, unused_since: float) -> int:
         """Evict every evictable chunk not used since `unused_since` (time.monotonic()), leaves first:
         a parent whose children all go goes too if it is idle. Returns chunks evicted."""
@@ -240,11 +311,12 @@ class ChunkStore:
             parent = self._chunks[chunk.parent]
             parent.num_children -= 1
             self._maybe_evictable(parent)
-        self.pool.release(chunk.block_ids)
-        self.num_cached_blocks -= len(chunk.block_ids)
+        blocks = chunk.all_block_ids
+        self.pool.release(blocks)
+        self.num_cached_blocks -= len(blocks)
         for hook in self.on_drop:
             hook(prefix_hash)
-        return sum(1 for b in chunk.block_ids if self.pool.ref_counts[b] == 0)
+        return sum(1 for b in blocks if self.pool.ref_counts[b] == 0)
 
     # --- facts -----------------------------------------------------------------------------------
     @property
@@ -261,8 +333,17 @@ class ChunkStore:
     def chunks(self) -> list[CachedChunk]:
         return list(self._chunks.values())
 
+    def _check_blocks(self, num_tokens: int, block_ids: list[int], window_blocks: list[int]) -> None:
+        """A chunk holds each global group's blocks for its tokens, and each sliding group's or none."""
+        per_group = -(-num_tokens // self.pool.block_size)
+        layout = self.layout
+        full = layout.num_full_groups if layout is not None else 1
+        sliding = layout.num_groups - full if layout is not None else 0
+        assert len(block_ids) == full * per_group, f"{len(block_ids)} global blocks for {num_tokens} tokens"
+        assert len(window_blocks) in (0, sliding * per_group), f"{len(window_blocks)} sliding blocks"
+
     def check_integrity(self) -> None:
-        assert self.num_cached_blocks == sum(len(c.block_ids) for c in self._chunks.values())
+        assert self.num_cached_blocks == sum(len(c.all_block_ids) for c in self._chunks.values())
         children = dict.fromkeys(self._chunks, 0)
         pins = dict.fromkeys(self._chunks, 0)
         for owner, held in self._pins.items():
@@ -271,8 +352,8 @@ class ChunkStore:
                 pins[h] += 1
         for h, chunk in self._chunks.items():
             assert chunk.prefix_hash == h
-            assert len(chunk.block_ids) == -(-chunk.num_tokens // self.pool.block_size)
-            for b in chunk.block_ids:
+            self._check_blocks(chunk.num_tokens, chunk.block_ids, chunk.window_blocks)
+            for b in chunk.all_block_ids:
                 assert self.pool.ref_counts[b] >= 1, f"cached chunk holds free block {b}"
             if chunk.parent is not None:
                 assert chunk.parent in self._chunks, f"chunk {h.hex()[:8]} is cached but its parent is not"
@@ -280,6 +361,6 @@ class ChunkStore:
         for h, chunk in self._chunks.items():
             assert chunk.num_children == children[h], "child count mismatch"
             assert chunk.num_pins == pins[h], "pin count does not match the owners' pins"
-        assert self.num_pinned_blocks == sum(len(c.block_ids) for c in self._chunks.values() if c.pinned)
+        assert self.num_pinned_blocks == sum(len(c.all_block_ids) for c in self._chunks.values() if c.pinned)
         assert self.num_pinned_blocks <= self.max_pinned_blocks
         assert self.policy.candidates() == {h for h, c in self._chunks.items() if c.evictable}

@@ -9,8 +9,14 @@ books. Its verbs, in a request's order:
   admit    open the request's holding: the matched chunks' blocks (shared) and its new blocks
   grow     blocks for n more tokens, evicting if it must (False: the pool cannot give them now)
   commit   register its completed chunks (and a warm's tail) in the chunk store
+  slide    after a step, give back the sliding-window groups' blocks no later row can read
   free     give back everything it holds (finished or preempted)
   import   a chunk loaded from a KV tier, written into fresh blocks and cached without a user
+
+With sliding-window layers (kvcache/layout.py) a request holds one block table per layer group, all
+of one length; a sliding group's entries before its window are -1 (given back by `slide`). Every
+count of blocks the scheduler sees (`num_new_blocks`, `grow`'s) is per group; the pool gives
+num_groups times as many.
 
 It is the only caller of the pool's `allocate` and `retain` (tests/unit/test_import_layers.py checks
 that); the chunk store releases the blocks of the chunks it drops. Per-request state (`Holding`) is
@@ -30,6 +36,7 @@ from kvserve.config import ServeConfig
 from kvserve.kvcache.block_pool import BlockPool
 from kvserve.kvcache.chunk_store import CachedChunk, ChunkStore
 from kvserve.kvcache.hashing import chunk_prefix_hashes, tail_hash
+from kvserve.kvcache.layout import KVLayout
 from kvserve.kvcache.stats import PoolStats, StoreStats, cache_stats
 
 
@@ -41,7 +48,9 @@ def cdiv(a: int, b: int) -> int:
 class Holding:
     """One request's hold on the cache, from admission until it finishes or is preempted."""
 
-    block_ids: list[int] = field(default_factory=list)  # one pool ref each, in position order
+    # per layer group (kvcache/layout.py), the blocks in position order, one pool ref each; -1: a
+    # sliding group's block that left the window (given back)
+    tables: list[list[int]] = field(default_factory=list)
     used_chunks: list[bytes] = field(default_factory=list)  # cached chunks it is a user of
     num_chunks_in_store: int = 0  # leading chunks cached and held (matched, registered or adopted)
     in_flight: list[bytes] = field(default_factory=list)  # prompt chunks it computes and will register
@@ -59,17 +68,26 @@ class Committed:
 class KVCacheManager:
     @classmethod
     def create(
-        cls, config: ServeConfig, num_blocks: int, on_free: list[Callable[[int], None]]
+        cls,
+        config: ServeConfig,
+        num_blocks: int,
+        on_free: list[Callable[[int], None]],
+        layout: KVLayout | None = None,
     ) -> KVCacheManager:
         """The pool of `num_blocks` blocks and its chunk store, as the config sizes them; `on_free` is
         called with each block that returns to the free list (the layers' storages)."""
         pool = BlockPool(num_blocks, config.block_size)
         pool.on_free.extend(on_free)
         max_pinned = int(config.max_pinned_fraction * num_blocks)
-        return cls(pool, ChunkStore(pool, config.chunk_size, config.eviction_policy, max_pinned))
+        store = ChunkStore(pool, config.chunk_size, config.eviction_policy, max_pinned, layout)
+        return cls(pool, store, layout)
 
-    def __init__(self, pool: BlockPool, store: ChunkStore):
+    def __init__(self, pool: BlockPool, store: ChunkStore, layout: KVLayout | None = None):
         self.pool, self.store = pool, store
+        self.layout = layout
+        self.num_groups = layout.num_groups if layout is not None else 1
+        self.num_full_groups = layout.num_full_groups if layout is not None else 1
+        self.windowed = layout is not None and layout.windowed
         self.block_size = pool.block_size
         self.chunk_size = store.chunk_size
         self.blocks_per_chunk = store.blocks_per_chunk
@@ -81,9 +99,26 @@ class KVCacheManager:
         return self._held.get(request_id)
 
     def block_ids(self, request_id: str) -> list[int]:
-        """The request's blocks in position order ([] when it holds none)."""
+        """The request's blocks in position order ([] when it holds none): its first layer group's
+        (a model without sliding-window layers has only that one)."""
         held = self._held.get(request_id)
-        return held.block_ids if held is not None else []
+        return held.tables[0] if held is not None else []
+
+    def block_tables(self, request_id: str) -> list[list[int]]:
+        """The request's block table of each layer group (-1: a block that left a sliding window)."""
+        held = self._held.get(request_id)
+        return [list(t) for t in held.tables] if held is not None else [[] for _ in range(self.num_groups)]
+
+    def _first_needed(self, group: int, num_tokens: int) -> int:
+        if self.layout is None:
+            return 0
+        return self.layout.first_needed_block(group, num_tokens, self.block_size)
+
+    def max_blocks(self, num_tokens: int, step_tokens: int) -> int:
+        """The most pool blocks a request of `num_tokens` tokens holds at once (`step_tokens` rows a step)."""
+        if self.layout is None:
+            return cdiv(num_tokens, self.block_size)
+        return self.layout.max_blocks(num_tokens, self.block_size, step_tokens)
 
     @property
     def num_free_blocks(self) -> int:
@@ -91,11 +126,27 @@ class KVCacheManager:
 
     # --- match -------------------------------------------------------------------------------------
     def match(self, prefix_hashes: list[bytes]) -> list[CachedChunk]:
-        return self.store.match_prefix(prefix_hashes)
+        """The longest cached run of leading chunks whose KV a request can continue from: with
+        sliding-window layers, the run ends where the chunks within a window before its end still
+        hold their sliding parts (a row after a hit of n tokens reads tokens from n - window + 1)."""
+        matched = self.store.match_prefix(prefix_hashes)
+        if not self.windowed:
+            return matched
+        n = len(matched)
+        while n and not all(c.window_blocks for c in matched[self._first_needed_chunk(n) : n]):
+            n -= 1
+        return matched[:n]
+
+    def _first_needed_chunk(self, num_chunks: int) -> int:
+        """The first chunk whose sliding part a row after `num_chunks` chunks reads (the widest window's)."""
+        assert self.layout is not None
+        sliding = [g for g, group in enumerate(self.layout.groups) if group.window is not None]
+        first = min(self._first_needed(g, num_chunks * self.chunk_size) for g in sliding)
+        return first // self.blocks_per_chunk
 
     def num_blocks_available_to(self, matched: list[CachedChunk]) -> int:
         """Blocks a request sharing `matched` could ever hold: all but other pinned chunks' blocks."""
-        shared_pinned = sum(len(c.block_ids) for c in matched if c.pinned)
+        shared_pinned = sum(len(c.all_block_ids) for c in matched if c.pinned)
         return self.pool.num_blocks - self.store.num_pinned_blocks + shared_pinned
 
     # --- reserve -----------------------------------------------------------------------------------
@@ -104,14 +155,17 @@ class KVCacheManager:
         and return False."""
         for chunk in chunks:
             self.store.acquire(chunk)
-        if self.make_room(num_new_blocks):
+        if self.make_room(num_new_blocks * self.num_groups, keep={c.prefix_hash for c in chunks}):
             return True
         for chunk in chunks:
             self.store.release(chunk.prefix_hash)
         return False
 
-    def make_room(self, num_blocks: int) -> bool:
-        """Evict unused cached chunks until `num_blocks` blocks are free; False if they cannot be."""
+    def make_room(self, num_blocks: int, keep: set[bytes] | None = None) -> bool:
+        """Free `num_blocks` pool blocks: drop unread sliding-window parts of cached chunks (not those
+        of `keep`), then evict unused cached chunks; False if they cannot be freed."""
+        if num_blocks > self.pool.num_free_blocks and self.windowed:
+            self.store.drop_windows(num_blocks - self.pool.num_free_blocks, keep or set())
         if num_blocks > self.pool.num_free_blocks:
             self.store.evict(num_blocks - self.pool.num_free_blocks)
         return num_blocks <= self.pool.num_free_blocks
@@ -123,8 +177,8 @@ class KVCacheManager:
         sources it holds while their KV is copied) fit beside the chunks other owners pinned."""
         shared = {c.prefix_hash for c in matched}
         held = [c for c in sources if c.prefix_hash not in shared and not c.pinned]
-        blocks = len(matched) * self.blocks_per_chunk + num_new_blocks
-        blocks += sum(len(c.block_ids) for c in held)
+        blocks = sum(len(c.all_block_ids) for c in matched) + num_new_blocks * self.num_groups
+        blocks += sum(len(c.all_block_ids) for c in held)
         return blocks <= self.num_blocks_available_to(matched)
 
     def never_fits_reason(self) -> str:
@@ -140,28 +194,68 @@ class KVCacheManager:
         self, request_id: str, matched: list[CachedChunk], sources: list[CachedChunk], num_new_blocks: int
     ) -> Holding:
         """Open the request's holding after `reserve` succeeded for matched + sources: it shares the
-        matched chunks' blocks and gets `num_new_blocks` fresh ones."""
+        matched chunks' blocks (a sliding group only those its next row can read) and gets
+        `num_new_blocks` fresh ones in each layer group."""
         assert request_id not in self._held, f"{request_id} is admitted twice"
-        for chunk in matched:
-            self.pool.retain(chunk.block_ids)
+        num_cached = len(matched) * self.chunk_size
+        tables = []
+        for g in range(self.num_groups):
+            # a chunk whose sliding part was dropped lies before the window (`match` ends hits there)
+            table = [
+                b for c in matched for b in self._chunk_group_blocks(c, g) or [-1] * self.blocks_per_chunk
+            ]
+            first = min(self._first_needed(g, num_cached), len(table))
+            table[:first] = [-1] * first
+            assert -1 not in table[first:], "a hit's window reaches a dropped sliding part"
+            self.pool.retain(table[first:])
+            tables.append(table + self.pool.allocate(num_new_blocks))
         held = self._held[request_id] = Holding(
-            block_ids=[b for c in matched for b in c.block_ids] + self.pool.allocate(num_new_blocks),
+            tables=tables,
             used_chunks=[c.prefix_hash for c in matched + sources],
             num_chunks_in_store=len(matched),
         )
         return held
 
+    def _chunk_group_blocks(self, chunk: CachedChunk, group: int) -> list[int]:
+        """The chunk's blocks of layer group `group` (global groups come first in the layout)."""
+        n = cdiv(chunk.num_tokens, self.block_size)
+        full = self.num_full_groups
+        if group < full:
+            return chunk.block_ids[group * n : (group + 1) * n]
+        return chunk.window_blocks[(group - full) * n : (group - full + 1) * n]
+
+    def chunk_group_blocks(self, chunk: CachedChunk) -> list[list[int]] | None:
+        """The chunk's blocks per layer group, or None when its sliding parts were dropped."""
+        if self.windowed and not chunk.window_blocks:
+            return None
+        return [self._chunk_group_blocks(chunk, g) for g in range(self.num_groups)]
+
     def grow(self, request_id: str, num_tokens: int) -> bool:
         """Give the request blocks for `num_tokens` tokens, evicting unused cached chunks if it must;
         False (nothing changed but evictions) when the pool cannot give them now."""
         held = self._held[request_id]
-        need = cdiv(num_tokens, self.block_size) - len(held.block_ids)
+        need = cdiv(num_tokens, self.block_size) - len(held.tables[0])
         if need <= 0:
             return True
-        if not self.make_room(need):
+        if not self.make_room(need * self.num_groups):
             return False
-        held.block_ids.extend(self.pool.allocate(need))
+        for table in held.tables:
+            table.extend(self.pool.allocate(need))
         return True
+
+    def slide(self, request_id: str, num_computed: int) -> None:
+        """The request computed `num_computed` tokens: its sliding groups give back the blocks before
+        the window of its next row (position `num_computed`). Called after `commit`, which had the
+        store take its own ref on what it caches."""
+        held = self._held.get(request_id)
+        if held is None or not self.windowed:
+            return
+        for g, table in enumerate(held.tables):
+            first = min(self._first_needed(g, num_computed), len(table))
+            gone = [b for b in table[:first] if b >= 0]
+            if gone:
+                table[:first] = [-1] * first
+                self.pool.release(gone)
 
     # --- commit ------------------------------------------------------------------------------------
     def commit(
@@ -185,23 +279,36 @@ class KVCacheManager:
                 token_ids[: num_full * self.chunk_size], self.chunk_size, last, len(prefix_hashes)
             )
         bpc = self.blocks_per_chunk
+        full = self.num_full_groups
         inserted: list[Committed] = []
         for i in range(held.num_chunks_in_store, num_full):
             h = prefix_hashes[i]
             chunk = self.store.get(h)
             if chunk is None:
-                blocks = held.block_ids[i * bpc : (i + 1) * bpc]
-                self.pool.retain(blocks)
-                chunk = self.store.insert(h, blocks, i, prefix_hashes[i - 1] if i else None)
+                blocks = [b for t in held.tables[:full] for b in t[i * bpc : (i + 1) * bpc]]
+                window = self._window_of(held, i)
+                self.pool.retain(blocks + window)
+                parent = prefix_hashes[i - 1] if i else None
+                chunk = self.store.insert(h, blocks, i, parent, window_blocks=window)
                 inserted.append(Committed(chunk, i))
             else:
                 # computed concurrently by another request: ours stays private, but hold the cached
                 # copy so it stays the parent of the chunks this request registers next
                 self.store.acquire(chunk, hit=False)
+                window = self._window_of(held, i)
+                if self.windowed and not chunk.window_blocks and window:  # recomputed after a drop
+                    self.pool.retain(window)
+                    self.store.restore_window(chunk, window)
             held.used_chunks.append(h)
             self._landed(held, h)
         held.num_chunks_in_store = max(held.num_chunks_in_store, num_full)
         return inserted
+
+    def _window_of(self, held: Holding, index: int) -> list[int]:
+        """The request's sliding-group blocks of chunk `index`, [] if some already left the window."""
+        bpc = self.blocks_per_chunk
+        window = [b for t in held.tables[self.num_full_groups :] for b in t[index * bpc : (index + 1) * bpc]]
+        return [] if -1 in window else window
 
     def commit_tail(
         self, request_id: str, tail: list[int], prefix_hashes: list[bytes], root: bytes
@@ -214,13 +321,14 @@ class KVCacheManager:
         full = len(prefix_hashes)
         if not tail or held.num_chunks_in_store < full or held.register_limit is not None:
             return None
+        assert self.num_groups == 1, "tails are for content matches, which layer groups do not take"
         parent = prefix_hashes[full - 1] if full else None
         h = tail_hash(parent or root, tail)
         chunk = self.store.get(h)
         open_block: list[int] = []
         if chunk is None:
             first = full * self.blocks_per_chunk
-            blocks = held.block_ids[first : first + cdiv(len(tail), self.block_size)]
+            blocks = held.tables[0][first : first + cdiv(len(tail), self.block_size)]
             self.pool.retain(blocks)
             self.store.insert(h, blocks, full, parent, len(tail))
             open_block = blocks[-1:] if len(tail) % self.block_size else []
@@ -269,7 +377,7 @@ class KVCacheManager:
             return
         for h in held.used_chunks:
             self.store.release(h)
-        self.pool.release(held.block_ids)
+        self.pool.release(b for t in held.tables for b in t if b >= 0)
         for h in list(held.in_flight):
             self._landed(held, h)
 
@@ -279,9 +387,10 @@ class KVCacheManager:
         prefix_hash: bytes,
         depth: int,
         parent: bytes | None,
-        write: Callable[[list[int]], None],
+        write: Callable[[list[list[int]]], None],
     ) -> CachedChunk | None:
-        """Cache a chunk loaded from a KV tier: fresh blocks (after evicting), filled by `write`, held
+        """Cache a chunk loaded from a KV tier: fresh blocks in every layer group (after evicting),
+        filled by `write` (given each group's blocks), held
         by the store alone (evictable like any unused chunk). None when its parent is not cached or
         no blocks can be freed. The parent is held meanwhile, so the eviction cannot pick it (a chain
         loaded into a full pool would cut itself off)."""
@@ -291,11 +400,19 @@ class KVCacheManager:
         if held_parent is not None:
             self.store.acquire(held_parent, hit=False)
         try:
-            if not self.make_room(self.blocks_per_chunk):
+            keep = {parent} if parent is not None else set()
+            if not self.make_room(self.blocks_per_chunk * self.num_groups, keep):
                 return None
-            blocks = self.pool.allocate(self.blocks_per_chunk)
-            write(blocks)
-            chunk = self.store.insert(prefix_hash, blocks, depth, parent)  # takes over the allocation's ref
+            groups = [self.pool.allocate(self.blocks_per_chunk) for _ in range(self.num_groups)]
+            write(groups)
+            full = self.num_full_groups
+            chunk = self.store.insert(  # takes over the allocation's ref
+                prefix_hash,
+                [b for t in groups[:full] for b in t],
+                depth,
+                parent,
+                window_blocks=[b for t in groups[full:] for b in t],
+            )
             self.store.release(prefix_hash)  # no user
             return chunk
         finally:
@@ -315,10 +432,11 @@ class KVCacheManager:
         assert set(self._held) <= set(admitted), "a request that is not running holds cache"
         expected = [0] * self.pool.num_blocks
         for held in self._held.values():
-            for b in held.block_ids:
+            assert len({len(t) for t in held.tables}) == 1, "layer groups' tables of different lengths"
+            for b in (b for t in held.tables for b in t if b >= 0):
                 expected[b] += 1
         for chunk in self.store.chunks():
-            for b in chunk.block_ids:
+            for b in chunk.all_block_ids:
                 expected[b] += 1
         assert expected == self.pool.ref_counts, "pool ref counts do not match owners"
         users = Counter(h for held in self._held.values() for h in held.used_chunks)

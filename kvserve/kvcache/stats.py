@@ -98,7 +98,7 @@ def cache_stats(
 def num_evictable_blocks(kv: KVCacheManager) -> int:
     """Blocks whose every owner is a cached chunk that eviction can reclaim: no running user, not
     pinned, and no used or pinned chunk below it (only leaves are evicted, so such a descendant keeps
-    its ancestors)."""
+    its ancestors); and the sliding-window parts of unpinned chunks that no request reads."""
     store = kv.store
     kept: set[bytes] = set()
     for chunk in store.chunks():
@@ -110,7 +110,9 @@ def num_evictable_blocks(kv: KVCacheManager) -> int:
     holders: Counter[int] = Counter()
     for chunk in store.chunks():
         if chunk.prefix_hash not in kept:
-            holders.update(chunk.block_ids)
+            holders.update(chunk.all_block_ids)
+        elif not chunk.pinned:  # a sliding-window part is dropped on its own (ChunkStore.drop_windows)
+            holders.update(chunk.window_blocks)
     ref_counts = kv.pool.ref_counts
     return sum(1 for block, n in holders.items() if ref_counts[block] == n)
 

@@ -34,7 +34,8 @@ def kvserve_attention(
     q = query[0].transpose(0, 1)  # [num_tokens, num_heads, head_dim]
     scale = scaling if scaling is not None else q.shape[-1] ** -0.5
     window = kwargs.get("sliding_window")  # a sliding-window layer's (Gemma 2/3, Mistral): (p - W, p]
-    out = ctx.backend.forward(q, ctx.layers[module.layer_idx], ctx.meta, scale, window=window or None)
+    layer = module.layer_idx
+    out = ctx.backend.forward(q, ctx.layers[layer], ctx.meta_of(layer), scale, window=window or None)
     return out.unsqueeze(0), None  # [1, num_tokens, num_heads, head_dim]
 
 
@@ -58,7 +59,7 @@ class PoolCache(Cache):
         ctx = get_forward_context()
         k = key_states[0].transpose(0, 1)  # [num_tokens, num_kv_heads, head_dim]
         v = value_states[0].transpose(0, 1)
-        ctx.layers[layer_idx].write(ctx.meta.slot_mapping, k, v)
+        ctx.layers[layer_idx].write(ctx.meta_of(layer_idx).slot_mapping, k, v)
         return key_states, value_states
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
@@ -75,6 +76,20 @@ def sliding_window(config: object) -> int | None:
     if layer_types is not None and all(t == "full_attention" for t in layer_types):
         return None
     return int(window)
+
+
+def layer_windows(config: object) -> list[int | None]:
+    """Each layer's window (None: it attends to the whole context), as the modeling code passes it:
+    `layer_types` names the sliding layers where the config has it (Gemma 3), else every layer
+    slides (Mistral) or none does."""
+    num_layers = int(config.num_hidden_layers)
+    window = sliding_window(config)
+    layer_types = getattr(config, "layer_types", None)
+    if window is None:
+        return [None] * num_layers
+    if layer_types is None:
+        return [window] * num_layers
+    return [window if t == "sliding_attention" else None for t in layer_types]
 
 
 def check_supported(model: torch.nn.Module) -> None:

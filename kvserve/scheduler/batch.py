@@ -21,7 +21,8 @@ class ScheduledSeq:
     repair: Any = None  # the Repair this slice belongs to (scheduler/repair.py), None: not a repair slice
     # query-aware repair: attention of some of these rows to measure at one layer (attention/probe.py)
     probe: Any = None
-    block_ids: list[int] = field(default_factory=list)  # the sequence's blocks (KVCacheManager.block_ids)
+    # the sequence's blocks, one table per layer group (KVCacheManager.block_tables; -1: left a window)
+    block_tables: list[list[int]] = field(default_factory=list)
     precision: str | None = None  # NestedFP: what its rows compute at this step (engine/precision.py)
 
 

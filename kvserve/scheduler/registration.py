@@ -52,6 +52,8 @@ class ChunkRegistrar:
         seq.num_computed_tokens += item.num_new_tokens
         if self.enable_prefix_caching:
             self.register(seq)
+        # after the commit: the store keeps what it cached of the blocks the window leaves
+        self.kv.slide(seq.request_id, seq.num_computed_tokens)
 
     def repair_done(self, seq: Sequence) -> None:
         """The repair's last pass is computed: the prompt's KV is complete; release the hit sources."""

@@ -210,7 +210,7 @@ class Scheduler:
         return item
 
     def _item(self, seq: Sequence, num_new_tokens: int, sample: bool) -> ScheduledSeq:
-        return ScheduledSeq(seq, num_new_tokens, sample, block_ids=self.kv.block_ids(seq.request_id))
+        return ScheduledSeq(seq, num_new_tokens, sample, block_tables=self.kv.block_tables(seq.request_id))
 
     def _ensure_blocks(self, seq: Sequence, num_tokens: int, batch: ScheduledBatch) -> bool:
         """Give `seq` blocks for `num_tokens` tokens, evicting and preempting as needed.

@@ -36,6 +36,12 @@ def build_tiers(
     from kvserve.tiers.disk import DiskTier
 
     cold = None
+    if info.kv_cold_codec is not None and kv.num_groups > 1:
+        raise ConfigError(
+            "the cold tier (kv_cold_bytes) does not yet take a model with sliding-window layers "
+            f"({info.kv_layout}); use the disk or Redis tier, or kv_cold_bytes=0",
+            param="kv_cold_bytes",
+        )
     if info.kv_cold_codec is not None:  # resolved and checked at start-up (builder.resolve_cold_codec)
         from kvserve.tiers.cold import ColdArea
 

@@ -142,6 +142,7 @@ class KVTiers:
         self._count_lock = threading.Lock()
         self.layout = ChunkLayout(layers, self.bpc)
         self.num_export_errors = 0
+        self.num_unexportable = 0  # chunks not written: their sliding-window part had left the pool
         self._redis_sizes_at, self._redis_sizes_cached = -REDIS_SIZES_S, (0, 0)
         self._redis_sizes_asking = False  # a thread is asking Redis for them (_redis_sizes)
         self.closed = False  # after close(): no lookups, writes or demotions (the threads are gone)
@@ -197,9 +198,20 @@ class KVTiers:
         write = (self.key(chunk.prefix_hash), chunk.token_hash, payload, to_disk, to_redis)
         self._writer.put(write, len(payload))
 
+    def _layer_blocks(self, groups: list[list[int]]) -> list[list[int]]:
+        """Each layer's blocks, from a chunk's blocks per layer group (kvcache/layout.py)."""
+        layout = self.kv.layout
+        if layout is None or layout.num_groups == 1:
+            return [groups[0]] * len(self.layers)
+        return [groups[layout.group_of(i)] for i in range(len(self.layers))]
+
     def _export(self, chunk: CachedChunk) -> bytes | None:
+        groups = self.kv.chunk_group_blocks(chunk)
+        if groups is None:  # its sliding-window part was dropped: the tiers hold whole chunks only
+            self.num_unexportable += 1
+            return None
         try:
-            return export_chunk(self.layers, chunk.block_ids, self.layout)
+            return export_chunk(self.layers, groups[0], self.layout, self._layer_blocks(groups))
         except Exception:  # a storage that cannot export: the tier only loses this chunk
             log.exception("exporting chunk %s for the KV tiers failed", chunk.prefix_hash.hex()[:12])
             self.num_export_errors += 1
@@ -309,12 +321,14 @@ class KVTiers:
             return
         start = time.perf_counter()
 
-        def write(blocks: list[int]) -> None:
+        def write(groups: list[list[int]]) -> None:
             if loaded.tier == "cold":
-                assert self.cold is not None
-                self.cold.write_hot(loaded.data, blocks)
+                assert self.cold is not None and len(groups) == 1
+                self.cold.write_hot(loaded.data, groups[0])
             else:
-                for layer, fields in zip(self.layers, loaded.data, strict=True):
+                for layer, fields, blocks in zip(
+                    self.layers, loaded.data, self._layer_blocks(groups), strict=True
+                ):
                     layer.import_blocks(blocks, fields)
 
         chunk = self.kv.import_chunk(item.prefix_hash, item.depth, item.parent, write)
@@ -354,7 +368,11 @@ class KVTiers:
                     "cold", c.used_bytes, c.num_chunks, c.promotions, 0, unfit["cold"], c.demotions, dropped
                 )
             )
-        write_drops = self.num_export_errors + (self._writer.num_dropped if self._writer is not None else 0)
+        write_drops = (
+            self.num_export_errors
+            + self.num_unexportable
+            + (self._writer.num_dropped if self._writer is not None else 0)
+        )
         if self.disk is not None:
             d = self.disk.stats()
             fallbacks = d.read_errors + unfit["disk"]

@@ -65,6 +65,7 @@ def test_describe_names_the_choices() -> None:
         model_forward = "fused"
         num_layers, num_kv_heads, head_dim, num_blocks, block_size = 4, 2, 16, 10, 16
         bytes_per_token, max_model_len, pool_tokens = 1024.0, 4096, 160
+        kv_layout = "one group of 4 layers"
 
     text = describe(ServeConfig(model="tiny-random-llama"), Info())
     for word in (
@@ -76,6 +77,7 @@ def test_describe_names_the_choices() -> None:
         "model forward fused",
         "160 tokens",
         "1024 bytes/token",
+        "KV layout: one group of 4 layers",
     ):
         assert word in text
 

@@ -93,7 +93,7 @@ def test_import_needs_its_parent_and_leaves_the_chunk_unused():
     assert kv.import_chunk(hs[1], 1, hs[0], written.append) is None  # parent not cached
     chunk = kv.import_chunk(hs[0], 0, None, written.append)
     assert chunk is not None and chunk.num_users == 0 and chunk.evictable
-    assert written == [chunk.block_ids]
+    assert written == [[chunk.block_ids]]  # one layer group
     assert kv.import_chunk(hs[1], 1, hs[0], written.append) is not None
     kv.check_integrity([])
     assert kv.store.evict(100) == 4 and kv.num_free_blocks == 16
