@@ -34,16 +34,23 @@ CHUNK = 32
 POOL_BLOCKS = 30  # 480 tokens: a handful of requests fill it
 MAX_NUM_SEQS = 4
 CODECS = ("auto", "bf16", "fp8_e4m3", "int8", "int4", "turbo4")
+# (model, codec): tiny-random-llama under every codec; tiny-random-gemma3's sliding-window layers keep
+# only their window in the pool (kvcache/layout.py), which preemption, eviction and pins must respect
+CASES = (
+    *(("tiny-random-llama", c) for c in CODECS),
+    ("tiny-random-gemma3", "auto"),
+    ("tiny-random-gemma3", "int8"),
+)
 SALTS = (None, "tenant-a", "tenant-b")
 
-_ENGINES: dict[str, tuple[LLM, LLM]] = {}
-_REFERENCE: dict[tuple[str, tuple[int, ...], str], list[int]] = {}
+_ENGINES: dict[tuple[str, str], tuple[LLM, LLM]] = {}
+_REFERENCE: dict[tuple[str, str, tuple[int, ...], str], list[int]] = {}
 
 
-def engines(codec: str) -> tuple[LLM, LLM]:
-    """(cached engine with a tiny pool, cache-off reference engine), built once per codec."""
-    if codec not in _ENGINES:
-        common = dict(model="tiny-random-llama", chunk_size=CHUNK, kv_cache_dtype=codec, pieces="fixed")
+def engines(model: str, codec: str) -> tuple[LLM, LLM]:
+    """(cached engine with a tiny pool, cache-off reference engine), built once per model and codec."""
+    if (model, codec) not in _ENGINES:
+        common = dict(model=model, chunk_size=CHUNK, kv_cache_dtype=codec, pieces="fixed")
         tiny = LLM(
             max_cache_bytes=_budget(codec, POOL_BLOCKS),
             max_num_batched_tokens=64,
@@ -52,15 +59,18 @@ def engines(codec: str) -> tuple[LLM, LLM]:
             reuse_min_saving=-10.0,  # take every content match: the repairs are what is checked
             **common,
         )
-        assert tiny.engine.pool.num_blocks == POOL_BLOCKS, tiny.engine.pool.num_blocks
+        layout = tiny.engine.kv.layout
+        assert layout is not None
+        # a block holds one layer group's KV: the same bytes hold 4 blocks of one-layer groups
+        assert tiny.engine.pool.num_blocks == POOL_BLOCKS * 4 // layout.num_slots, tiny.engine.pool.num_blocks
         cold = LLM(max_cache_bytes=20_000_000, enable_prefix_caching=False, **common)
-        _ENGINES[codec] = (tiny, cold)
-    return _ENGINES[codec]
+        _ENGINES[(model, codec)] = (tiny, cold)
+    return _ENGINES[(model, codec)]
 
 
 def _budget(codec: str, num_blocks: int) -> int:
-    """max_cache_bytes giving `num_blocks` blocks of tiny-random-llama's KV (4 layers, 2 KV heads,
-    head_dim 16) in `codec`, plus what a block codec reserves for open blocks (engine/builder.py)."""
+    """max_cache_bytes giving `num_blocks` blocks of a tiny random model's KV (4 layers, 2 KV heads,
+    head_dim 16, every layer in one block) in `codec`, plus what a block codec reserves for open blocks (engine/builder.py)."""
     import torch
 
     from kvserve.kvcache.quantized_storage import create_layer_kv
@@ -115,10 +125,10 @@ reuse_modes = st.sampled_from(
 
 
 class EngineMachine(RuleBasedStateMachine):
-    @initialize(codec=st.sampled_from(CODECS))
-    def setup(self, codec: str) -> None:
-        self.codec = codec
-        self.llm, self.cold = engines(codec)
+    @initialize(case=st.sampled_from(CASES))
+    def setup(self, case: tuple[str, str]) -> None:
+        self.model, self.codec = case
+        self.llm, self.cold = engines(*case)
         self.engine = self.llm.engine
         reset(self.engine)  # a failed example may have left requests or pins behind
         self.engine.check_integrity_each_step = True
@@ -159,7 +169,7 @@ class EngineMachine(RuleBasedStateMachine):
         exact = request.reuse is None  # the server default here is prefix-only reuse
         if request.warm_only or not params.greedy or not exact:
             return
-        key = (self.codec, tuple(request.prompt_token_ids), repr(params))
+        key = (self.model, self.codec, tuple(request.prompt_token_ids), repr(params))
         if key not in _REFERENCE:
             (ref,) = self.cold.generate([request.prompt_token_ids], params)
             _REFERENCE[key] = ref.token_ids
@@ -171,6 +181,8 @@ class EngineMachine(RuleBasedStateMachine):
     )
     def add(self, shape, p, reuse, salt, n) -> None:  # type: ignore[no-untyped-def]
         prompt = self._prompt(shape)
+        if not self.engine.content.enabled:  # declined on this model (sliding-window layers)
+            reuse = None
         for i in range(n):
             params = SamplingParams(
                 max_tokens=p["max_tokens"],
@@ -199,7 +211,7 @@ class EngineMachine(RuleBasedStateMachine):
         elif kind == "too_long":
             prompt = [5] * limit
         elif kind == "too_much_kv":
-            params = SamplingParams(max_tokens=POOL_BLOCKS * 16 + 1)
+            params = SamplingParams(max_tokens=engine.pool.num_blocks * 16 + 1)
         elif kind == "duplicate_id" and self.unfinished:
             rid = sorted(self.unfinished)[0]
         else:
