@@ -112,3 +112,17 @@ def test_a_hit_ends_where_the_sliding_parts_left_and_the_answer_stays():
 def test_the_cold_tier_is_refused_with_what_to_do():
     with pytest.raises(ConfigError, match="sliding-window layers.*use the disk or Redis tier"):
         make(kv_cold_bytes=10_000_000)
+
+
+def test_preempted_requests_answer_as_alone():
+    big = make(enable_prefix_caching=False)
+    info = big.engine.info
+    page_bytes = info.bytes_per_token * BS // info.num_layers
+    small = make(max_cache_bytes=int(60 * page_bytes), max_num_seqs=2)
+    prompts = [corpus_token_ids(big, 400, seed=10 + i) for i in range(2)]
+    params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    want = [o.token_ids for o in big.generate(prompts, params)]
+    small.engine.check_integrity_each_step = True
+    got = [o.token_ids for o in small.generate(prompts, params)]
+    assert got == want
+    assert small.engine.scheduler.num_preemptions > 0  # the two did not fit side by side
