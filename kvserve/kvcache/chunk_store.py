@@ -13,6 +13,11 @@ Pins are counted per owner (a warmed text): a chunk stays pinned while any owner
 unpinning "system + doc A" keeps the system chunks that "system + doc B" still pins. Pinned blocks are
 capped at `max_pinned_blocks`; `reserve_pins` books room for a warm before it runs.
 
+A full chunk computed here also keeps the keys of its leading whole blocks (`block_keys`,
+hashing.block_keys): a prompt that shares only the first blocks of a cached chunk (a new question after
+a cached document that ends mid-chunk) finds them with `match_blocks` and reuses those blocks, so an
+exact prefix hit is as fine as a block, not a chunk. The keys go with the chunk when it is dropped.
+
 Evictable == no users, no pin, no cached children; only evictable chunks are known to the eviction
 policy.
 
@@ -28,6 +33,7 @@ its blocks still intact: the KV tiers demote or write it there (tiers/manager.py
 from __future__ import annotations
 
 import time
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -55,6 +61,8 @@ class CachedChunk:
     origin: str = "computed"  # computed here, or the tier it was loaded from ("cold", "disk", "redis")
     # the sliding-window groups' blocks, group after group; [] when the layout has none or they were dropped
     window_blocks: list[int] = field(default_factory=list)
+    # keys of its first 1 .. blocks_per_chunk - 1 blocks (hashing.block_keys), in the store's block index
+    block_keys: list[bytes] = field(default_factory=list)
 
     @property
     def all_block_ids(self) -> list[int]:
@@ -88,13 +96,15 @@ class ChunkStore:
         self.max_pinned_blocks = pool.num_blocks if max_pinned_blocks is None else max_pinned_blocks
         self._chunks: dict[bytes, CachedChunk] = {}
         self._pins: dict[bytes, list[bytes]] = {}  # owner -> the chunks it pins
+        self._by_blocks: dict[bytes, tuple[bytes, int]] = {}  # block key -> (chunk, its leading blocks)
         self.on_drop: list[Callable[[bytes], None]] = []  # called with each evicted chunk's hash
         self.on_evict: list[Callable[[CachedChunk], None]] = []  # before eviction, blocks intact
         self.num_evicted_chunks = 0
         self.num_windows_dropped = 0  # sliding-window parts dropped (drop_windows)
         self.num_chunk_hits = 0  # acquisitions of cached chunks by requests that reuse them
-        self.num_cached_blocks = 0
-        self.num_pinned_blocks = 0
+        # block -> the cached chunks holding it (more than one: a chunk whose leading blocks it shares)
+        self._holders: Counter[int] = Counter()
+        self._pinned_holders: Counter[int] = Counter()  # block -> the pinned chunks holding it
         self.num_reserved_pin_blocks = 0  # booked by warms still running
 
     # --- lookup ----------------------------------------------------------------------------------
@@ -106,6 +116,15 @@ class ChunkStore:
 
     def get(self, prefix_hash: bytes) -> CachedChunk | None:
         return self._chunks.get(prefix_hash)
+
+    def match_blocks(self, keys: list[bytes]) -> tuple[CachedChunk, int] | None:
+        """The cached chunk whose leading blocks have the longest of `keys` (hashing.block_keys of a
+        prompt's next chunk, shortest first), and how many blocks that is; None if none has even one."""
+        for key in reversed(keys):
+            found = self._by_blocks.get(key)
+            if found is not None:
+                return self._chunks[found[0]], found[1]
+        return None
 
     def match_prefix(self, prefix_hashes: list[bytes]) -> list[CachedChunk]:
         """The cached chunks of the longest cached run of leading hashes (no side effects)."""
@@ -146,6 +165,7 @@ class ChunkStore:
         parent: bytes | None,
         num_tokens: int = 0,
         window_blocks: list[int] | None = None,
+        block_keys: list[bytes] | None = None,
     ) -> CachedChunk:
         """Register a chunk computed by a running request, which becomes its first user. The parent
         must be cached (the caller holds it). The caller (kvcache/manager.py) has given the store one
@@ -173,7 +193,11 @@ class ChunkStore:
         if parent is not None and not self._chunks[parent].exact:
             chunk.exact = False  # computed attending to approximate KV
         self._chunks[prefix_hash] = chunk
-        self.num_cached_blocks += len(chunk.all_block_ids)
+        self._holders.update(chunk.all_block_ids)
+        for j, key in enumerate(block_keys or [], start=1):
+            if key not in self._by_blocks:  # another chunk with the same leading blocks keeps it
+                self._by_blocks[key] = (prefix_hash, j)
+                chunk.block_keys.append(key)
         self.policy.touch(prefix_hash)
         return chunk
 
@@ -189,7 +213,7 @@ class ChunkStore:
             if chunk.evictable:
                 self.policy.remove(h)
             if chunk.num_pins == 0:
-                self.num_pinned_blocks += len(chunk.all_block_ids)
+                self._pinned_holders.update(chunk.all_block_ids)
             chunk.num_pins += 1
             held.append(h)
         if not held:
@@ -203,7 +227,7 @@ class ChunkStore:
             chunk = self._chunks[h]  # pinned chunks are never evicted
             chunk.num_pins -= 1
             if chunk.num_pins == 0:
-                self.num_pinned_blocks -= len(chunk.all_block_ids)
+                self._forget_blocks(chunk.all_block_ids, self._pinned_holders)
             self._maybe_evictable(chunk)
         return len(held)
 
@@ -274,13 +298,13 @@ class ChunkStore:
         assert not chunk.window_blocks
         self._check_blocks(chunk.num_tokens, chunk.block_ids, window_blocks)
         chunk.window_blocks = list(window_blocks)
-        self.num_cached_blocks += len(window_blocks)
+        self._holders.update(window_blocks)
         if chunk.pinned:
-            self.num_pinned_blocks += len(window_blocks)
+            self._pinned_holders.update(window_blocks)
 
     def _drop_window(self, chunk: CachedChunk) -> None:
         blocks, chunk.window_blocks = chunk.window_blocks, []
-        self.num_cached_blocks -= len(blocks)
+        self._forget_blocks(blocks)
         self.num_windows_dropped += 1
         self.pool.release(blocks)
 
@@ -311,14 +335,33 @@ class ChunkStore:
             parent = self._chunks[chunk.parent]
             parent.num_children -= 1
             self._maybe_evictable(parent)
+        for key in chunk.block_keys:
+            del self._by_blocks[key]
         blocks = chunk.all_block_ids
         self.pool.release(blocks)
-        self.num_cached_blocks -= len(blocks)
+        self._forget_blocks(blocks)
         for hook in self.on_drop:
             hook(prefix_hash)
         return sum(1 for b in blocks if self.pool.ref_counts[b] == 0)
 
+    def _forget_blocks(self, blocks: list[int], holders: Counter[int] | None = None) -> None:
+        holders = self._holders if holders is None else holders
+        holders.subtract(blocks)
+        for b in blocks:
+            if holders[b] <= 0:
+                del holders[b]
+
     # --- facts -----------------------------------------------------------------------------------
+    @property
+    def num_cached_blocks(self) -> int:
+        """Distinct blocks cached chunks hold (a block two chunks share counts once)."""
+        return len(self._holders)
+
+    @property
+    def num_pinned_blocks(self) -> int:
+        """Distinct blocks pinned chunks hold."""
+        return len(self._pinned_holders)
+
     @property
     def num_pinned_chunks(self) -> int:
         return sum(1 for c in self._chunks.values() if c.pinned)
@@ -343,7 +386,7 @@ class ChunkStore:
         assert len(window_blocks) in (0, sliding * per_group), f"{len(window_blocks)} sliding blocks"
 
     def check_integrity(self) -> None:
-        assert self.num_cached_blocks == sum(len(c.all_block_ids) for c in self._chunks.values())
+        assert self._holders == Counter(b for c in self._chunks.values() for b in c.all_block_ids)
         children = dict.fromkeys(self._chunks, 0)
         pins = dict.fromkeys(self._chunks, 0)
         for owner, held in self._pins.items():
@@ -361,6 +404,13 @@ class ChunkStore:
         for h, chunk in self._chunks.items():
             assert chunk.num_children == children[h], "child count mismatch"
             assert chunk.num_pins == pins[h], "pin count does not match the owners' pins"
-        assert self.num_pinned_blocks == sum(len(c.all_block_ids) for c in self._chunks.values() if c.pinned)
+        pinned = Counter(b for c in self._chunks.values() if c.pinned for b in c.all_block_ids)
+        assert self._pinned_holders == pinned, "pinned blocks do not match the pinned chunks"
         assert self.num_pinned_blocks <= self.max_pinned_blocks
         assert self.policy.candidates() == {h for h, c in self._chunks.items() if c.evictable}
+        indexed = {
+            key: (h, j) for h, c in self._chunks.items() for j, key in enumerate(c.block_keys, start=1)
+        }
+        assert indexed == self._by_blocks, "the block index does not match the chunks' keys"
+        for h, j in indexed.values():
+            assert j < self.blocks_per_chunk and self._chunks[h].num_tokens == self.chunk_size

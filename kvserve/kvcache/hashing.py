@@ -2,6 +2,7 @@
 
 prefix hash:  h_i = H(h_{i-1} || tokens of chunk i), h_{-1} = root = H("root" || namespace || salt)
 content hash: c_i = H("content" || namespace || tokens of chunk i)    (position-free)
+block key:    b_ij = H("blocks" || h_{i-1} || the first j blocks of chunk i)  (0 < j < blocks per chunk)
 
 Two prompts that share their first k chunks (and namespace and salt) share exactly their first k
 prefix hashes; a different namespace or salt changes every hash.
@@ -36,6 +37,16 @@ def chunk_prefix_hashes(
         ).digest()
         hashes.append(parent)
     return hashes
+
+
+def block_keys(parent: bytes, token_ids: Sequence[int], block_size: int) -> list[bytes]:
+    """Keys of the leading whole blocks of a chunk under `parent` (the hash of the chunk before it, or
+    the root): the key of its first j blocks for j = 1 .. len(token_ids) // block_size. A prompt that
+    shares only part of a cached chunk finds that chunk's leading blocks by them (ChunkStore.match_blocks)."""
+    return [
+        hashlib.sha256(b"blocks\0" + parent + _token_bytes(token_ids[: j * block_size])).digest()
+        for j in range(1, len(token_ids) // block_size + 1)
+    ]
 
 
 def content_hash(namespace: str, chunk_token_ids: Sequence[int]) -> bytes:

@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 from kvserve.config import ServeConfig
 from kvserve.kvcache.block_pool import BlockPool
 from kvserve.kvcache.chunk_store import CachedChunk, ChunkStore
-from kvserve.kvcache.hashing import chunk_prefix_hashes, tail_hash
+from kvserve.kvcache.hashing import block_keys, chunk_prefix_hashes, tail_hash
 from kvserve.kvcache.layout import KVLayout
 from kvserve.kvcache.stats import PoolStats, StoreStats, cache_stats
 
@@ -137,6 +137,22 @@ class KVCacheManager:
             n -= 1
         return matched[:n]
 
+    def match_blocks(
+        self, prefix_hashes: list[bytes], token_ids: list[int], num_chunks: int, root: bytes, max_tokens: int
+    ) -> tuple[CachedChunk, int] | None:
+        """After a hit of `num_chunks` chunks, the cached chunk that shares the most leading whole
+        blocks with the prompt's next chunk, and how many (at most `max_tokens` tokens in all); None
+        when none shares a block. Not with sliding-window layers (their hits end on chunks)."""
+        if self.windowed or self.blocks_per_chunk == 1:
+            return None
+        start = num_chunks * self.chunk_size
+        bs = self.block_size
+        num_blocks = min(self.blocks_per_chunk - 1, (max_tokens - start) // bs)
+        if num_blocks <= 0:
+            return None
+        parent = prefix_hashes[num_chunks - 1] if num_chunks else root
+        return self.store.match_blocks(block_keys(parent, token_ids[start : start + num_blocks * bs], bs))
+
     def _first_needed_chunk(self, num_chunks: int) -> int:
         """The first chunk whose sliding part a row after `num_chunks` chunks reads (the widest window's)."""
         assert self.layout is not None
@@ -171,13 +187,21 @@ class KVCacheManager:
         return num_blocks <= self.pool.num_free_blocks
 
     def can_ever_fit(
-        self, matched: list[CachedChunk], sources: list[CachedChunk], num_new_blocks: int
+        self,
+        matched: list[CachedChunk],
+        sources: list[CachedChunk],
+        num_new_blocks: int,
+        num_partial_blocks: int = 0,
     ) -> bool:
-        """Whether the blocks an admission holds (shared prefix, new blocks, and the content-hit
-        sources it holds while their KV is copied) fit beside the chunks other owners pinned."""
+        """Whether the blocks an admission holds (shared prefix, a cached chunk's leading blocks, new
+        blocks, and the content-hit sources it holds while their KV is copied) fit beside the chunks
+        other owners pinned."""
         shared = {c.prefix_hash for c in matched}
         held = [c for c in sources if c.prefix_hash not in shared and not c.pinned]
-        blocks = sum(len(c.all_block_ids) for c in matched) + num_new_blocks * self.num_groups
+        blocks = (
+            sum(len(c.all_block_ids) for c in matched)
+            + (num_new_blocks + num_partial_blocks) * self.num_groups
+        )
         blocks += sum(len(c.all_block_ids) for c in held)
         return blocks <= self.num_blocks_available_to(matched)
 
@@ -191,11 +215,17 @@ class KVCacheManager:
 
     # --- admit and grow ----------------------------------------------------------------------------
     def admit(
-        self, request_id: str, matched: list[CachedChunk], sources: list[CachedChunk], num_new_blocks: int
+        self,
+        request_id: str,
+        matched: list[CachedChunk],
+        sources: list[CachedChunk],
+        num_new_blocks: int,
+        partial: tuple[CachedChunk, int] | None = None,
     ) -> Holding:
-        """Open the request's holding after `reserve` succeeded for matched + sources: it shares the
-        matched chunks' blocks (a sliding group only those its next row can read) and gets
-        `num_new_blocks` fresh ones in each layer group."""
+        """Open the request's holding after `reserve` succeeded for matched + sources (+ the partial
+        hit's chunk): it shares the matched chunks' blocks (a sliding group only those its next row can
+        read) and the first blocks of `partial` (`match_blocks`), and gets `num_new_blocks` fresh ones
+        in each layer group."""
         assert request_id not in self._held, f"{request_id} is admitted twice"
         num_cached = len(matched) * self.chunk_size
         tables = []
@@ -207,11 +237,15 @@ class KVCacheManager:
             first = min(self._first_needed(g, num_cached), len(table))
             table[:first] = [-1] * first
             assert -1 not in table[first:], "a hit's window reaches a dropped sliding part"
+            if partial is not None:
+                assert self.num_groups == 1, "partial hits are for one layer group"
+                table += partial[0].block_ids[: partial[1]]
             self.pool.retain(table[first:])
             tables.append(table + self.pool.allocate(num_new_blocks))
         held = self._held[request_id] = Holding(
             tables=tables,
-            used_chunks=[c.prefix_hash for c in matched + sources],
+            used_chunks=[c.prefix_hash for c in matched + sources]
+            + ([partial[0].prefix_hash] if partial else []),
             num_chunks_in_store=len(matched),
         )
         return held
@@ -289,7 +323,8 @@ class KVCacheManager:
                 window = self._window_of(held, i)
                 self.pool.retain(blocks + window)
                 parent = prefix_hashes[i - 1] if i else None
-                chunk = self.store.insert(h, blocks, i, parent, window_blocks=window)
+                keys = [] if self.windowed else self._block_keys(token_ids, i, parent or root)
+                chunk = self.store.insert(h, blocks, i, parent, window_blocks=window, block_keys=keys)
                 inserted.append(Committed(chunk, i))
             else:
                 # computed concurrently by another request: ours stays private, but hold the cached
@@ -303,6 +338,13 @@ class KVCacheManager:
             self._landed(held, h)
         held.num_chunks_in_store = max(held.num_chunks_in_store, num_full)
         return inserted
+
+    def _block_keys(self, token_ids: list[int], index: int, parent: bytes) -> list[bytes]:
+        """The keys of chunk `index`'s first 1 .. blocks_per_chunk - 1 blocks (for `match_blocks`)."""
+        start = index * self.chunk_size
+        return block_keys(
+            parent, token_ids[start : start + self.chunk_size - self.block_size], self.block_size
+        )
 
     def _window_of(self, held: Holding, index: int) -> list[int]:
         """The request's sliding-group blocks of chunk `index`, [] if some already left the window."""

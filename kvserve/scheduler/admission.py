@@ -36,11 +36,20 @@ class Admission:
     num_new_tokens: int  # tokens computed at admission (with hits: the whole rest, in repair slices)
     num_new_blocks: int  # blocks to allocate
     choice: Choice | None = None  # what the content matcher decided (None: no content matches)
+    # after the matched chunks: a cached chunk whose first blocks the prompt's next chunk shares, and
+    # how many (KVCacheManager.match_blocks): an exact hit that ends on a block, not a chunk
+    partial: tuple[CachedChunk, int] | None = None
+    num_cached_tokens: int = 0  # the matched chunks' tokens and the partial hit's
 
     @property
     def sources(self) -> list[CachedChunk]:
         """The hits' chunks, each once."""
         return list({c.prefix_hash: c for h in self.hits for c in h.hit.chunks}.values())
+
+    @property
+    def held_chunks(self) -> list[CachedChunk]:
+        """What `reserve` holds for it: the matched chunks, the hits' sources, the partial hit's chunk."""
+        return self.matched + self.sources + ([self.partial[0]] if self.partial else [])
 
 
 @dataclass
@@ -95,29 +104,47 @@ class Admissions:
         if self.content is not None and self.content.wants(seq):
             choice = self.content.consider(seq, num_cached)
         hits = choice.plan.hits if choice is not None and choice.plan is not None else []
+        partial = None
+        if not hits and self._takes_partial_hits(seq):
+            partial = self.kv.match_blocks(
+                seq.cache.prefix_hashes, seq.token_ids, len(matched), seq.cache.root_hash, seq.num_tokens - 1
+            )
+        num_shared_blocks = len(matched) * self.kv.blocks_per_chunk + (partial[1] if partial else 0)
+        num_cached += partial[1] * self.block_size if partial else 0
         # a repair's blocks are all allocated at admission (its rows come in position order, by pass)
         if hits:
             n = seq.num_tokens - num_cached
         else:
             n = slice_len(num_cached, seq.num_tokens, budget, granularity)
-        need = cdiv(num_cached + n, self.block_size) - len(matched) * self.kv.blocks_per_chunk
-        return Admission(matched, hits, n, need, choice)
+        need = cdiv(num_cached + n, self.block_size) - num_shared_blocks
+        return Admission(matched, hits, n, need, choice, partial, num_cached)
+
+    def _takes_partial_hits(self, seq: Sequence) -> bool:
+        """Whether a hit may end inside a chunk: not for prompts that score their own tokens (cached
+        positions have no logits), warms (they cache whole chunks) or background recomputes."""
+        return (
+            self.enable_prefix_caching
+            and not seq.wants_prompt_logits
+            and not seq.request.warm_only
+            and not seq.request.background
+        )
 
     def reserve(self, adm: Admission) -> bool:
         """Hold the matched chunks and the hits' sources (so eviction spares them) and make room for
         the new blocks; on failure nothing is held."""
-        return self.kv.reserve(adm.matched + adm.sources, adm.num_new_blocks)
+        return self.kv.reserve(adm.held_chunks, adm.num_new_blocks)
 
     def can_ever_fit(self, adm: Admission) -> bool:
-        return self.kv.can_ever_fit(adm.matched, adm.sources, adm.num_new_blocks)
+        num_partial = adm.partial[1] if adm.partial else 0
+        return self.kv.can_ever_fit(adm.matched, adm.sources, adm.num_new_blocks, num_partial)
 
     def start(self, seq: Sequence, adm: Admission) -> Repair | None:
         """Open the sequence's holding (after `reserve`) and the cache's books on it: prefix hits,
         the content choice, the chunks it will register in flight. Returns the repair it runs with
         content hits."""
         rid = seq.request_id
-        num_cached = len(adm.matched) * self.chunk_size
-        self.kv.admit(rid, adm.matched, adm.sources, adm.num_new_blocks)
+        num_cached = adm.num_cached_tokens
+        self.kv.admit(rid, adm.matched, adm.sources, adm.num_new_blocks, adm.partial)
         seq.num_computed_tokens = num_cached
         if seq.report is None:  # its first admission
             seq.report = ReuseReport(num_exact_cached_tokens=num_cached)

@@ -164,8 +164,7 @@ class Scheduler:
             if budget == 0 or len(self.running) >= self.max_num_seqs:
                 break
             admission = self.admissions.match(seq, budget, self.granularity)
-            num_cached = len(admission.matched) * self.chunk_size
-            if admission.num_new_tokens == 0 and num_cached < seq.num_tokens:
+            if admission.num_new_tokens == 0 and admission.num_cached_tokens < seq.num_tokens:
                 break  # the budget left ends before the next block boundary: next step
             if not self._reserve(seq, admission, batch):
                 if self.admissions.can_ever_fit(admission):

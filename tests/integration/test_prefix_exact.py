@@ -38,6 +38,8 @@ def test_prefix_reuse_is_exact_for_0_1_several_and_all_shared_chunks(engines: tu
         "all chunks, new tail": base[: 5 * CHUNK] + corpus_token_ids(cached, 5, seed=5),
         "identical prompt": list(base),
         "prompt == whole chunks": base[: 4 * CHUNK],  # full hit: the last token is recomputed
+        # shares 20 tokens of the cached chunk 3: its first whole block is reused (ChunkStore.match_blocks)
+        "mid-chunk": base[: 3 * CHUNK + 20] + corpus_token_ids(cached, 15, seed=6),
     }
     expected_cached = {
         "0 shared": 0,
@@ -45,7 +47,8 @@ def test_prefix_reuse_is_exact_for_0_1_several_and_all_shared_chunks(engines: tu
         "several": 3 * CHUNK,
         "all chunks, new tail": 5 * CHUNK,
         "identical prompt": 5 * CHUNK,
-        "prompt == whole chunks": 3 * CHUNK,
+        "prompt == whole chunks": 3 * CHUNK + 16,  # and chunk 3's first block: 31 tokens were left
+        "mid-chunk": 3 * CHUNK + 16,
     }
     for name, prompt in cases.items():
         (warm,), (warm_logits,) = generate_with_logits(cached, [prompt], GREEDY)

@@ -97,3 +97,30 @@ def test_import_needs_its_parent_and_leaves_the_chunk_unused():
     assert kv.import_chunk(hs[1], 1, hs[0], written.append) is not None
     kv.check_integrity([])
     assert kv.store.evict(100) == 4 and kv.num_free_blocks == 16
+
+
+def test_a_prompt_sharing_a_cached_chunks_first_blocks_reuses_them():
+    kv = make()
+    a = list(range(16))  # 2 chunks of 2 blocks
+    compute(kv, "a", a)
+    chunk_a1 = kv.store.get(hashes(a)[1])
+    assert chunk_a1 is not None and len(chunk_a1.block_keys) == 1  # its first block (of 2)
+    b = a[:12] + [99, 98, 97, 96, 95]  # chunk 1 shares its first block (tokens 8..11) with a's
+    hb = hashes(b)
+    matched = kv.match(hb)
+    assert [c.prefix_hash for c in matched] == hashes(a)[:1]
+    partial = kv.match_blocks(hb, b, len(matched), ROOT, max_tokens=len(b) - 1)
+    assert partial == (chunk_a1, 1)
+    assert kv.match_blocks(hb, b, len(matched), ROOT, max_tokens=11) is None  # needs 12 tokens
+    assert kv.reserve([*matched, chunk_a1], 3)
+    kv.admit("b", matched, [], 3, partial)
+    assert kv.block_ids("b")[:3] == kv.block_ids("a")[:3]
+    kv.commit("b", b, len(b), hb, ROOT)  # b's chunk 1 holds a's block and one of its own
+    kv.check_integrity(["a", "b"])
+    assert kv.store.num_cached_blocks == 5  # the shared block counts once
+    kv.free("a")
+    kv.free("b")
+    kv.check_integrity([])
+    kv.store.evict(16)
+    kv.check_integrity([])
+    assert len(kv.store) == 0 and kv.pool.num_free_blocks == 16
