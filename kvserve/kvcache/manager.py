@@ -142,8 +142,9 @@ class KVCacheManager:
     ) -> tuple[CachedChunk, int] | None:
         """After a hit of `num_chunks` chunks, the cached chunk that shares the most leading whole
         blocks with the prompt's next chunk, and how many (at most `max_tokens` tokens in all); None
-        when none shares a block. Not with sliding-window layers (their hits end on chunks)."""
-        if self.windowed or self.blocks_per_chunk == 1:
+        when none shares a block. With sliding-window layers the chunk must still hold its sliding
+        part (the chunks before it that the window reaches do: `match` checked them for a shorter end)."""
+        if self.blocks_per_chunk == 1:
             return None
         start = num_chunks * self.chunk_size
         bs = self.block_size
@@ -151,7 +152,10 @@ class KVCacheManager:
         if num_blocks <= 0:
             return None
         parent = prefix_hashes[num_chunks - 1] if num_chunks else root
-        return self.store.match_blocks(block_keys(parent, token_ids[start : start + num_blocks * bs], bs))
+        found = self.store.match_blocks(block_keys(parent, token_ids[start : start + num_blocks * bs], bs))
+        if found is not None and self.windowed and not found[0].window_blocks:
+            return None
+        return found
 
     def _first_needed_chunk(self, num_chunks: int) -> int:
         """The first chunk whose sliding part a row after `num_chunks` chunks reads (the widest window's)."""
@@ -227,19 +231,18 @@ class KVCacheManager:
         read) and the first blocks of `partial` (`match_blocks`), and gets `num_new_blocks` fresh ones
         in each layer group."""
         assert request_id not in self._held, f"{request_id} is admitted twice"
-        num_cached = len(matched) * self.chunk_size
+        num_cached = len(matched) * self.chunk_size + (partial[1] * self.block_size if partial else 0)
         tables = []
         for g in range(self.num_groups):
             # a chunk whose sliding part was dropped lies before the window (`match` ends hits there)
             table = [
                 b for c in matched for b in self._chunk_group_blocks(c, g) or [-1] * self.blocks_per_chunk
             ]
+            if partial is not None:
+                table += self._chunk_group_blocks(partial[0], g)[: partial[1]]
             first = min(self._first_needed(g, num_cached), len(table))
             table[:first] = [-1] * first
             assert -1 not in table[first:], "a hit's window reaches a dropped sliding part"
-            if partial is not None:
-                assert self.num_groups == 1, "partial hits are for one layer group"
-                table += partial[0].block_ids[: partial[1]]
             self.pool.retain(table[first:])
             tables.append(table + self.pool.allocate(num_new_blocks))
         held = self._held[request_id] = Holding(
@@ -323,7 +326,7 @@ class KVCacheManager:
                 window = self._window_of(held, i)
                 self.pool.retain(blocks + window)
                 parent = prefix_hashes[i - 1] if i else None
-                keys = [] if self.windowed else self._block_keys(token_ids, i, parent or root)
+                keys = self._block_keys(token_ids, i, parent or root)
                 chunk = self.store.insert(h, blocks, i, parent, window_blocks=window, block_keys=keys)
                 inserted.append(Committed(chunk, i))
             else:

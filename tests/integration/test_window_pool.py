@@ -126,3 +126,15 @@ def test_preempted_requests_answer_as_alone():
     got = [o.token_ids for o in small.generate(prompts, params)]
     assert got == want
     assert small.engine.scheduler.num_preemptions > 0  # the two did not fit side by side
+
+
+def test_a_hit_inside_a_chunk_takes_the_window_of_that_chunk():
+    cached, off = make(), make(enable_prefix_caching=False)
+    base = corpus_token_ids(cached, 6 * CHUNK + 5, seed=4)
+    run(cached, base)
+    prompt = base[: 4 * CHUNK + 20] + corpus_token_ids(cached, 10, seed=5)  # 20 tokens into chunk 4
+    (out,), (logits,) = generate_with_logits(cached, [prompt], GREEDY)
+    want_ids, want_logits = run(off, prompt)
+    assert out.num_cached_tokens == 4 * CHUNK + 16  # chunk 4's first block, with its sliding part
+    assert out.token_ids == want_ids
+    torch.testing.assert_close(logits, want_logits, atol=TOL, rtol=0)
