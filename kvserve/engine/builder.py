@@ -263,6 +263,7 @@ class EngineParts:
     info: RuntimeInfo
     fused: FusedLlamaForward | None  # the fused CPU decoder forward, None: the HF modeling code
     layout: KVLayout  # which pool blocks hold each layer's KV (layers[i] is its slot's storage)
+    storages: list[LayerKV]  # the slot storages, each once (layer groups share them)
 
 
 def attach_row_writer(layers: list[LayerKV], device: torch.device) -> None:
@@ -397,7 +398,7 @@ def build_parts(config: ServeConfig) -> EngineParts:
         eos_token_ids=eos,
         namespace=namespace,
     )
-    return EngineParts(model, tokenizer, layers, backend, info, fused, layout)
+    return EngineParts(model, tokenizer, layers, backend, info, fused, layout, slots)
 
 
 def _eos_ids(model: torch.nn.Module, tokenizer: Tokenizer) -> tuple[int, ...]:

@@ -48,10 +48,9 @@ class Engine:
         self.config = config
         parts = build_parts(config)
         self.model, self.tokenizer, self.info = parts.model, parts.tokenizer, parts.info
-        self.layers = parts.layers
-        slots = list({id(layer): layer for layer in self.layers}.values())  # layer groups share storages
+        self.layers, self.storages = parts.layers, parts.storages
         self.kv = KVCacheManager.create(
-            config, self.info.num_blocks, [layer.on_block_freed for layer in slots], parts.layout
+            config, self.info.num_blocks, [s.on_block_freed for s in self.storages], parts.layout
         )
         self.pool, self.store = self.kv.pool, self.kv.store
         self.pins = WarmPins(self.store, config.chunk_size, config.block_size, config.max_pinned_fraction)
@@ -256,10 +255,8 @@ class Engine:
 
     def _finish_warm(self, seq: Sequence) -> None:
         open_block = self.scheduler.chunks.register_tail(seq)
-        for layer in {
-            id(layer): layer for layer in self.layers
-        }.values():  # the tail's last block: encode it now
-            layer.seal(open_block)
+        for storage in self.storages:  # the cached tail's last block will never fill: encode it now
+            storage.seal(open_block)
         error = self.pins.pin(seq) if self.pins.pins(seq) else None
         self.finish(seq, FinishReason.STOP if error is None else FinishReason.ERROR, error=error)
 

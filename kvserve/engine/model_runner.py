@@ -113,7 +113,7 @@ class ModelRunner:
             )
             for g in range(1, layout.num_groups)
         ]
-        return [metas[layout.group_of(i)] for i in range(self.num_layers)]
+        return layout.per_layer(metas)
 
     def prepare_inputs(self, batch: ScheduledBatch) -> StepInputs:
         """A step's token ids, positions, metadata (AttentionMetadata.build), sampled rows and cuts.

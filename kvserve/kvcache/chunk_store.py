@@ -26,8 +26,10 @@ and its sliding groups' (`window_blocks`). The sliding part is needed only by a 
 ends less than a window after the chunk, so it is dropped on its own, before any whole chunk is
 evicted (`drop_windows`: oldest first, once no request reads those blocks and the chunk is not
 pinned); the chunk stays a link of its prefix, and `KVCacheManager.match` ends a hit where the
-sliding parts before it are missing. Before a chunk is evicted (for room, or idle: `evict_idle`) the `on_evict` hooks see it with
-its blocks still intact: the KV tiers demote or write it there (tiers/manager.py).
+sliding parts before it are missing.
+
+Before a chunk is evicted (for room, or idle: `evict_idle`) the `on_evict` hooks see it with its
+blocks still intact: the KV tiers demote or write it there (tiers/manager.py).
 """
 
 from __future__ import annotations
@@ -88,8 +90,8 @@ class ChunkStore:
     ):
         assert chunk_size % pool.block_size == 0
         self.pool = pool
-        self.layout = layout
-        self.num_groups = layout.num_groups if layout is not None else 1  # blocks per block of tokens
+        self.layout = layout if layout is not None else KVLayout.single()
+        self.num_groups = self.layout.num_groups  # blocks per block of tokens
         self.chunk_size = chunk_size
         self.blocks_per_chunk = chunk_size // pool.block_size
         self.policy: EvictionPolicy = POLICIES[policy]()
@@ -379,9 +381,8 @@ class ChunkStore:
     def _check_blocks(self, num_tokens: int, block_ids: list[int], window_blocks: list[int]) -> None:
         """A chunk holds each global group's blocks for its tokens, and each sliding group's or none."""
         per_group = -(-num_tokens // self.pool.block_size)
-        layout = self.layout
-        full = layout.num_full_groups if layout is not None else 1
-        sliding = layout.num_groups - full if layout is not None else 0
+        full = self.layout.num_full_groups
+        sliding = self.num_groups - full
         assert len(block_ids) == full * per_group, f"{len(block_ids)} global blocks for {num_tokens} tokens"
         assert len(window_blocks) in (0, sliding * per_group), f"{len(window_blocks)} sliding blocks"
 

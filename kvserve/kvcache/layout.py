@@ -23,6 +23,9 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from typing import TypeVar
+
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -45,7 +48,8 @@ class KVLayout:
         object.__setattr__(self, "_place", place)
 
     @classmethod
-    def single(cls, num_layers: int) -> KVLayout:
+    def single(cls, num_layers: int = 1) -> KVLayout:
+        """One group of every layer, no windows (the pool's books need no layer count: 1 by default)."""
         return cls(num_layers, (LayerGroup(tuple(range(num_layers)), None),))
 
     @classmethod
@@ -65,6 +69,10 @@ class KVLayout:
             for i in range(0, len(by_window[w]), k)
         ]
         return cls(len(windows), tuple(groups))
+
+    def per_layer(self, per_group: list[T]) -> list[T]:
+        """Each layer's item from one item per group (its block table, metadata, blocks of a chunk)."""
+        return [per_group[self.group_of(i)] for i in range(self.num_layers)]
 
     @property
     def num_groups(self) -> int:
@@ -88,6 +96,10 @@ class KVLayout:
 
     def slot_of(self, layer: int) -> int:
         return self._place[layer][1]
+
+    @property
+    def sliding_groups(self) -> tuple[int, ...]:
+        return tuple(g for g, group in enumerate(self.groups) if group.window is not None)
 
     def first_needed_block(self, group: int, num_tokens: int, block_size: int) -> int:
         """The first block of `group`'s table a row at position `num_tokens` (the next one computed)

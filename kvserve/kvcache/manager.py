@@ -84,10 +84,10 @@ class KVCacheManager:
 
     def __init__(self, pool: BlockPool, store: ChunkStore, layout: KVLayout | None = None):
         self.pool, self.store = pool, store
-        self.layout = layout
-        self.num_groups = layout.num_groups if layout is not None else 1
-        self.num_full_groups = layout.num_full_groups if layout is not None else 1
-        self.windowed = layout is not None and layout.windowed
+        self.layout = layout if layout is not None else KVLayout.single()
+        self.num_groups = self.layout.num_groups
+        self.num_full_groups = self.layout.num_full_groups
+        self.windowed = self.layout.windowed
         self.block_size = pool.block_size
         self.chunk_size = store.chunk_size
         self.blocks_per_chunk = store.blocks_per_chunk
@@ -110,14 +110,10 @@ class KVCacheManager:
         return [list(t) for t in held.tables] if held is not None else [[] for _ in range(self.num_groups)]
 
     def _first_needed(self, group: int, num_tokens: int) -> int:
-        if self.layout is None:
-            return 0
         return self.layout.first_needed_block(group, num_tokens, self.block_size)
 
     def max_blocks(self, num_tokens: int, step_tokens: int) -> int:
         """The most pool blocks a request of `num_tokens` tokens holds at once (`step_tokens` rows a step)."""
-        if self.layout is None:
-            return cdiv(num_tokens, self.block_size)
         return self.layout.max_blocks(num_tokens, self.block_size, step_tokens)
 
     @property
@@ -159,9 +155,7 @@ class KVCacheManager:
 
     def _first_needed_chunk(self, num_chunks: int) -> int:
         """The first chunk whose sliding part a row after `num_chunks` chunks reads (the widest window's)."""
-        assert self.layout is not None
-        sliding = [g for g, group in enumerate(self.layout.groups) if group.window is not None]
-        first = min(self._first_needed(g, num_chunks * self.chunk_size) for g in sliding)
+        first = min(self._first_needed(g, num_chunks * self.chunk_size) for g in self.layout.sliding_groups)
         return first // self.blocks_per_chunk
 
     def num_blocks_available_to(self, matched: list[CachedChunk]) -> int:
@@ -333,9 +327,8 @@ class KVCacheManager:
                 # computed concurrently by another request: ours stays private, but hold the cached
                 # copy so it stays the parent of the chunks this request registers next
                 self.store.acquire(chunk, hit=False)
-                window = self._window_of(held, i)
-                if self.windowed and not chunk.window_blocks and window:  # recomputed after a drop
-                    self.pool.retain(window)
+                if self.windowed and not chunk.window_blocks and (window := self._window_of(held, i)):
+                    self.pool.retain(window)  # recomputed after its sliding part was dropped
                     self.store.restore_window(chunk, window)
             held.used_chunks.append(h)
             self._landed(held, h)

@@ -200,10 +200,9 @@ class KVTiers:
 
     def _layer_blocks(self, groups: list[list[int]]) -> list[list[int]]:
         """Each layer's blocks, from a chunk's blocks per layer group (kvcache/layout.py)."""
-        layout = self.kv.layout
-        if layout is None or layout.num_groups == 1:
+        if self.kv.num_groups == 1:
             return [groups[0]] * len(self.layers)
-        return [groups[layout.group_of(i)] for i in range(len(self.layers))]
+        return self.kv.layout.per_layer(groups)
 
     def _export(self, chunk: CachedChunk) -> bytes | None:
         groups = self.kv.chunk_group_blocks(chunk)
