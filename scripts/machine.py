@@ -33,9 +33,14 @@ def machine() -> dict:
 
 
 def describe(threads: int | None = None) -> str:
-    """One line: 'AMD EPYC 7B13, 2 cores, AVX512, torch 2.13.0+cpu, 1 torch thread'."""
+    """One line: 'AMD EPYC 7B13, 2 cores, AVX512 (AVX-512 BF16), torch 2.13.0+cpu, 1 torch thread' (the
+    native bf16 units in brackets: AMX, AVX-512 BF16)."""
     import torch
 
     m = machine()
+    from kvserve.kernels.cpu_features import bf16_units
+
     n = torch.get_num_threads() if threads is None else threads
-    return f"{m['cpu']}, {m['cores']} cores, {m['cpu_capability']}, torch {m['torch']}, {n} torch thread{'s' * (n != 1)}"
+    units = bf16_units()
+    isa = f"{m['cpu_capability']} ({units})" if units else m["cpu_capability"]
+    return f"{m['cpu']}, {m['cores']} cores, {isa}, torch {m['torch']}, {n} torch thread{'s' * (n != 1)}"

@@ -22,7 +22,9 @@
 // value. Where the CPU has AVX-512 BF16, one `vdpbf16ps` per pair adds both products into the fp32
 // accumulator; elsewhere the pair is widened to fp32 and added by two FMAs. Either way every y[m, o] is
 // one fixed chain over the pairs in order, then the bias (fp32), then one rounding to bf16 (to nearest
-// even): batch invariant as in fp32, and half the weight bytes per decode step.
+// even): batch invariant as in fp32, and half the weight bytes per decode step. Where the CPU has AMX
+// and in_features is a multiple of 32, the same packed weight is read by AMX tiles instead
+// (linear_amx.h; one path for every row count, so still batch invariant).
 #include <torch/extension.h>
 
 #include <ATen/Parallel.h>
@@ -30,11 +32,23 @@
 #include <algorithm>
 #include <cstring>
 
+#include "linear_amx.h"
 #include "linear_tiles.h"
 
 namespace {
 
 using namespace kvserve_cpu;
+
+bool amx_enabled = true;  // set_linear_amx: the AVX-512 path on an AMX machine, for tests and benchmarks
+
+bool amx_for(int64_t in_features) {
+#ifdef KVSERVE_HAVE_AMX
+  return amx_enabled && in_features % amx::kTileInputs == 0 && amx::available();
+#else
+  (void)in_features;
+  return false;
+#endif
+}
 
 // One step of input: fp32 (Fp32, linear_tiles.h) takes one input feature (x a float, W's step kLanes
 // floats), bf16 a pair (x two bf16 in a uint32, W's step kLanes such pairs). Both a W step and a
@@ -118,10 +132,25 @@ at::Tensor row_linear_bf16(const at::Tensor& x_in, const at::Tensor& packed, con
   const at::Tensor b = padded_bias(bias, panels, out_features);
   auto y = at::empty({rows, out_features}, x.options());
   if (rows == 0 || out_features == 0) return y;
+#ifdef KVSERVE_HAVE_AMX
+  if (amx_for(x.size(1))) {
+    amx::run(x.data_ptr<at::BFloat16>(), packed.data_ptr<at::BFloat16>(), b.defined() ? b.data_ptr<float>() : nullptr,
+             y.data_ptr<at::BFloat16>(), rows, x.size(1), out_features, panels);
+    return y;
+  }
+#endif
   const Shape<Bf16> s{reinterpret_cast<const uint32_t*>(x.data_ptr<at::BFloat16>()),
                       reinterpret_cast<const uint32_t*>(packed.data_ptr<at::BFloat16>()),
                       b.defined() ? b.data_ptr<float>() : nullptr, y.data_ptr<at::BFloat16>(), x.size(1) / 2,
                       out_features};
   run_blocks(s, rows, panels, x.size(1));
   return y;
+}
+
+bool linear_amx(int64_t in_features) { return amx_for(in_features); }
+
+bool set_linear_amx(bool enabled) {
+  const bool before = amx_enabled;
+  amx_enabled = enabled;
+  return before;
 }

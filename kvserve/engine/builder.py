@@ -122,10 +122,14 @@ def choose_cpu_dtype() -> tuple[torch.dtype, str]:
     units = bf16_units()
     if not units:
         return torch.float32, "this CPU has no native bf16 units (AMX or AVX-512 BF16)"
+    from kvserve.kernels import cpu_ext
+
     times = {dtype: _linear_seconds(dtype) for dtype in (torch.float32, torch.bfloat16)}
     ratio = times[torch.float32] / times[torch.bfloat16]
+    ext = cpu_ext.load_or_none()
+    path = f" ({cpu_ext.linear_path(ext, 576)})" if ext is not None else ""
     if ratio > 1.0:
-        return torch.bfloat16, f"{units}; bf16 linear measured {ratio:.1f}x faster than fp32"
+        return torch.bfloat16, f"{units}; bf16 linear{path} measured {ratio:.1f}x faster than fp32"
     return torch.float32, f"{units}, but bf16 linear measured {1 / ratio:.1f}x slower than fp32 here"
 
 

@@ -24,7 +24,7 @@ from types import ModuleType
 
 import torch
 
-from kvserve.kernels.cpu_features import has_avx512_bf16, torch_capability
+from kvserve.kernels.cpu_features import has_amx_bf16, has_avx512_bf16, torch_capability
 from kvserve.kernels.paged_kv import PagedKV, paged_kv
 from kvserve.kvcache.kv_storage import LayerKV
 
@@ -39,6 +39,7 @@ HEADERS = [
     "cpu/paged_attention.h",
     "cpu/parallel.h",
     "cpu/linear_tiles.h",
+    "cpu/linear_amx.h",
 ]
 # -ffp-contract=off: a multiply-add is fused only where the source says so (csrc/cpu/vec.h: fmadd), so
 # the arithmetic of every output element is fixed by the source, not by how the compiler schedules it.
@@ -50,14 +51,18 @@ AVX512_FLAGS = ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx2",
 ISA_FLAGS = {
     "AVX512": AVX512_FLAGS,
     "AVX512_BF16": [*AVX512_FLAGS, "-mavx512bf16"],
+    "AVX512_BF16_AMX": [*AVX512_FLAGS, "-mavx512bf16", "-mamx-tile", "-mamx-bf16"],
     "AVX2": ["-mavx2", "-mfma", "-mf16c"],
 }
 
 
 def cpu_capability() -> str:
     """torch's capability ('AVX512', 'AVX2', ...; generic code for the others), with '_BF16' where the
-    CPU also has AVX-512 BF16 (native bf16 dot products for row_linear_bf16)."""
-    return torch_capability() + ("_BF16" if has_avx512_bf16() else "")
+    CPU also has AVX-512 BF16 (native bf16 dot products for row_linear_bf16) and '_AMX' where it also
+    has AMX-BF16 tiles (row_linear_bf16's AMX path, csrc/cpu/linear_amx.h)."""
+    if not has_avx512_bf16():
+        return torch_capability()
+    return "AVX512_BF16" + ("_AMX" if has_amx_bf16() else "")
 
 
 def unavailable_reason() -> str:
@@ -119,7 +124,15 @@ def load() -> ModuleType:
     elapsed = time.perf_counter() - t0
     if elapsed > 5:
         log.info("built the kvserve CPU attention extension in %.0f s (cached from now on)", elapsed)
+    if os.environ.get("KVSERVE_CPU_AMX") == "0":
+        module.set_linear_amx(False)  # the AVX-512 BF16 sums: the bits of a machine without AMX
     return module
+
+
+def linear_path(module: ModuleType, in_features: int) -> str:
+    """How row_linear_bf16 computes a layer of `in_features` inputs here: 'AMX tiles' or 'AVX-512'
+    style lanes (the build's vector ISA); the two sum in different orders, so their bits differ."""
+    return "AMX tiles" if module.linear_amx(in_features) else f"{cpu_capability().removesuffix('_AMX')} lanes"
 
 
 @functools.cache

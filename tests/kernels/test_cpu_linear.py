@@ -7,6 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from kvserve.kernels.cpu_features import has_amx_bf16
 from kvserve.models.cpu_linear import RowInvariantLinear, wrap_linears
 
 
@@ -102,3 +103,33 @@ def test_wrapped_model_equals_unwrapped(ext):
         torch.testing.assert_close(g, w, atol=1e-5, rtol=1e-5)
     empty = model.lm_head(torch.zeros(1, 0, 64))  # a step that needs no logits
     assert empty.shape == (1, 0, 300)
+
+
+@pytest.mark.skipif(not has_amx_bf16(), reason="this CPU has no AMX-BF16")
+def test_amx_is_the_bf16_path_where_the_cpu_has_it(ext):
+    """On an AMX machine row_linear_bf16 runs on tiles whenever in_features is a multiple of 32."""
+    assert ext.linear_amx(576) and ext.linear_amx(4864) and not ext.linear_amx(100)
+
+
+@pytest.mark.skipif(not has_amx_bf16(), reason="this CPU has no AMX-BF16")
+@pytest.mark.parametrize("rows", [1, 15, 16, 17, 33, 64, 65, 200])
+@pytest.mark.parametrize("out_f,in_f", [(576, 576), (49, 896), (1152, 64)])
+def test_amx_path_equals_the_avx512_path_within_a_rounding(ext, rows, out_f, in_f):
+    """AMX tiles (the fast path) against the AVX-512 lanes (its reference): both add exact bf16 products
+    in fp32 and round once, in different orders, so they agree to one bf16 rounding of the result
+    plus the fp32 sums' error, and AMX is batch invariant (every row alone equals the row in the call)."""
+    gen = torch.Generator().manual_seed(rows + in_f)
+    x = torch.randn(rows, in_f, generator=gen).bfloat16()
+    w, b = torch.randn(out_f, in_f, generator=gen).bfloat16(), torch.randn(out_f, generator=gen)
+    packed = ext.pack_linear_weight_bf16(w)
+    fast = ext.row_linear_bf16(x, packed, b, out_f)
+    for r in {0, rows // 2, rows - 1}:
+        assert torch.equal(ext.row_linear_bf16(x[r : r + 1].contiguous(), packed, b, out_f), fast[r : r + 1])
+    before = ext.set_linear_amx(False)
+    try:
+        reference = ext.row_linear_bf16(x, packed, b, out_f)
+    finally:
+        ext.set_linear_amx(before)
+    sums = x.double().abs() @ w.double().abs().T
+    bound = reference.double().abs() * 2**-7 + in_f * 2**-22 * sums + 1e-30
+    assert ((fast.double() - reference.double()).abs() <= bound).all()

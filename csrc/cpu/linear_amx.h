@@ -1,0 +1,184 @@
+// The bf16 row-invariant linear on AMX tiles (Intel Sapphire Rapids and later): row_linear_bf16's path
+// where the CPU has AMX-BF16, the OS grants the tile state and in_features is a multiple of 32.
+//
+// A tile is 16 rows of 64 bytes: C 16 rows x 16 fp32 outputs, A 16 rows of x x 32 bf16 inputs, B 16
+// input pairs x 16 outputs x 2 bf16, which is exactly a panel of pack_linear_weight_bf16's layout
+// ([panels, in / 2, kLanes * 2]; panel p, pairs k0 .. k0 + 15 are 1 KB at one address, stride 64), so
+// the packed weight is read as it is. One TDPBF16PS adds 32 inputs' products into each C element.
+//
+// Why it stays batch invariant: every y[m, o] is the C element of its own row, accumulated over the
+// input tiles k = 0, 1, ... in order from zero, one TDPBF16PS each; an element's arithmetic in a
+// TDPBF16PS depends on its row of A and its column of B only, never on the other rows of the tile or on
+// how many rows the call has. Then the bias (fp32) and one rounding to bf16, as in the AVX-512 path. A
+// partial tile of rows (the call's last rows < 16) is read from a zero-padded copy, so nothing past x is
+// read; the zero rows are computed and dropped. Which of the row x panel tile shapes (2 x 2, 2 x 1,
+// 1 x 2, 1 x 1) covers an output changes only how many tiles run together, not that output's chain.
+// The sums differ from the AVX-512 path's (vdpbf16ps adds one pair at a time), so a machine computes
+// every row count with the same path: AMX when it has it, for every call of a given in_features.
+#pragma once
+
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+#define KVSERVE_HAVE_AMX 1
+
+#include <ATen/Parallel.h>
+#include <c10/util/BFloat16.h>
+#include <immintrin.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+#include "parallel.h"
+
+namespace kvserve_cpu {
+namespace amx {
+
+constexpr int64_t kTileRows = 16;    // rows of x (and y) in a tile
+constexpr int64_t kTileInputs = 32;  // input features per TDPBF16PS (16 pairs)
+constexpr int64_t kTileOutputs = 16; // output features per tile: one weight panel (kLanes on AVX-512)
+constexpr int64_t kBlockRows = 64;   // a work item: 64 rows x 8 panels (A and B of a block stay in L2)
+constexpr int64_t kBlockPanels = 8;
+constexpr int64_t kMinMacsPerThread = int64_t{1} << 21;
+
+// The OS hands a process the tile registers' state only on request (Linux 5.16+: arch_prctl
+// ARCH_REQ_XCOMP_PERM for XTILEDATA); without it the first tile instruction faults. Asked once.
+inline bool available() {
+  static const bool ok = [] {
+    if (!__builtin_cpu_supports("amx-bf16") || !__builtin_cpu_supports("amx-tile")) return false;
+    constexpr long kReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;
+    return syscall(SYS_arch_prctl, kReqXcompPerm, kXfeatureXtiledata) == 0;
+  }();
+  return ok;
+}
+
+// Every tile 16 rows x 64 bytes (palette 1). The configuration is per thread and other libraries on
+// the same thread (oneDNN) load their own, so each worker loads it at the start of every call.
+struct alignas(64) TileConfig {
+  uint8_t palette_id = 1;
+  uint8_t start_row = 0;
+  uint8_t reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+inline void configure() {
+  TileConfig config;
+  for (int t = 0; t < 8; ++t) config.colsb[t] = 64, config.rows[t] = kTileRows;
+  _tile_loadconfig(&config);
+}
+
+struct Shape {
+  const at::BFloat16* x;     // [rows, in]: rows < full_rows read here
+  const at::BFloat16* tail;  // [16, in]: rows full_rows .. rows, zero-padded
+  const at::BFloat16* w;     // [panels, in / 2, 32]
+  const float* b;            // [panels * 16] or null
+  at::BFloat16* y;           // [rows, out]
+  int64_t rows, full_rows, in, out;
+};
+
+inline const char* a_rows(const Shape& s, int64_t m) {
+  return reinterpret_cast<const char*>(m < s.full_rows ? s.x + m * s.in : s.tail + (m - s.full_rows) * s.in);
+}
+
+// C tiles c (row tile r, panel q) -> y with the bias, rounded to bf16 once.
+inline void store(const Shape& s, const float* c, int64_t m, int64_t p) {
+  const int64_t o0 = p * kTileOutputs, n = std::min(kTileOutputs, s.out - o0);
+  const int64_t rows = std::min(kTileRows, s.rows - m);
+  for (int64_t r = 0; r < rows; ++r) {
+    at::BFloat16* dst = s.y + (m + r) * s.out + o0;
+    const float* src = c + r * kTileOutputs;
+    for (int64_t j = 0; j < n; ++j) dst[j] = at::BFloat16(s.b ? src[j] + s.b[o0 + j] : src[j]);
+  }
+}
+
+// RT row tiles (from row m) x PT panels (from panel p), C in tmm0..3, A in tmm4, 5, B in tmm6, 7.
+template <int RT, int PT>
+inline void tiles(const Shape& s, int64_t m, int64_t p, float* c) {
+  const int64_t lda = s.in * 2, panel_bytes = s.in * 2 * kTileOutputs, steps = s.in / kTileInputs;
+  const char* a0 = a_rows(s, m);
+  const char* a1 = RT > 1 ? a_rows(s, m + kTileRows) : nullptr;
+  const char* b0 = reinterpret_cast<const char*>(s.w) + p * panel_bytes;
+  const char* b1 = b0 + panel_bytes;
+  _tile_zero(0);
+  if constexpr (PT > 1) _tile_zero(1);
+  if constexpr (RT > 1) _tile_zero(2);
+  if constexpr (RT > 1 && PT > 1) _tile_zero(3);
+  for (int64_t k = 0; k < steps; ++k) {
+    _tile_loadd(4, a0 + k * 64, lda);
+    _tile_loadd(6, b0 + k * 1024, 64);
+    if constexpr (RT > 1) _tile_loadd(5, a1 + k * 64, lda);
+    if constexpr (PT > 1) _tile_loadd(7, b1 + k * 1024, 64);
+    _tile_dpbf16ps(0, 4, 6);
+    if constexpr (PT > 1) _tile_dpbf16ps(1, 4, 7);
+    if constexpr (RT > 1) _tile_dpbf16ps(2, 5, 6);
+    if constexpr (RT > 1 && PT > 1) _tile_dpbf16ps(3, 5, 7);
+  }
+  constexpr int64_t kC = kTileRows * kTileOutputs;
+  _tile_stored(0, c, 64);
+  store(s, c, m, p);
+  if constexpr (PT > 1) {
+    _tile_stored(1, c + kC, 64);
+    store(s, c + kC, m, p + 1);
+  }
+  if constexpr (RT > 1) {
+    _tile_stored(2, c + 2 * kC, 64);
+    store(s, c + 2 * kC, m + kTileRows, p);
+  }
+  if constexpr (RT > 1 && PT > 1) {
+    _tile_stored(3, c + 3 * kC, 64);
+    store(s, c + 3 * kC, m + kTileRows, p + 1);
+  }
+}
+
+template <int RT>
+inline void panels_of(const Shape& s, int64_t m, int64_t p0, int64_t p1, float* c) {
+  int64_t p = p0;
+  for (; p + 2 <= p1; p += 2) tiles<RT, 2>(s, m, p, c);
+  if (p < p1) tiles<RT, 1>(s, m, p, c);
+}
+
+// Rows [m0, m1) x panels [p0, p1): row tiles two at a time over each panel pair.
+inline void block(const Shape& s, int64_t m0, int64_t m1, int64_t p0, int64_t p1, float* c) {
+  int64_t m = m0;
+  for (; m + kTileRows < m1; m += 2 * kTileRows) panels_of<2>(s, m, p0, p1, c);  // more than one tile of rows left
+  if (m < m1) panels_of<1>(s, m, p0, p1, c);
+}
+
+// y = x W^T (+ b) for bf16 x [rows, in] (in % 32 == 0) over pack_linear_weight_bf16's panels.
+inline void run(const at::BFloat16* x, const at::BFloat16* w, const float* b, at::BFloat16* y, int64_t rows,
+                int64_t in, int64_t out, int64_t panels) {
+  const int64_t full_rows = rows / kTileRows * kTileRows;
+  std::vector<at::BFloat16> tail(kTileRows * in, at::BFloat16(0.0f));
+  if (rows > full_rows) std::memcpy(tail.data(), x + full_rows * in, (rows - full_rows) * in * sizeof(at::BFloat16));
+  const Shape s{x, tail.data(), w, b, y, rows, full_rows, in, out};
+  const int64_t row_blocks = (rows + kBlockRows - 1) / kBlockRows;
+  const int64_t block_panels = rows <= kTileRows ? 2 : kBlockPanels;
+  const int64_t panel_blocks = (panels + block_panels - 1) / block_panels;
+  const int64_t num_blocks = row_blocks * panel_blocks;
+  // a thread gets at least kMinMacsPerThread of work (one decode step's small projection stays on one)
+  const int64_t block_macs = std::max<int64_t>(1, std::min(rows, kBlockRows) * in * block_panels * kTileOutputs);
+  const int64_t min_blocks = std::max<int64_t>(1, kMinMacsPerThread / block_macs);
+  const int64_t chunk = std::max<int64_t>(min_blocks, (num_blocks + 8 * at::get_num_threads() - 1) /
+                                                          (8 * at::get_num_threads()));
+  parallel_chunks_with(
+      num_blocks, chunk, min_blocks,
+      [] {
+        configure();
+        return std::vector<float>(4 * kTileRows * kTileOutputs);
+      },
+      [&](std::vector<float>& c, int64_t first, int64_t last) {
+        for (int64_t i = first; i < last; ++i) {  // panel-major: consecutive blocks share their panels
+          const int64_t pb = i / row_blocks, rb = i % row_blocks;
+          block(s, rb * kBlockRows, std::min(rows, (rb + 1) * kBlockRows), pb * block_panels,
+                std::min(panels, (pb + 1) * block_panels), c.data());
+        }
+      });
+}
+
+}  // namespace amx
+}  // namespace kvserve_cpu
+
+#endif
