@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import hashlib
 import json
 import math
 import os
@@ -394,7 +395,11 @@ def run_codecs(
     samples = [{"prompt": i, "answers": p.answers} for i, p in enumerate(prompts[: args.keep_samples])]
 
     def so_far() -> dict:
-        return codec_result(rows, codecs[0], compute_dtype, bytes_per_token, docs, groups, prompts, samples)
+        result = codec_result(rows, codecs[0], compute_dtype, bytes_per_token, docs, groups, prompts, samples)
+        if measure == "freeform" and len(reference) == len(prompts):
+            texts = "\x00".join(out.text for out in reference)
+            result["reference_digest"] = hashlib.sha256(texts.encode()).hexdigest()
+        return result
 
     for codec in codecs:
         llm = LLM(
@@ -617,6 +622,21 @@ def lost_gained(reference: list[float], other: list[float]) -> tuple[int, int]:
     return sum(a > b for a, b in pairs), sum(a < b for a, b in pairs)
 
 
+def same_reference_text(a: dict, b: dict) -> bool:
+    """Whether two free-form runs' references wrote the same text: by the digest of every reference
+    answer where both runs have it, else by the answers both kept in their samples. (Free form scores a
+    codec against the reference's own text, so the reference always scores 1.0 and its scores cannot
+    tell two references apart.)"""
+    if "reference_digest" in a and "reference_digest" in b:
+        return a["reference_digest"] == b["reference_digest"]
+    kept = [
+        (x[a["reference"]], y[b["reference"]])
+        for x, y in zip(a["samples"], b["samples"], strict=False)
+        if a["reference"] in x and b["reference"] in y
+    ]
+    return bool(kept) and all(x == y for x, y in kept)
+
+
 def merge_runs(saved: list[dict]) -> dict:
     """Saved codec runs of one model on the same prompts as one run: each measure's rows of every
     codec, the first run's reference kept. Runs must agree on the model and seed, and each measure's
@@ -638,6 +658,11 @@ def merge_runs(saved: list[dict]) -> dict:
                 continue
             if other["rows"][other["reference"]][key] != raw["rows"][raw["reference"]][key]:
                 raise ValueError(f"{run['args'].get('json')}: its {measure} reference scored other prompts")
+            if measure == "freeform" and not same_reference_text(first, other):
+                raise ValueError(
+                    f"{run['args'].get('json')}: its free-form reference wrote other text (another machine's "
+                    "arithmetic?): its codecs were scored against other answers"
+                )
             for codec, rows in other["rows"].items():
                 raw["rows"].setdefault(codec, rows)
                 raw["bytes_per_token"].setdefault(codec, other["bytes_per_token"][codec])

@@ -186,3 +186,36 @@ def test_merged_codec_runs_are_one_run_of_every_codec_and_refuse_other_prompts()
         rq.merge_runs([first, other_prompts])
     with pytest.raises(ValueError, match="one model"):
         rq.merge_runs([first, _codec_run("m2", {"bf16": ref})])
+
+
+def _freeform_run(reference_texts: list[str], digest: str | None = None) -> dict:
+    n = len(reference_texts)
+    one, cell = [1.0] * n, {"ttft": [0.1] * n, "compute": [1.0] * n, "reused": [0.0] * n}
+    rows = {c: {"rouge": one, "exact": one, **cell} for c in ("bf16", "int4")}
+    raw = {
+        "rows": rows,
+        "reference": "bf16",
+        "bytes_per_token": {"bf16": 100.0, "int4": 30.0},
+        "samples": [{"prompt": i, "answers": [], "bf16": t} for i, t in enumerate(reference_texts)],
+    }
+    if digest is not None:
+        raw["reference_digest"] = digest
+    return {
+        "model": "m",
+        "seed": 0,
+        "codecs": ["bf16", "int4"],
+        "args": {"json": "f.json"},
+        "raw": {"freeform": raw},
+    }
+
+
+def test_free_form_runs_merge_only_over_the_same_reference_text():
+    """Free form scores each codec against the reference's own text, so the reference always scores 1.0:
+    two runs whose references wrote different text (another machine's arithmetic) are refused by their
+    kept samples, or by the digest of every reference answer where both runs have one."""
+    texts = ["the pump is red", "it opens at nine"]
+    assert rq.merge_runs([_freeform_run(texts), _freeform_run(texts)])["codecs"] == ["bf16", "int4"]
+    with pytest.raises(ValueError, match="wrote other text"):
+        rq.merge_runs([_freeform_run(texts), _freeform_run(["the pump is blue", "it opens at nine"])])
+    with pytest.raises(ValueError, match="wrote other text"):  # the samples agree, the digests do not
+        rq.merge_runs([_freeform_run(texts, "a" * 64), _freeform_run(texts, "b" * 64)])
