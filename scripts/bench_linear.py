@@ -1,5 +1,5 @@
 """The bf16 linear kernels side by side: row_linear_bf16 on AMX tiles (where the CPU has them), the same
-kernel on its AVX-512 lanes (`set_linear_amx(False)`), and torch's bf16 linear (oneDNN), over the
+kernel on its AVX-512 lanes (`set_amx(False)`), and torch's bf16 linear (oneDNN), over the
 projections of the default and the Qwen model at decode and prefill row counts. Median of repeated
 calls, GFLOP/s; the ratios are within one run.
 
@@ -43,9 +43,9 @@ def time_paths(ext, x: torch.Tensor, w: torch.Tensor, packed: torch.Tensor, amx:
     """Median seconds of torch's linear, our AVX-512 lanes and (where it runs) our AMX tiles."""
     out = w.shape[0]
     t = {"torch": seconds(lambda: F.linear(x, w))}
-    before = ext.set_linear_amx(False)
+    before = ext.set_amx(False)
     t["lanes"] = seconds(lambda: ext.row_linear_bf16(x, packed, None, out))
-    ext.set_linear_amx(before)
+    ext.set_amx(before)
     if amx:
         t["amx"] = seconds(lambda: ext.row_linear_bf16(x, packed, None, out))
     return t

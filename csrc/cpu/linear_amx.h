@@ -17,14 +17,12 @@
 // every row count with the same path: AMX when it has it, for every call of a given in_features.
 #pragma once
 
-#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
-#define KVSERVE_HAVE_AMX 1
+#include "amx.h"
+
+#ifdef KVSERVE_HAVE_AMX
 
 #include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>
-#include <immintrin.h>
-#include <sys/syscall.h>
-#include <unistd.h>
 
 #include <algorithm>
 #include <cstdint>
@@ -36,39 +34,11 @@
 namespace kvserve_cpu {
 namespace amx {
 
-constexpr int64_t kTileRows = 16;    // rows of x (and y) in a tile
 constexpr int64_t kTileInputs = 32;  // input features per TDPBF16PS (16 pairs)
 constexpr int64_t kTileOutputs = 16; // output features per tile: one weight panel (kLanes on AVX-512)
 constexpr int64_t kBlockRows = 64;   // a work item: 64 rows x 8 panels (A and B of a block stay in L2)
 constexpr int64_t kBlockPanels = 8;
 constexpr int64_t kMinMacsPerThread = int64_t{1} << 21;
-
-// The OS hands a process the tile registers' state only on request (Linux 5.16+: arch_prctl
-// ARCH_REQ_XCOMP_PERM for XTILEDATA); without it the first tile instruction faults. Asked once.
-inline bool available() {
-  static const bool ok = [] {
-    if (!__builtin_cpu_supports("amx-bf16") || !__builtin_cpu_supports("amx-tile")) return false;
-    constexpr long kReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;
-    return syscall(SYS_arch_prctl, kReqXcompPerm, kXfeatureXtiledata) == 0;
-  }();
-  return ok;
-}
-
-// Every tile 16 rows x 64 bytes (palette 1). The configuration is per thread and other libraries on
-// the same thread (oneDNN) load their own, so each worker loads it at the start of every call.
-struct alignas(64) TileConfig {
-  uint8_t palette_id = 1;
-  uint8_t start_row = 0;
-  uint8_t reserved[14] = {};
-  uint16_t colsb[16] = {};
-  uint8_t rows[16] = {};
-};
-
-inline void configure() {
-  TileConfig config;
-  for (int t = 0; t < 8; ++t) config.colsb[t] = 64, config.rows[t] = kTileRows;
-  _tile_loadconfig(&config);
-}
 
 struct Shape {
   const at::BFloat16* x;     // [rows, in]: rows < full_rows read here

@@ -39,11 +39,9 @@ namespace {
 
 using namespace kvserve_cpu;
 
-bool amx_enabled = true;  // set_linear_amx: the AVX-512 path on an AMX machine, for tests and benchmarks
-
 bool amx_for(int64_t in_features) {
 #ifdef KVSERVE_HAVE_AMX
-  return amx_enabled && in_features % amx::kTileInputs == 0 && amx::available();
+  return in_features % amx::kTileInputs == 0 && amx::on();
 #else
   (void)in_features;
   return false;
@@ -149,8 +147,13 @@ at::Tensor row_linear_bf16(const at::Tensor& x_in, const at::Tensor& packed, con
 
 bool linear_amx(int64_t in_features) { return amx_for(in_features); }
 
-bool set_linear_amx(bool enabled) {
-  const bool before = amx_enabled;
-  amx_enabled = enabled;
+bool set_amx(bool enabled) {
+#ifdef KVSERVE_HAVE_AMX
+  const bool before = amx::enabled;
+  amx::enabled = enabled;
   return before;
+#else
+  (void)enabled;
+  return false;
+#endif
 }

@@ -6,10 +6,12 @@
 #include <algorithm>
 #include <cstdint>
 #include <map>
+#include <optional>
 #include <type_traits>
 #include <utility>
 #include <vector>
 
+#include "attention_amx.h"
 #include "attention_math.h"
 #include "kv_readers.h"
 #include "parallel.h"
@@ -18,7 +20,9 @@ namespace kvserve_cpu {
 
 constexpr int64_t kStepTokens = 64;     // online-softmax step (at least a block)
 constexpr int64_t kSplitTokens = 256;   // KV split length (at least a step)
-constexpr int64_t kTileRows = 32;       // query rows per item (a performance choice only)
+// query rows per item (a performance choice only): as many as keep about four items per thread, from
+// 32 to 128 (K is transposed and V interleaved once per item and step: larger items amortise it)
+constexpr int64_t kMinTileRows = 32, kMaxTileRows = 128;
 constexpr int64_t kSplitModeRows = 16;  // a sequence of at most this many rows: an item per split
 
 struct Problem {
@@ -61,6 +65,10 @@ struct Work {
   std::vector<uint32_t> vt2;
   std::vector<const uint16_t*> tok_v16;
   std::vector<uint16_t> probs16;
+#ifdef KVSERVE_HAVE_AMX
+  // bf16 on AMX tiles (attention_amx.h), when amx::attention_on(D) at the start of the call
+  std::optional<amx::AttentionTiles> tiles;
+#endif
   Work(const Problem& p, int64_t lanes)
       : scratch(kBf16 ? 0 : p.step_tokens / p.block_size * p.h_kv, Scratch(p.block_size, p.d)),
         kt(p.h_kv * p.d / M::kPack * p.step_tokens), zeros(p.d), k_mult(p.h_kv * p.step_tokens),
@@ -185,8 +193,21 @@ void run_step(const Problem& p, Work<M>& w, int64_t h, int64_t start, int64_t nu
   const int64_t nv = (n_max + 4 * kLanes - 1) / (4 * kLanes) * 4;
   const float* k_mult = w.has_k_mult[h] ? w.k_mult.data() + h * sp : nullptr;
   const float* v_mult = w.has_v_mult[h] ? w.v_mult.data() + h * sp : nullptr;
-  score_lanes<D, 4, M>(w.q_act.data(), w.kt.data() + h * (D / M::kPack) * sp, sp, nv, p.scale, w.s_ptr.data(),
-                       num_active);
+#ifdef KVSERVE_HAVE_AMX
+  if constexpr (kBf16) {
+    if (w.tiles) {
+      amx::scores<D>(*w.tiles, w.q_act.data(), w.kt.data() + h * (D / 2) * sp, sp, nv, p.scale, w.s_ptr.data(),
+                     num_active);
+    }
+  }
+  const bool on_tiles = kBf16 && w.tiles.has_value();
+#else
+  constexpr bool on_tiles = false;
+#endif
+  if (!on_tiles) {
+    score_lanes<D, 4, M>(w.q_act.data(), w.kt.data() + h * (D / M::kPack) * sp, sp, nv, p.scale, w.s_ptr.data(),
+                         num_active);
+  }
   for (int64_t a = 0; a < num_active; ++a) {
     const int64_t lane = w.active[a];
     w.corr[a] = softmax_step(w.s_ptr[a], w.n_valid[a], k_mult, v_mult, w.m[lane], w.l[lane], w.first_valid[a]);
@@ -205,6 +226,16 @@ void run_step(const Problem& p, Work<M>& w, int64_t h, int64_t start, int64_t nu
   } else {
     v = {w.tok_v.data() + h * sp};
   }
+#ifdef KVSERVE_HAVE_AMX
+  if constexpr (kBf16) {
+    if (on_tiles) {  // every lane over the step's pairs up to n_max: zeros past a lane's own tokens
+      const int64_t units = (n_max + 31) / 32 * 16;
+      amx::pv<D>(*w.tiles, w.acc_ptr.data(), w.p_act.data(), w.n_valid.data(), w.corr.data(), v.pairs, v.stride,
+                 units, sp, num_active);
+      return;
+    }
+  }
+#endif
   pv_lanes<D, pv_rows(D), M>(w.acc_ptr.data(), w.p_act.data(), w.corr.data(), v, common, num_active);
   for (int64_t a = 0; a < num_active; ++a) {
     const int64_t end = (w.n_valid[a] + M::kPack - 1) / M::kPack;
@@ -272,8 +303,8 @@ inline std::vector<int64_t> row_range(int64_t begin, int64_t end) {
 
 // Split mode (a sequence of at most kSplitModeRows rows, more than one split): an item per split, so a
 // decode row spreads over threads, and a split that several such sequences hold in the same blocks
-// (a shared cached prefix) is one item for all their rows. Other sequences: tiles of kTileRows rows over
-// all splits. The arithmetic of a (row, head) is the same in every case: splits at fixed positions,
+// (a shared cached prefix) is one item for all their rows. Other sequences: tiles of rows over
+// all splits (kMinTileRows .. kMaxTileRows). The arithmetic of a (row, head) is the same in every case: splits at fixed positions,
 // folded in order (paged_attention_cpu.cpp).
 inline std::vector<Item> plan_items(const Problem& p, std::vector<int64_t>& partial_base, int64_t& num_partials) {
   std::vector<Item> items;
@@ -312,8 +343,10 @@ inline std::vector<Item> plan_items(const Problem& p, std::vector<int64_t>& part
       }
       continue;
     }
-    for (int64_t a = r0; a < r1; a += kTileRows) {
-      const int64_t e = std::min(a + kTileRows, r1);
+    const int64_t per_item = 4 * at::get_num_threads();
+    const int64_t tile = std::clamp<int64_t>((r1 - r0 + per_item - 1) / per_item, kMinTileRows, kMaxTileRows);
+    for (int64_t a = r0; a < r1; a += tile) {
+      const int64_t e = std::min(a + tile, r1);
       int64_t cost = 0;
       for (int64_t r = a; r < e; ++r) cost += p.pos[r] + 1;
       items.push_back({b, -1, cost, row_range(a, e)});
@@ -333,7 +366,17 @@ void run_rows(const Problem& p, const Reader& reader, const typename M::Q* q, fl
   for (const Item& it : items) max_rows = std::max<int64_t>(max_rows, static_cast<int64_t>(it.rows.size()));
   std::vector<float> partials(num_partials * p.num_heads * (D + 2));
   parallel_chunks_with(
-      static_cast<int64_t>(items.size()), 1, 1, [&] { return Work<M>(p, max_rows * p.num_heads); },
+      static_cast<int64_t>(items.size()), 1, 1,
+      [&] {
+        Work<M> w(p, max_rows * p.num_heads);
+#ifdef KVSERVE_HAVE_AMX
+        if (Work<M>::kBf16 && amx::attention_on(D)) {  // a path per call, never per row
+          amx::configure();
+          w.tiles.emplace(D, p.step_tokens);
+        }
+#endif
+        return w;
+      },
       [&](Work<M>& w, int64_t i, int64_t) {
         run_item<D, Reader, M>(p, reader, w, items[i], q, out, partials.data(), partial_base.data());
       });

@@ -226,6 +226,15 @@ at::Tensor paged_attention_int8(const at::Tensor& query, const at::Tensor& k_cod
 
 }  // namespace
 
+bool attention_amx(int64_t head_dim) {
+#ifdef KVSERVE_HAVE_AMX
+  return amx::attention_on(head_dim);
+#else
+  (void)head_dim;
+  return false;
+#endif
+}
+
 // csrc/cpu/linear_cpu.cpp
 at::Tensor pack_linear_weight(const at::Tensor& weight);
 at::Tensor row_linear(const at::Tensor& x, const at::Tensor& packed, const c10::optional<at::Tensor>& bias,
@@ -234,7 +243,7 @@ at::Tensor pack_linear_weight_bf16(const at::Tensor& weight);
 at::Tensor row_linear_bf16(const at::Tensor& x, const at::Tensor& packed, const c10::optional<at::Tensor>& bias,
                            int64_t out_features);
 bool linear_amx(int64_t in_features);
-bool set_linear_amx(bool enabled);
+bool set_amx(bool enabled);
 
 // csrc/cpu/nested_linear.cpp
 at::Tensor pack_nested_weight(const at::Tensor& hi, const at::Tensor& lo);
@@ -258,7 +267,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("pack_linear_weight_bf16", &pack_linear_weight_bf16, "bf16 W [out, in] -> the panels row_linear_bf16 reads");
   m.def("row_linear_bf16", &row_linear_bf16, "x W^T (+ b) for bf16 x and W, fp32 sums, each row independent");
   m.def("linear_amx", &linear_amx, "whether row_linear_bf16 runs on AMX tiles for this in_features here");
-  m.def("set_linear_amx", &set_linear_amx, "AMX for row_linear_bf16 on (default where available) or off; returns the old");
+  m.def("set_amx", &set_amx, "AMX tiles for the bf16 linear and attention on (default where available) or off; returns the old");
+  m.def("attention_amx", &attention_amx, "whether bf16 attention over a bf16 pool runs on AMX tiles for this head_dim here");
   m.def("pack_nested_weight", &pack_nested_weight, "NestedFP hi, lo [out, in] -> the planes nested_linear reads");
   m.def("unpack_nested_weight", &unpack_nested_weight, "NestedFP planes -> row_linear's packed fp32 weight (scaled)");
   m.def("nested_linear", &nested_linear, "(x W^T) * scale (+ b) over NestedFP planes: FP8 mode reads hi, FP16 both");

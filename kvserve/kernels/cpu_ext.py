@@ -40,6 +40,8 @@ HEADERS = [
     "cpu/parallel.h",
     "cpu/linear_tiles.h",
     "cpu/linear_amx.h",
+    "cpu/amx.h",
+    "cpu/attention_amx.h",
 ]
 # -ffp-contract=off: a multiply-add is fused only where the source says so (csrc/cpu/vec.h: fmadd), so
 # the arithmetic of every output element is fixed by the source, not by how the compiler schedules it.
@@ -125,7 +127,7 @@ def load() -> ModuleType:
     if elapsed > 5:
         log.info("built the kvserve CPU attention extension in %.0f s (cached from now on)", elapsed)
     if os.environ.get("KVSERVE_CPU_AMX") == "0":
-        module.set_linear_amx(False)  # the AVX-512 BF16 sums: the bits of a machine without AMX
+        module.set_amx(False)  # the AVX-512 BF16 sums: the bits of a machine without AMX
     return module
 
 

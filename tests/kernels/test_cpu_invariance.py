@@ -21,6 +21,7 @@ from kvserve.attention.cpu_paged import CpuPagedBackend
 from kvserve.attention.positional import PositionalBackend
 from kvserve.attention.reference import ReferenceBackend
 from kvserve.attention.testing import make_batch, quantized_copy
+from kvserve.kernels.cpu_features import has_amx_bf16
 from kvserve.models.cpu_linear import wrap_linears
 
 # (q_len, seq_len) per sequence: a whole prompt, a warm suffix, a decode row, a short prompt
@@ -240,3 +241,38 @@ def test_bf16_linear_is_the_fp32_sum_rounded_once(ext, rows, out_f, in_f, bias):
     # one bf16 rounding: |error| <= 2^-8 |y|; the fp32 sum adds about in_f * 2^-24 * sum |x w|
     bound = exact.abs() * 2**-8 + in_f * 2**-23 * (x.double().abs() @ lin.weight.double().abs().T) + 1e-30
     assert ((got.double() - exact).abs() <= bound).all()
+
+
+@contextlib.contextmanager
+def lanes_only(ext):
+    """The AVX-512 paths for the block (set_amx(False)), AMX restored after."""
+    before = ext.set_amx(False)
+    try:
+        yield
+    finally:
+        ext.set_amx(before)
+
+
+@pytest.mark.skipif(not has_amx_bf16(), reason="this CPU has no AMX-BF16")
+def test_bf16_attention_runs_on_amx_tiles_where_the_cpu_has_them(ext):
+    assert ext.attention_amx(64) and ext.attention_amx(128) and ext.attention_amx(256)
+    assert not ext.attention_amx(16)  # a query tile needs 16 channel pairs
+    with lanes_only(ext):
+        assert not ext.attention_amx(64)
+
+
+@pytest.mark.skipif(not has_amx_bf16(), reason="this CPU has no AMX-BF16")
+@pytest.mark.parametrize("shape", ["smollm2", "d128"])
+@pytest.mark.parametrize("window", [None, 50])
+def test_amx_attention_equals_the_lanes_within_the_bf16_roundings(ext, shape, window):
+    """The tiles (fast path) against the vdpbf16ps chains (its reference) on prefill, chunked prefill and
+    decode rows, with and without a sliding window: both are the bf16 arithmetic with fp32 sums in
+    different orders, so they agree within its roundings (the reference test's bound), and differ."""
+    query, kv, meta, scale = batch(shape, "bf16q", lens=[(70, 70), (9, 140), (1, 1300), (1, 5)], seed=3)
+    tiles = CpuPagedBackend().forward(query, kv, meta, scale, window)
+    with lanes_only(ext):
+        lanes = CpuPagedBackend().forward(query, kv, meta, scale, window)
+    blocks = torch.unique(meta.block_tables[meta.block_tables >= 0]).long()
+    atol = 2**-7 * kv.gather(blocks)[1].float().abs().max().item()
+    torch.testing.assert_close(tiles.float(), lanes.float(), atol=atol, rtol=0)
+    assert not torch.equal(tiles, lanes)

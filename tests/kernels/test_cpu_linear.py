@@ -125,11 +125,11 @@ def test_amx_path_equals_the_avx512_path_within_a_rounding(ext, rows, out_f, in_
     fast = ext.row_linear_bf16(x, packed, b, out_f)
     for r in {0, rows // 2, rows - 1}:
         assert torch.equal(ext.row_linear_bf16(x[r : r + 1].contiguous(), packed, b, out_f), fast[r : r + 1])
-    before = ext.set_linear_amx(False)
+    before = ext.set_amx(False)
     try:
         reference = ext.row_linear_bf16(x, packed, b, out_f)
     finally:
-        ext.set_linear_amx(before)
+        ext.set_amx(before)
     sums = x.double().abs() @ w.double().abs().T
     bound = reference.double().abs() * 2**-7 + in_f * 2**-22 * sums + 1e-30
     assert ((fast.double() - reference.double()).abs() <= bound).all()
