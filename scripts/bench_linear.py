@@ -21,9 +21,9 @@ from kvserve.kernels import cpu_ext
 
 # (name, in_features, out_features)
 SHAPES = [
-    ("smollm2 gate|up", 576, 3072),
+    ("smollm2 gate+up", 576, 3072),
     ("qwen2.5-0.5b qkv", 896, 1152),
-    ("qwen2.5-0.5b gate|up", 896, 9728),
+    ("qwen2.5-0.5b gate+up", 896, 9728),
     ("qwen2.5-0.5b down", 4864, 896),
 ]
 
