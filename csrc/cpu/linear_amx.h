@@ -121,8 +121,11 @@ inline void block(const Shape& s, int64_t m0, int64_t m1, int64_t p0, int64_t p1
 inline void run(const at::BFloat16* x, const at::BFloat16* w, const float* b, at::BFloat16* y, int64_t rows,
                 int64_t in, int64_t out, int64_t panels) {
   const int64_t full_rows = rows / kTileRows * kTileRows;
-  std::vector<at::BFloat16> tail(kTileRows * in, at::BFloat16(0.0f));
-  if (rows > full_rows) std::memcpy(tail.data(), x + full_rows * in, (rows - full_rows) * in * sizeof(at::BFloat16));
+  std::vector<at::BFloat16> tail;  // only where the rows end in a partial tile
+  if (rows > full_rows) {
+    tail.assign(kTileRows * in, at::BFloat16(0.0f));
+    std::memcpy(tail.data(), x + full_rows * in, (rows - full_rows) * in * sizeof(at::BFloat16));
+  }
   const Shape s{x, tail.data(), w, b, y, rows, full_rows, in, out};
   const int64_t row_blocks = (rows + kBlockRows - 1) / kBlockRows;
   const int64_t block_panels = rows <= kTileRows ? 2 : kBlockPanels;

@@ -194,13 +194,7 @@ void run_step(const Problem& p, Work<M>& w, int64_t h, int64_t start, int64_t nu
   const float* k_mult = w.has_k_mult[h] ? w.k_mult.data() + h * sp : nullptr;
   const float* v_mult = w.has_v_mult[h] ? w.v_mult.data() + h * sp : nullptr;
 #ifdef KVSERVE_HAVE_AMX
-  if constexpr (kBf16) {
-    if (w.tiles) {
-      amx::scores<D>(*w.tiles, w.q_act.data(), w.kt.data() + h * (D / 2) * sp, sp, nv, p.scale, w.s_ptr.data(),
-                     num_active);
-    }
-  }
-  const bool on_tiles = kBf16 && w.tiles.has_value();
+  const bool on_tiles = kBf16 && w.tiles.has_value();  // set once per call (run_rows)
 #else
   constexpr bool on_tiles = false;
 #endif
@@ -208,6 +202,14 @@ void run_step(const Problem& p, Work<M>& w, int64_t h, int64_t start, int64_t nu
     score_lanes<D, 4, M>(w.q_act.data(), w.kt.data() + h * (D / M::kPack) * sp, sp, nv, p.scale, w.s_ptr.data(),
                          num_active);
   }
+#ifdef KVSERVE_HAVE_AMX
+  if constexpr (kBf16) {
+    if (on_tiles) {
+      amx::scores<D>(*w.tiles, w.q_act.data(), w.kt.data() + h * (D / 2) * sp, sp, nv, p.scale, w.s_ptr.data(),
+                     num_active);
+    }
+  }
+#endif
   for (int64_t a = 0; a < num_active; ++a) {
     const int64_t lane = w.active[a];
     w.corr[a] = softmax_step(w.s_ptr[a], w.n_valid[a], k_mult, v_mult, w.m[lane], w.l[lane], w.first_valid[a]);
@@ -303,9 +305,9 @@ inline std::vector<int64_t> row_range(int64_t begin, int64_t end) {
 
 // Split mode (a sequence of at most kSplitModeRows rows, more than one split): an item per split, so a
 // decode row spreads over threads, and a split that several such sequences hold in the same blocks
-// (a shared cached prefix) is one item for all their rows. Other sequences: tiles of rows over
-// all splits (kMinTileRows .. kMaxTileRows). The arithmetic of a (row, head) is the same in every case: splits at fixed positions,
-// folded in order (paged_attention_cpu.cpp).
+// (a shared cached prefix) is one item for all their rows. Other sequences: tiles of kMinTileRows to
+// kMaxTileRows rows over all splits. The arithmetic of a (row, head) is the same in every case: splits
+// at fixed positions, folded in order (paged_attention_cpu.cpp).
 inline std::vector<Item> plan_items(const Problem& p, std::vector<int64_t>& partial_base, int64_t& num_partials) {
   std::vector<Item> items;
   num_partials = 0;

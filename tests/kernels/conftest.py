@@ -7,6 +7,7 @@ helpers (tl.max, tl.sum, tl.zeros), which are bound at `import triton`, possibly
 
 from __future__ import annotations
 
+import contextlib
 import os
 
 import pytest
@@ -25,3 +26,13 @@ def ext():
     if reason:
         pytest.skip(reason)
     return cpu_ext.load()
+
+
+@contextlib.contextmanager
+def lanes_only(ext):
+    """The extension's AVX-512 paths inside the block (set_amx(False)), AMX restored after."""
+    before = ext.set_amx(False)
+    try:
+        yield
+    finally:
+        ext.set_amx(before)

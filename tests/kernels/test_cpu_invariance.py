@@ -23,6 +23,7 @@ from kvserve.attention.reference import ReferenceBackend
 from kvserve.attention.testing import make_batch, quantized_copy
 from kvserve.kernels.cpu_features import has_amx_bf16
 from kvserve.models.cpu_linear import wrap_linears
+from tests.kernels.conftest import lanes_only
 
 # (q_len, seq_len) per sequence: a whole prompt, a warm suffix, a decode row, a short prompt
 LENS = [(600, 600), (40, 700), (1, 1300), (17, 17)]
@@ -241,16 +242,6 @@ def test_bf16_linear_is_the_fp32_sum_rounded_once(ext, rows, out_f, in_f, bias):
     # one bf16 rounding: |error| <= 2^-8 |y|; the fp32 sum adds about in_f * 2^-24 * sum |x w|
     bound = exact.abs() * 2**-8 + in_f * 2**-23 * (x.double().abs() @ lin.weight.double().abs().T) + 1e-30
     assert ((got.double() - exact).abs() <= bound).all()
-
-
-@contextlib.contextmanager
-def lanes_only(ext):
-    """The AVX-512 paths for the block (set_amx(False)), AMX restored after."""
-    before = ext.set_amx(False)
-    try:
-        yield
-    finally:
-        ext.set_amx(before)
 
 
 @pytest.mark.skipif(not has_amx_bf16(), reason="this CPU has no AMX-BF16")

@@ -9,6 +9,7 @@ import torch.nn.functional as F
 
 from kvserve.kernels.cpu_features import has_amx_bf16
 from kvserve.models.cpu_linear import RowInvariantLinear, wrap_linears
+from tests.kernels.conftest import lanes_only
 
 
 @pytest.mark.parametrize("rows", [1, 2, 5, 8, 16, 70])
@@ -125,11 +126,8 @@ def test_amx_path_equals_the_avx512_path_within_a_rounding(ext, rows, out_f, in_
     fast = ext.row_linear_bf16(x, packed, b, out_f)
     for r in {0, rows // 2, rows - 1}:
         assert torch.equal(ext.row_linear_bf16(x[r : r + 1].contiguous(), packed, b, out_f), fast[r : r + 1])
-    before = ext.set_amx(False)
-    try:
+    with lanes_only(ext):
         reference = ext.row_linear_bf16(x, packed, b, out_f)
-    finally:
-        ext.set_amx(before)
     sums = x.double().abs() @ w.double().abs().T
     bound = reference.double().abs() * 2**-7 + in_f * 2**-22 * sums + 1e-30
     assert ((fast.double() - reference.double()).abs() <= bound).all()
