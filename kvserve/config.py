@@ -84,6 +84,15 @@ class ServeConfig:
             "help": "pick the codec by measured task accuracy per byte for 16, 8, 4, 3 or 2 bits (0 = use kv_cache_dtype)"
         },
     )
+    kv_decoded_bytes: int = field(
+        default=0,
+        metadata={
+            "help": "bytes of max_cache_bytes kept as decoded copies (in the compute dtype) of the blocks "
+            "attention reads, for codecs it cannot read in place (int4 and below, turbo, nvfp4; mxfp4 "
+            "on CPU): decode steps then decode only the blocks written since (0 = decode every block "
+            "every step)"
+        },
+    )
     max_pinned_fraction: float = field(
         default=0.5,
         metadata={"help": "most of the KV pool that pinned (warmed) text may hold; a warm past it is a 400"},
@@ -310,6 +319,11 @@ def validate(cfg: ServeConfig) -> None:
     if cfg.max_num_batched_tokens < cfg.block_size:
         raise ConfigError(
             f"max_num_batched_tokens must be at least block_size (got {cfg.max_num_batched_tokens})"
+        )
+    if not 0 <= cfg.kv_decoded_bytes < cfg.max_cache_bytes:
+        raise ConfigError(
+            f"kv_decoded_bytes must be >= 0 and below max_cache_bytes (got {cfg.kv_decoded_bytes} "
+            f"of {cfg.max_cache_bytes})"
         )
     for name in (
         "recompute_tokens",

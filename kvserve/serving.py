@@ -25,11 +25,26 @@ def describe(config: ServeConfig, info: Any) -> str:
             f"({info.num_layers} layers x {info.num_kv_heads} KV heads x {info.head_dim})",
             f"  KV pool {info.num_blocks} blocks x {info.block_size} = {info.pool_tokens} tokens, "
             f"{pool_bytes / 2**20:.1f} MiB (budget {config.max_cache_bytes / 2**20:.1f} MiB)",
+            *_decoded_line(config, info),
             f"  KV layout: {info.kv_layout}",
             f"  context {info.max_model_len} tokens, chunk {config.chunk_size} tokens, "
             f"prefix caching {'on' if config.enable_prefix_caching else 'off'}",
         ]
     )
+
+
+def _decoded_line(config: ServeConfig, info: Any) -> list[str]:
+    """What --kv-decoded-bytes became: kept decoded blocks, or why none."""
+    if not config.kv_decoded_bytes:
+        return []
+    if not info.kv_decoded_bytes:
+        return [
+            f"  kv_decoded_bytes unused: the {info.kv_codec} pool holds values attention reads as they are"
+        ]
+    return [
+        f"  decoded blocks kept across steps: up to {info.kv_decoded_bytes / 2**20:.1f} MiB of the budget "
+        "(for kernels that cannot read the codec in place)"
+    ]
 
 
 def warm_up(engine: Any, texts: Sequence[str]) -> None:

@@ -407,7 +407,8 @@ def run_codecs(
             enable_prefix_caching=False,
             kv_cache_dtype=codec,
             block_size=args.block_size,
-            max_cache_bytes=500_000_000,
+            max_cache_bytes=500_000_000 + args.decoded_bytes,
+            kv_decoded_bytes=args.decoded_bytes,
         )
         bytes_per_token[codec] = float(llm.engine.info.bytes_per_token)
         compute_dtype = llm.engine.info.dtype  # the same for every codec: one process, one --dtype auto
@@ -816,6 +817,13 @@ def main() -> None:
         default=1,
         help="with --codecs: prompts served at once (answers are the same, the engine being batch "
         "invariant; TTFT and decode speed are then the batch's, not one prompt's)",
+    )
+    ap.add_argument(
+        "--decoded-bytes",
+        type=int,
+        default=256 << 20,
+        help="with --codecs: the engine's kv_decoded_bytes, decoded blocks kept across steps for codecs "
+        "attention cannot read in place (the answers are bitwise the same; decode is faster)",
     )
     ap.add_argument("--threads", type=int, default=0)
     ap.add_argument("--progress", type=int, default=25, help="print progress every N prompts (0: never)")

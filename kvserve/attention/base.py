@@ -149,8 +149,12 @@ class AttentionBackend(ABC):
 def dense_copy(
     kv: LayerKV, block_tables: torch.Tensor, dtype: torch.dtype
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(k, v, block_tables) for kernels that cannot read `kv`'s format: K/V of only the blocks the
-    table references, densely in `dtype` ([n_used, block_size, H_kv, D]), and the table remapped."""
+    """(k, v, block_tables) for kernels that cannot read `kv`'s format: the layer's kept decoded blocks
+    where it keeps them (LayerKV.decoded_view), else K/V of only the blocks the table references,
+    decoded now, densely in `dtype` ([n_used, block_size, H_kv, D]); and the table remapped."""
+    kept = kv.decoded_view(block_tables, dtype)
+    if kept is not None:
+        return kept
     used, remapped = torch.unique(block_tables.long(), return_inverse=True)  # sorted ids, [S, max_blocks]
     k, v = kv.gather(used)
     return k.to(dtype).contiguous(), v.to(dtype).contiguous(), remapped.to(torch.int32)

@@ -4,8 +4,9 @@ With the C++ extension (csrc/cpu/, kvserve/kernels/cpu_ext.py; the default where
 exists), every row of the step goes to one kernel call per layer: prefill, chunked prefill and
 decode rows alike, and rows at explicit positions (`AttentionMetadata.query_positions`). The kernel
 reads dense (any float dtype), fp8_e4m3 and int8 KIVI pools in place; other codecs are first decoded
-into a dense copy of the blocks the step references (attention/base.py: `dense_copy`; decoding is
-per block, so a block decodes to the same values in every step). It is batch invariant: a row's
+into a dense copy of the blocks the step references, or read from decoded copies the pool keeps
+across steps (--kv-decoded-bytes) (attention/base.py: `dense_copy`; decoding is per block, so a
+block decodes to the same values in every step, kept or not). It is batch invariant: a row's
 output is bitwise a function of its query, its position and the KV it attends to, whatever the
 batch, the split of the prompt into steps, the rows around it and the thread count.
 

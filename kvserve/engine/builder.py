@@ -68,6 +68,9 @@ class RuntimeInfo:
     namespace: str
 
     num_groups: int = 1  # layer groups (kvcache/layout.py)
+    kv_decoded_bytes: int = (
+        0  # of max_cache_bytes, kept decoded blocks (kv_decoded_bytes; 0 for a dense pool)
+    )
 
     @property
     def pool_tokens(self) -> int:
@@ -345,14 +348,26 @@ def build_parts(config: ServeConfig) -> EngineParts:
     bytes_per_block = probe.bytes_per_block() * layout.num_slots
     # block codecs (KIVI K) keep each running sequence's open block in full precision: reserve that
     open_block_reserve = config.max_num_seqs * probe.open_block_bytes() * num_layers
-    num_blocks = max(0, config.max_cache_bytes - open_block_reserve) // bytes_per_block
+    # decoded copies kept across steps: only where attention decodes the codec (a quantized pool)
+    decoded_bytes = config.kv_decoded_bytes if isinstance(probe, QuantizedLayerKV) else 0
+    num_blocks = max(0, config.max_cache_bytes - open_block_reserve - decoded_bytes) // bytes_per_block
     if num_blocks < 2 * layout.num_groups:
         raise ConfigError(
             f"max_cache_bytes={config.max_cache_bytes} holds fewer than 2 blocks "
             f"({bytes_per_block * layout.num_groups} bytes each); raise it"
         )
     slots = [
-        create_layer_kv(codec, num_blocks, config.block_size, num_kv_heads, head_dim, dtype, device, j)
+        create_layer_kv(
+            codec,
+            num_blocks,
+            config.block_size,
+            num_kv_heads,
+            head_dim,
+            dtype,
+            device,
+            j,
+            decoded_bytes // layout.num_slots,
+        )  # fmt: skip
         for j in range(layout.num_slots)
     ]
     layers = [slots[layout.slot_of(i)] for i in range(num_layers)]  # a group's layers share the slots
@@ -396,6 +411,7 @@ def build_parts(config: ServeConfig) -> EngineParts:
         bytes_per_token=probe.bytes_per_block() * num_layers / config.block_size,
         kv_layout=layout.describe(),
         num_groups=layout.num_groups,
+        kv_decoded_bytes=decoded_bytes,
         max_model_len=max_model_len,
         vocab_size=min(tokenizer.vocab_size, int(mc.vocab_size)),
         logits_size=int(mc.vocab_size),

@@ -75,6 +75,10 @@ class EngineStats:
     weights: WeightStats
     # the hot pool and each tier below it (tiers/), when any tier is configured
     tiers: list[TierStats] = dataclasses.field(default_factory=list)
+    # kept decoded blocks (kv_decoded_bytes): bytes held, blocks decoded into them, block reads they served
+    decoded_bytes: int = 0
+    num_decoded_blocks: int = 0
+    num_decoded_reused: int = 0
 
     @property
     def hit_rate(self) -> float:
@@ -122,7 +126,15 @@ class EngineStats:
             num_steps=engine.num_steps,
             weights=_weights(engine),
             tiers=_tiers(engine, store),
+            **_decoded(engine),
         )
+
+
+def _decoded(engine: Engine) -> dict[str, int]:
+    held, decoded, reused = (
+        sum(x) for x in zip(*(kv.decoded_stats() for kv in engine.storages), strict=True)
+    )
+    return {"decoded_bytes": held, "num_decoded_blocks": decoded, "num_decoded_reused": reused}
 
 
 def _weights(engine: Engine) -> WeightStats:

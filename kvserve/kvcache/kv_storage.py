@@ -68,6 +68,18 @@ class LayerKV(ABC):
         dtype), any view kernels can read."""
         return None
 
+    def decoded_view(
+        self, block_tables: torch.Tensor, dtype: torch.dtype
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+        """(k, v, block_tables remapped) in `dtype` for kernels that cannot read this pool in place,
+        from decoded copies of its blocks kept across steps; None where it keeps none (the caller
+        decodes the blocks itself: attention/base.py dense_copy)."""
+        return None
+
+    def decoded_stats(self) -> tuple[int, int, int]:
+        """(bytes of kept decoded blocks, blocks decoded into them, block reads they served)."""
+        return (0, 0, 0)
+
     def open_block_bytes(self) -> int:
         """Full-precision bytes one partly written block costs beside its packed bytes (storage that
         encodes each token as it is written: 0)."""

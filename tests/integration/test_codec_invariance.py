@@ -40,9 +40,12 @@ pytestmark = pytest.mark.skipif(
 )
 
 
-def _engines(model: str, codec: str, chunk: int = CHUNK, dtype: str = "float32") -> tuple[LLM, LLM]:
+def _engines(
+    model: str, codec: str, chunk: int = CHUNK, dtype: str = "float32", decoded_bytes: int = 0
+) -> tuple[LLM, LLM]:
     """(cached engine, cold engine with prefix caching off and a smaller prefill budget, so that its
-    prompts are cut into pieces at other points)."""
+    prompts are cut into pieces at other points); the cached one keeps `decoded_bytes` of decoded
+    blocks across steps (kv_decoded_bytes), the cold one decodes every block every step."""
     common = dict(
         model=model,
         dtype=dtype,
@@ -51,7 +54,9 @@ def _engines(model: str, codec: str, chunk: int = CHUNK, dtype: str = "float32")
         block_size=16,
         max_cache_bytes=50_000_000,
     )
-    cached = LLM(enable_prefix_caching=True, max_num_batched_tokens=512, **common)
+    cached = LLM(
+        enable_prefix_caching=True, max_num_batched_tokens=512, kv_decoded_bytes=decoded_bytes, **common
+    )
     cold = LLM(enable_prefix_caching=False, max_num_batched_tokens=48, **common)
     for llm in (cached, cold):
         llm.engine.check_integrity_each_step = True
@@ -162,6 +167,32 @@ def test_together_equals_alone(tiny: tuple[LLM, LLM]):
 def test_decode_next_to_long_prefill(tiny: tuple[LLM, LLM]):
     cached, _ = tiny
     check_decode_next_to_prefill(cached, short_len=20, long_len=600, seed=3)  # budget 512: cut
+
+
+# kept decoded blocks (kv_decoded_bytes) on the cached engine: 12 blocks a layer (tiny-random-llama,
+# fp32: 4 KB a block a layer), fewer than some steps read (those take the dense copy) and than the
+# tests write (rows are taken back, least recently read first); and room for every step
+KEPT = [("float32", "int4dq", 12 * 4096 * 4), ("float32", "kint3-vturbo3", 12 * 4096 * 4)]
+KEPT += [("float32", "turbo3", 4_000_000), ("bfloat16", "kint3dq-vturbo2", 4_000_000)]
+
+
+@pytest.fixture(scope="module", params=KEPT, ids=lambda p: f"{p[0]}-{p[1]}-{p[2]}")
+def kept(request: pytest.FixtureRequest) -> tuple[LLM, LLM]:
+    dtype, codec, decoded_bytes = request.param
+    return _engines("tiny-random-llama", codec, dtype=dtype, decoded_bytes=decoded_bytes)
+
+
+def test_kept_decoded_blocks_change_nothing(kept: tuple[LLM, LLM]):
+    """Warm == cold, together == alone and decode next to a long prefill, with the cached engine
+    reading kept decoded blocks and the cold one decoding every block every step: bitwise."""
+    cached, cold = kept
+    check_warm_equals_cold(cached, cold, prompt_len=3 * CHUNK + 7, seed=1)
+    check_together_equals_alone(cached, cold, prompt_len=2 * CHUNK + 11, seed=2)
+    check_decode_next_to_prefill(cached, short_len=20, long_len=600, seed=3)
+    stats = cached.engine.stats()
+    assert stats.num_decoded_reused > stats.num_decoded_blocks > 0, "the kept blocks were not read"
+    assert 0 < stats.decoded_bytes <= cached.config.kv_decoded_bytes
+    assert cold.engine.stats().num_decoded_blocks == 0
 
 
 @pytest.mark.slow

@@ -57,6 +57,10 @@ def test_bad_values_are_errors() -> None:
     with pytest.raises(ConfigError, match="kv_cache_bits must be 16, 8, 4, 3 or 2"):
         _config("--kv-cache-bits", "5")
     assert _config("--kv-cache-bits", "2").kv_cache_bits == 2
+    with pytest.raises(ConfigError, match="kv_decoded_bytes must be >= 0 and below max_cache_bytes"):
+        _config("--kv-decoded-bytes", "-1")
+    with pytest.raises(ConfigError, match="kv_decoded_bytes"):
+        _config("--max-cache-bytes", "1000", "--kv-decoded-bytes", "1000")
 
 
 def test_describe_names_the_choices() -> None:
@@ -66,8 +70,17 @@ def test_describe_names_the_choices() -> None:
         num_layers, num_kv_heads, head_dim, num_blocks, block_size = 4, 2, 16, 10, 16
         bytes_per_token, max_model_len, pool_tokens = 1024.0, 4096, 160
         kv_layout = "one group of 4 layers"
+        kv_decoded_bytes = 0
+
+    class QuantizedInfo(Info):
+        kv_codec, kv_decoded_bytes = "int4", 2**20
 
     text = describe(ServeConfig(model="tiny-random-llama"), Info())
+    assert "decoded" not in text
+    kept = describe(ServeConfig(model="tiny-random-llama", kv_decoded_bytes=2**20), Info())
+    assert "kv_decoded_bytes unused: the fp32 pool holds values attention reads as they are" in kept
+    kept = describe(ServeConfig(model="tiny-random-llama", kv_decoded_bytes=2**20), QuantizedInfo())
+    assert "decoded blocks kept across steps: up to 1.0 MiB" in kept
     for word in (
         "tiny-random-llama",
         "cpu",

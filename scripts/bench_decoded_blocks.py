@@ -1,0 +1,98 @@
+"""Decode speed under KV codecs attention cannot read in place, with and without kept decoded blocks
+(--kv-decoded-bytes), side by side in one run: the same prompts served at once, cache off, each codec
+twice (decoding every block every step, then keeping decoded blocks across steps). Reports the decode
+steps' tokens per second per sequence and their ratio, and checks the tokens are the same. bf16 (read
+in place) is the yardstick. Engines run one after another, so the ratios are within one run.
+
+    python scripts/bench_decoded_blocks.py [--model smollm2-135m] [--codecs bf16,int4dq,...]
+        [--batch 8] [--prompt-tokens 650] [--max-tokens 32] [--json out.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+from machine import describe
+
+from kvserve import LLM, SamplingParams
+
+KEPT_BYTES = 256 << 20
+
+
+def prompts_of(llm: LLM, batch: int, tokens: int) -> list[list[int]]:
+    """`batch` different prompts of `tokens` tokens each, cut from Python's bundled docs."""
+    from pydoc_data.topics import topics
+
+    ids = llm.tokenizer.encode("\n\n".join(topics[k] for k in sorted(topics)))
+    assert len(ids) >= batch * tokens, "the corpus is shorter than the prompts asked for"
+    return [ids[i * tokens : (i + 1) * tokens] for i in range(batch)]
+
+
+def run(model: str, codec: str, kept: int, batch: int, prompt_tokens: int, max_tokens: int) -> dict:
+    llm = LLM(
+        model=model,
+        enable_prefix_caching=False,
+        kv_cache_dtype=codec,
+        max_cache_bytes=500_000_000 + kept,
+        kv_decoded_bytes=kept,
+    )
+    prompts = prompts_of(llm, batch, prompt_tokens)
+    llm.generate(prompts[:1], SamplingParams(max_tokens=2, temperature=0))  # warm-up
+    prefill_only = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True)
+    t0 = time.perf_counter()
+    llm.generate(prompts, prefill_only)
+    prefill_s = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    outs = llm.generate(prompts, SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True))
+    total_s = time.perf_counter() - t0
+    decode_s = max(total_s - prefill_s, 1e-9)  # the same prefill again, then max_tokens - 1 decode steps
+    stats = llm.engine.stats()
+    return {
+        "codec": codec,
+        "kept_bytes": kept,
+        "decode_tps": (max_tokens - 1) / decode_s,
+        "prefill_s": prefill_s,
+        "tokens": [o.token_ids for o in outs],
+        "decoded_mib": stats.decoded_bytes / 2**20,
+    }
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--model", default="smollm2-135m")
+    ap.add_argument("--codecs", default="bf16,int4dq,kint3-vturbo3,kint3dq-vturbo2,turbo3,nvfp4")
+    ap.add_argument("--batch", type=int, default=8)
+    ap.add_argument("--prompt-tokens", type=int, default=650)
+    ap.add_argument("--max-tokens", type=int, default=32)
+    ap.add_argument("--json", default="")
+    args = ap.parse_args()
+    rows = []
+    header = (
+        f"{args.model}; {describe()}; {args.batch} prompts of {args.prompt_tokens} tokens at once, "
+        f"{args.max_tokens} tokens each, cache off"
+    )
+    print(f"## {header}\n")
+    print(
+        "| codec | decode tok/s per sequence, decoding every block | with kept decoded blocks | ratio | kept MiB | same tokens |"
+    )
+    print("|---|---|---|---|---|---|")
+    for codec in args.codecs.split(","):
+        fresh = run(args.model, codec, 0, args.batch, args.prompt_tokens, args.max_tokens)
+        kept = run(args.model, codec, KEPT_BYTES, args.batch, args.prompt_tokens, args.max_tokens)
+        same = fresh["tokens"] == kept["tokens"]
+        ratio = kept["decode_tps"] / fresh["decode_tps"]
+        print(
+            f"| {codec} | {fresh['decode_tps']:.1f} | {kept['decode_tps']:.1f} | {ratio:.2f} | "
+            f"{kept['decoded_mib']:.0f} | {'yes' if same else 'NO'} |",
+            flush=True,
+        )
+        rows += [{k: v for k, v in r.items() if k != "tokens"} | {"same_tokens": same} for r in (fresh, kept)]
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"header": header, "args": vars(args), "rows": rows}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
