@@ -1,8 +1,8 @@
 """Decode speed under KV codecs attention cannot read in place, with and without kept decoded blocks
 (--kv-decoded-bytes), side by side in one run: the same prompts served at once, cache off, each codec
-twice (decoding every block every step, then keeping decoded blocks across steps). Reports each
-sequence's decode speed (tokens after its first over the time from its first to its last; the median
-over the batch), the ratio, and whether the tokens are the same. bf16 (read
+twice (decoding every block every step, then keeping decoded blocks across steps). Reports the decode
+speed per sequence (one over the median time of the steps after every prompt's prefill, each of which
+decodes one token of every sequence), the ratio, and whether the tokens are the same. bf16 (read
 in place) is the yardstick. Engines run one after another, so the ratios are within one run.
 
     python scripts/bench_decoded_blocks.py [--model smollm2-135m] [--codecs bf16,int4dq,...]
@@ -14,11 +14,13 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import time
 
 import torch
 from machine import describe
 
 from kvserve import LLM, SamplingParams
+from kvserve.request import Request
 
 KEPT_BYTES = 256 << 20
 
@@ -33,6 +35,8 @@ def prompts_of(llm: LLM, batch: int, tokens: int) -> list[list[int]]:
 
 
 def run(model: str, codec: str, kept: int, batch: int, prompt_tokens: int, max_tokens: int) -> dict:
+    """Serve `batch` prompts at once; time the steps after every prompt has its first token (pure
+    decode steps: one token for each sequence)."""
     llm = LLM(
         model=model,
         enable_prefix_caching=False,
@@ -42,15 +46,26 @@ def run(model: str, codec: str, kept: int, batch: int, prompt_tokens: int, max_t
     )
     prompts = prompts_of(llm, batch, prompt_tokens)
     llm.generate(prompts[:1], SamplingParams(max_tokens=2, temperature=0))  # warm-up
-    outs = llm.generate(prompts, SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True))
-    # a sequence's decode: from its first token to its last (the batch's prefill is before its first)
-    tps = [(len(o.token_ids) - 1) / (o.metrics.e2e_s - o.metrics.ttft_s) for o in outs]
-    stats = llm.engine.stats()
+    engine = llm.engine
+    params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
+    engine.add_requests(Request(f"r{i}", list(p), params) for i, p in enumerate(prompts))
+    tokens: dict[str, list[int]] = {f"r{i}": [] for i in range(batch)}
+    decode_steps: list[float] = []
+    while engine.has_unfinished_requests():
+        decoding = all(tokens.values())  # every sequence past its prefill: this step decodes only
+        t0 = time.perf_counter()
+        outs = engine.step()
+        if decoding and len(outs) == batch:
+            decode_steps.append(time.perf_counter() - t0)
+        for out in outs:
+            tokens[out.request_id] += out.new_token_ids
+    stats = engine.stats()
     return {
         "codec": codec,
         "kept_bytes": kept,
-        "decode_tps": statistics.median(tps),
-        "tokens": [o.token_ids for o in outs],
+        "decode_step_ms": statistics.median(decode_steps) * 1e3,
+        "decode_tps": 1 / statistics.median(decode_steps),
+        "tokens": list(tokens.values()),
         "decoded_mib": stats.decoded_bytes / 2**20,
     }
 
