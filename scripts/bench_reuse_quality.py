@@ -409,6 +409,7 @@ def run_codecs(
             block_size=args.block_size,
             max_cache_bytes=500_000_000 + args.decoded_bytes,
             kv_decoded_bytes=args.decoded_bytes,
+            dtype=args.dtype,
         )
         bytes_per_token[codec] = float(llm.engine.info.bytes_per_token)
         compute_dtype = llm.engine.info.dtype  # the same for every codec: one process, one --dtype auto
@@ -817,6 +818,12 @@ def main() -> None:
         default=1,
         help="with --codecs: prompts served at once (answers are the same, the engine being batch "
         "invariant; TTFT and decode speed are then the batch's, not one prompt's)",
+    )
+    ap.add_argument(
+        "--dtype",
+        default="bfloat16",
+        help="with --codecs: the compute dtype, pinned (auto times bf16 against fp32 at start-up, and on a "
+        "loaded machine picked fp32 mid-series: runs must share it to compare)",
     )
     ap.add_argument(
         "--decoded-bytes",
