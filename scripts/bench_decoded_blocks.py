@@ -34,7 +34,9 @@ def prompts_of(llm: LLM, batch: int, tokens: int) -> list[list[int]]:
     return [ids[i * tokens : (i + 1) * tokens] for i in range(batch)]
 
 
-def run(model: str, codec: str, kept: int, batch: int, prompt_tokens: int, max_tokens: int) -> dict:
+def run(
+    model: str, codec: str, kept: int, batch: int, prompt_tokens: int, max_tokens: int, dtype: str
+) -> dict:
     """Serve `batch` prompts at once; time the steps after every prompt has its first token (pure
     decode steps: one token for each sequence)."""
     llm = LLM(
@@ -43,6 +45,7 @@ def run(model: str, codec: str, kept: int, batch: int, prompt_tokens: int, max_t
         kv_cache_dtype=codec,
         max_cache_bytes=500_000_000 + kept,
         kv_decoded_bytes=kept,
+        dtype=dtype,
     )
     prompts = prompts_of(llm, batch, prompt_tokens)
     llm.generate(prompts[:1], SamplingParams(max_tokens=2, temperature=0))  # warm-up
@@ -77,6 +80,7 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--prompt-tokens", type=int, default=650)
     ap.add_argument("--max-tokens", type=int, default=32)
+    ap.add_argument("--dtype", default="bfloat16", help="compute dtype, pinned (auto times it at start-up)")
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     ap.add_argument("--json", default="")
     args = ap.parse_args()
@@ -85,7 +89,7 @@ def main() -> None:
     rows = []
     header = (
         f"{args.model}; {describe()}; {args.batch} prompts of {args.prompt_tokens} tokens at once, "
-        f"{args.max_tokens} tokens each, cache off"
+        f"{args.max_tokens} tokens each, cache off, compute {args.dtype}"
     )
     print(f"## {header}\n")
     print(
@@ -93,8 +97,8 @@ def main() -> None:
     )
     print("|---|---|---|---|---|---|")
     for codec in args.codecs.split(","):
-        fresh = run(args.model, codec, 0, args.batch, args.prompt_tokens, args.max_tokens)
-        kept = run(args.model, codec, KEPT_BYTES, args.batch, args.prompt_tokens, args.max_tokens)
+        fresh = run(args.model, codec, 0, args.batch, args.prompt_tokens, args.max_tokens, args.dtype)
+        kept = run(args.model, codec, KEPT_BYTES, args.batch, args.prompt_tokens, args.max_tokens, args.dtype)
         same = fresh["tokens"] == kept["tokens"]
         ratio = kept["decode_tps"] / fresh["decode_tps"]
         print(
