@@ -68,9 +68,7 @@ class RuntimeInfo:
     namespace: str
 
     num_groups: int = 1  # layer groups (kvcache/layout.py)
-    kv_decoded_bytes: int = (
-        0  # of max_cache_bytes, kept decoded blocks (kv_decoded_bytes; 0 for a dense pool)
-    )
+    kv_decoded_bytes: int = 0  # of max_cache_bytes, for kept decoded blocks (0: a dense pool)
 
     @property
     def pool_tokens(self) -> int:
@@ -366,8 +364,8 @@ def build_parts(config: ServeConfig) -> EngineParts:
             dtype,
             device,
             j,
-            decoded_bytes // layout.num_slots,
-        )  # fmt: skip
+            decoded_bytes=decoded_bytes // layout.num_slots,
+        )
         for j in range(layout.num_slots)
     ]
     layers = [slots[layout.slot_of(i)] for i in range(num_layers)]  # a group's layers share the slots
