@@ -641,9 +641,10 @@ def same_reference_text(a: dict, b: dict) -> bool:
 
 def merge_runs(saved: list[dict]) -> dict:
     """Saved codec runs of one model on the same prompts as one run: each measure's rows of every
-    codec, the first run's reference kept. Runs must agree on the model and seed, and each measure's
-    reference must have scored every prompt the same (the same prompts, deterministic); a codec in
-    two runs keeps its first run's rows. TTFT and decode speed then compare across runs, not in one."""
+    codec, the first run's reference kept. Runs must agree on the model and seed, each measure on the
+    compute dtype where both record it, and each measure's reference must have scored every prompt the
+    same (the same prompts, deterministic); a codec in two runs keeps its first run's rows. TTFT and
+    decode speed then compare across runs, not in one."""
     base = saved[0]
     if not all(run["codecs"] for run in saved):
         raise ValueError("--merge takes codec runs (--codecs) only")
@@ -658,6 +659,12 @@ def merge_runs(saved: list[dict]) -> dict:
             other = run["raw"].get(measure)
             if other is None:
                 continue
+            dtypes = (first.get("compute_dtype"), other.get("compute_dtype"))
+            if None not in dtypes and dtypes[0] != dtypes[1]:
+                raise ValueError(
+                    f"{run['args'].get('json')}: its {measure} run computed in {dtypes[1]}, the first in "
+                    f"{dtypes[0]}: rerun it with --dtype {dtypes[0]}"
+                )
             if other["rows"][other["reference"]][key] != raw["rows"][raw["reference"]][key]:
                 raise ValueError(f"{run['args'].get('json')}: its {measure} reference scored other prompts")
             if measure == "freeform" and not same_reference_text(first, other):

@@ -186,6 +186,10 @@ def test_merged_codec_runs_are_one_run_of_every_codec_and_refuse_other_prompts()
         rq.merge_runs([first, other_prompts])
     with pytest.raises(ValueError, match="one model"):
         rq.merge_runs([first, _codec_run("m2", {"bf16": ref})])
+    fp32 = _codec_run("m", {"bf16": ref, "fp8": ref})
+    first["raw"]["lookup"]["compute_dtype"], fp32["raw"]["lookup"]["compute_dtype"] = "bfloat16", "float32"
+    with pytest.raises(ValueError, match="computed in float32, the first in bfloat16"):
+        rq.merge_runs([first, fp32])  # the same verdicts, other arithmetic: a coincidence, not one run
 
 
 def _freeform_run(reference_texts: list[str], digest: str | None = None) -> dict:
