@@ -180,6 +180,13 @@ def test_dtype_auto_on_cpu_follows_the_hardware_and_a_timing(monkeypatch: pytest
     assert re.fullmatch(
         r"AVX-512 BF16; bf16 linear( \(.+\))? measured 2.0x faster than fp32", builder.choose_cpu_dtype()[1]
     )
+    assert timed == [torch.float32, torch.bfloat16] * builder.TIMING_ROUNDS  # alternating rounds
+    # load on the machine during one round (here the first bf16 timing, 10x slower) does not decide
+    rounds = iter([2.0, 10.0] + [2.0, 1.0] * (builder.TIMING_ROUNDS - 1))
+    monkeypatch.setattr(builder, "_linear_seconds", lambda dtype: next(rounds))
+    builder.choose_cpu_dtype.cache_clear()
+    assert resolve_dtype("auto", CPU) == torch.bfloat16
+    monkeypatch.setattr(builder, "_linear_seconds", lambda dtype: timed.append(dtype) or speed[dtype])
     speed[torch.bfloat16] = 3.0
     builder.choose_cpu_dtype.cache_clear()
     assert resolve_dtype("auto", CPU) == torch.float32
