@@ -412,7 +412,7 @@ def run_codecs(
             dtype=args.dtype,
         )
         bytes_per_token[codec] = float(llm.engine.info.bytes_per_token)
-        compute_dtype = llm.engine.info.dtype  # the same for every codec: one process, one --dtype auto
+        compute_dtype = llm.engine.info.dtype  # the same for every codec: --dtype pinned
         if codec == codecs[0]:  # one tokenizer for every codec: encode once
             enc = Encoder(llm.tokenizer)
             for d in docs:
