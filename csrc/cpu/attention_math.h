@@ -20,27 +20,6 @@ namespace kvserve_cpu {
 
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
-// exp(x) for x <= 0 (scores minus their running max), lane-wise: Cephes expf polynomial, about 1 ulp.
-// Below -87 it returns ~1e-38 rather than 0, which no softmax sum can notice.
-inline vf exp_nonpositive(vf x) {
-  const vf lo = splat(-87.0f);
-  x = x < lo ? lo : x;
-  const vf magic = splat(12582912.0f);  // 1.5 * 2^23: adding it rounds to the nearest integer
-  const vf n = fmadd(x, splat(1.44269504088896341f), magic) - magic;
-  const vf r = fmadd(n, splat(2.12194440e-4f), fmadd(n, splat(-0.693359375f), x));
-  vf poly = splat(1.9875691500e-4f);
-  poly = fmadd(poly, r, splat(1.3981999507e-3f));
-  poly = fmadd(poly, r, splat(8.3334519073e-3f));
-  poly = fmadd(poly, r, splat(4.1665795894e-2f));
-  poly = fmadd(poly, r, splat(1.6666665459e-1f));
-  poly = fmadd(poly, r, splat(5.0000001201e-1f));
-  poly = fmadd(poly * r, r, r) + 1.0f;
-  const vi bits = (__builtin_convertvector(n, vi) + 127) << 23;
-  vf pow2;
-  std::memcpy(&pow2, &bits, sizeof(vf));
-  return poly * pow2;
-}
-
 inline vi lane_index() {
   vi idx;
   for (int i = 0; i < kLanes; ++i) idx[i] = i;
@@ -253,6 +232,40 @@ inline float softmax_step(float* s, int64_t n, const float* k_mult, const float*
     if (v_mult) e = e * loadu(v_mult + v * kLanes);
     storeu(s + v * kLanes, e);
   }
+  l = l * correction + hsum(sum);
+  m = new_max;
+  return correction;
+}
+
+// softmax_step for the AMX tiles' step (attention_amx.h), the same arithmetic on scores stored unscaled:
+// x = s * scale (what the lanes path stores), then the step max, the rescale of (m, l), exp and sum as
+// softmax_step computes them without multipliers; the probabilities go to probs as bf16 (probs_to_bf16's
+// rounding), zero outside [first, n) and up to `width` (the P V tiles' tokens). Returns the correction.
+inline float softmax_step_bf16(float* s, float scale, int64_t n, float& m, float& l, int64_t first, uint16_t* probs,
+                               int64_t width) {
+  typedef uint16_t vh __attribute__((vector_size(kLanes * sizeof(uint16_t))));
+  const vi idx = lane_index();
+  const int64_t nv = (n + kLanes - 1) / kLanes;
+  vf mx = splat(kNegInf);
+  for (int64_t v = 0; v < nv; ++v) {
+    vf x = loadu(s + v * kLanes) * scale;
+    const vi at = idx + static_cast<int32_t>(v * kLanes);
+    x = (at < static_cast<int32_t>(n)) & (at >= static_cast<int32_t>(first)) ? x : splat(kNegInf);
+    storeu(s + v * kLanes, x);
+    mx = mx > x ? mx : x;
+  }
+  const float new_max = std::max(m, hmax(mx));
+  const float correction = std::exp(m - new_max);
+  vf sum = {};
+  for (int64_t v = 0; v < nv; ++v) {
+    vf e = exp_nonpositive(loadu(s + v * kLanes) - new_max);
+    const vi at = idx + static_cast<int32_t>(v * kLanes);
+    e = (at < static_cast<int32_t>(n)) & (at >= static_cast<int32_t>(first)) ? e : vf{};
+    sum += e;
+    const vh h = __builtin_convertvector(bf16_bits(e), vh);
+    std::memcpy(probs + v * kLanes, &h, sizeof(vh));
+  }
+  std::memset(probs + nv * kLanes, 0, (width - nv * kLanes) * sizeof(uint16_t));
   l = l * correction + hsum(sum);
   m = new_max;
   return correction;

@@ -30,6 +30,7 @@
 #include <vector>
 
 #include "parallel.h"
+#include "vec.h"
 
 namespace kvserve_cpu {
 namespace amx {
@@ -47,6 +48,7 @@ struct Shape {
   const float* b;            // [panels * 16] or null
   at::BFloat16* y;           // [rows, out]
   int64_t rows, full_rows, in, out;
+  int64_t glu_panels = 0;    // > 0: the gated MLP's silu(gate) * up, gate panels [0, glu) and up [glu, 2 glu)
 };
 
 inline const char* a_rows(const Shape& s, int64_t m) {
@@ -64,14 +66,30 @@ inline void store(const Shape& s, const float* c, int64_t m, int64_t p) {
   }
 }
 
-// RT row tiles (from row m) x PT panels (from panel p), C in tmm0..3, A in tmm4, 5, B in tmm6, 7.
+// The GLU's C tiles: gate (panel p) and up (panel glu + p) -> y's outputs of panel p, as the unfused
+// path computes them: each operand with its bias rounded to bf16 (what row_linear_bf16 stores), the
+// SiLU rounded to bf16, the product rounded once (glu_bf16; linear_cpu.cpp's other paths the same).
+inline void store_glu(const Shape& s, const float* gate, const float* up, int64_t m, int64_t p) {
+  const int64_t o0 = p * kTileOutputs, n = std::min(kTileOutputs, s.out - o0);
+  const int64_t rows = std::min(kTileRows, s.rows - m);
+  const vf bg = s.b ? loadu(s.b + o0) : vf{}, bu = s.b ? loadu(s.b + s.glu_panels * kTileOutputs + o0) : vf{};
+  for (int64_t r = 0; r < rows; ++r) {
+    const vu h = bf16_bits(glu_bf16(round_bf16(loadu(gate + r * kTileOutputs) + bg),
+                                     round_bf16(loadu(up + r * kTileOutputs) + bu)));
+    at::BFloat16* dst = s.y + (m + r) * s.out + o0;
+    for (int64_t j = 0; j < n; ++j) dst[j] = at::BFloat16(static_cast<uint16_t>(h[j]), at::BFloat16::from_bits());
+  }
+}
+
+// RT row tiles (from row m) x PT panels (from panel p), C in tmm0..3, A in tmm4, 5, B in tmm6, 7. With
+// glu_panels the two panels are gate p and up glu + p (PT = 2), stored as one panel of y.
 template <int RT, int PT>
 inline void tiles(const Shape& s, int64_t m, int64_t p, float* c) {
   const int64_t lda = s.in * 2, panel_bytes = s.in * 2 * kTileOutputs, steps = s.in / kTileInputs;
   const char* a0 = a_rows(s, m);
   const char* a1 = RT > 1 ? a_rows(s, m + kTileRows) : nullptr;
   const char* b0 = reinterpret_cast<const char*>(s.w) + p * panel_bytes;
-  const char* b1 = b0 + panel_bytes;
+  const char* b1 = b0 + (s.glu_panels ? s.glu_panels * panel_bytes : panel_bytes);
   _tile_zero(0);
   if constexpr (PT > 1) _tile_zero(1);
   if constexpr (RT > 1) _tile_zero(2);
@@ -87,6 +105,19 @@ inline void tiles(const Shape& s, int64_t m, int64_t p, float* c) {
     if constexpr (RT > 1 && PT > 1) _tile_dpbf16ps(3, 5, 7);
   }
   constexpr int64_t kC = kTileRows * kTileOutputs;
+  if constexpr (PT > 1) {
+    if (s.glu_panels) {
+      _tile_stored(0, c, 64);
+      _tile_stored(1, c + kC, 64);
+      store_glu(s, c, c + kC, m, p);
+      if constexpr (RT > 1) {
+        _tile_stored(2, c + 2 * kC, 64);
+        _tile_stored(3, c + 3 * kC, 64);
+        store_glu(s, c + 2 * kC, c + 3 * kC, m + kTileRows, p);
+      }
+      return;
+    }
+  }
   _tile_stored(0, c, 64);
   store(s, c, m, p);
   if constexpr (PT > 1) {
@@ -106,6 +137,10 @@ inline void tiles(const Shape& s, int64_t m, int64_t p, float* c) {
 template <int RT>
 inline void panels_of(const Shape& s, int64_t m, int64_t p0, int64_t p1, float* c) {
   int64_t p = p0;
+  if (s.glu_panels) {  // a gate and an up panel for each of y's
+    for (; p < p1; ++p) tiles<RT, 2>(s, m, p, c);
+    return;
+  }
   for (; p + 2 <= p1; p += 2) tiles<RT, 2>(s, m, p, c);
   if (p < p1) tiles<RT, 1>(s, m, p, c);
 }
@@ -117,22 +152,25 @@ inline void block(const Shape& s, int64_t m0, int64_t m1, int64_t p0, int64_t p1
   if (m < m1) panels_of<1>(s, m, p0, p1, c);
 }
 
-// y = x W^T (+ b) for bf16 x [rows, in] (in % 32 == 0) over pack_linear_weight_bf16's panels.
+// y = x W^T (+ b) for bf16 x [rows, in] (in % 32 == 0) over pack_linear_weight_bf16's panels; with
+// glu_panels, y = silu(x G^T + bg) * (x U^T + bu) over W = [G; U] (glu_panels each, out = G's outputs),
+// and `panels` counts y's panels.
 inline void run(const at::BFloat16* x, const at::BFloat16* w, const float* b, at::BFloat16* y, int64_t rows,
-                int64_t in, int64_t out, int64_t panels) {
+                int64_t in, int64_t out, int64_t panels, int64_t glu_panels = 0) {
   const int64_t full_rows = rows / kTileRows * kTileRows;
   std::vector<at::BFloat16> tail;  // only where the rows end in a partial tile
   if (rows > full_rows) {
     tail.assign(kTileRows * in, at::BFloat16(0.0f));
     std::memcpy(tail.data(), x + full_rows * in, (rows - full_rows) * in * sizeof(at::BFloat16));
   }
-  const Shape s{x, tail.data(), w, b, y, rows, full_rows, in, out};
+  const Shape s{x, tail.data(), w, b, y, rows, full_rows, in, out, glu_panels};
   const int64_t row_blocks = (rows + kBlockRows - 1) / kBlockRows;
-  const int64_t block_panels = rows <= kTileRows ? 2 : kBlockPanels;
+  const int64_t block_panels = (rows <= kTileRows ? 2 : kBlockPanels) / (glu_panels ? 2 : 1);  // weight panels alike
   const int64_t panel_blocks = (panels + block_panels - 1) / block_panels;
   const int64_t num_blocks = row_blocks * panel_blocks;
   // a thread gets at least kMinMacsPerThread of work (one decode step's small projection stays on one)
-  const int64_t block_macs = std::max<int64_t>(1, std::min(rows, kBlockRows) * in * block_panels * kTileOutputs);
+  const int64_t block_macs =
+      std::max<int64_t>(1, std::min(rows, kBlockRows) * in * block_panels * (glu_panels ? 2 : 1) * kTileOutputs);
   const int64_t min_blocks = std::max<int64_t>(1, kMinMacsPerThread / block_macs);
   const int64_t chunk = std::max<int64_t>(min_blocks, (num_blocks + 8 * at::get_num_threads() - 1) /
                                                           (8 * at::get_num_threads()));

@@ -31,6 +31,7 @@
 
 #include <algorithm>
 #include <cstring>
+#include <type_traits>
 
 #include "linear_amx.h"
 #include "linear_tiles.h"
@@ -142,6 +143,75 @@ at::Tensor row_linear_bf16(const at::Tensor& x_in, const at::Tensor& packed, con
                       b.defined() ? b.data_ptr<float>() : nullptr, y.data_ptr<at::BFloat16>(), x.size(1) / 2,
                       out_features};
   run_blocks(s, rows, panels, x.size(1));
+  return y;
+}
+
+namespace {
+
+inline vf widen_bf16(const at::BFloat16* p) {
+  typedef uint16_t vh __attribute__((vector_size(kLanes * sizeof(uint16_t))));
+  vh h;
+  std::memcpy(&h, p, sizeof(vh));
+  const vu b = __builtin_convertvector(h, vu) << 16;
+  vf r;
+  std::memcpy(&r, &b, sizeof(vf));
+  return r;
+}
+
+// y[r] = silu(gu[r, :inter]) * gu[r, inter:] for the rows of a stored gate|up product.
+template <typename T>
+void glu_rows(const T* gu, T* y, int64_t rows, int64_t inter) {
+  parallel_chunks(rows, 1, std::max<int64_t>(1, (int64_t{1} << 16) / inter), [&](int64_t first, int64_t last) {
+    for (int64_t r = first; r < last; ++r) {
+      const T* g = gu + r * 2 * inter;
+      T* dst = y + r * inter;
+      for (int64_t i = 0; i < inter; i += kLanes) {
+        if constexpr (std::is_same_v<T, float>) {
+          storeu(dst + i, silu(loadu(g + i)) * loadu(g + inter + i));
+        } else {
+          const vu h = bf16_bits(glu_bf16(widen_bf16(g + i), widen_bf16(g + inter + i)));
+          for (int l = 0; l < kLanes; ++l) dst[i + l] = at::BFloat16(static_cast<uint16_t>(h[l]), at::BFloat16::from_bits());
+        }
+      }
+    }
+  });
+}
+
+}  // namespace
+
+// The gated MLP's first half in one call: silu(x G^T + bg) * (x U^T + bu), over packed = G's and U's
+// packed weights concatenated (inter outputs each, whole panels), as the fused forward's gate|up
+// projection and activation. Each element is the unfused path's value: g and u are row_linear(_bf16)'s
+// outputs (bf16: rounded, bias included), then SiLU and product as torch's ops of that dtype round
+// them (vec.h glu_bf16; fp32 rounds nothing). On AMX tiles the activation is the GEMM's epilogue and
+// the [rows, 2 inter] product is never stored (linear_amx.h store_glu); elsewhere it is computed, then
+// the activation row by row. Each row's result depends on that row alone: batch invariant.
+at::Tensor row_linear_glu(const at::Tensor& x_in, const at::Tensor& packed, const c10::optional<at::Tensor>& bias,
+                          int64_t inter) {
+  TORCH_CHECK(inter > 0 && inter % 16 == 0 && packed.dim() == 3 && packed.size(0) * kLanes == 2 * inter,
+              "row_linear_glu: packed must be gate's and up's packed weights of inter (a multiple of 16) outputs each");
+  const bool bf16 = x_in.scalar_type() == at::kBFloat16;
+  TORCH_CHECK(bf16 || x_in.scalar_type() == at::kFloat, "row_linear_glu takes fp32 or bf16 x");
+#ifdef KVSERVE_HAVE_AMX
+  if (bf16 && amx_for(x_in.size(1))) {
+    TORCH_CHECK(packed.scalar_type() == at::kBFloat16, "row_linear_glu: bf16 x needs a bf16 packed weight");
+    check_packed(x_in, packed, 2 * inter, 2);
+    const int64_t rows = x_in.size(0), panels = packed.size(0);
+    const at::Tensor b = padded_bias(bias, panels, 2 * inter);
+    auto y = at::empty({rows, inter}, x_in.options());
+    if (rows == 0) return y;
+    amx::run(x_in.data_ptr<at::BFloat16>(), packed.data_ptr<at::BFloat16>(), b.defined() ? b.data_ptr<float>() : nullptr,
+             y.data_ptr<at::BFloat16>(), rows, x_in.size(1), inter, panels / 2, panels / 2);
+    return y;
+  }
+#endif
+  const at::Tensor gu = bf16 ? row_linear_bf16(x_in, packed, bias, 2 * inter) : row_linear(x_in, packed, bias, 2 * inter);
+  auto y = at::empty({gu.size(0), inter}, gu.options());
+  if (bf16) {
+    glu_rows(gu.data_ptr<at::BFloat16>(), y.data_ptr<at::BFloat16>(), gu.size(0), inter);
+  } else {
+    glu_rows(gu.data_ptr<float>(), y.data_ptr<float>(), gu.size(0), inter);
+  }
   return y;
 }
 

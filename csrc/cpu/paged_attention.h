@@ -61,7 +61,7 @@ struct Work {
   std::vector<float*> s_ptr, acc_ptr;
   std::vector<bool> has_k_mult, has_v_mult;
   // bf16 only: V interleaved by token pairs [h_kv][D / kLanes][sp / 2][kLanes], V's rows, the rounded
-  // probabilities [lanes][sp]
+  // probabilities [lanes][sp] (16 rows more: the AMX tiles' last partial tile reads them)
   std::vector<uint32_t> vt2;
   std::vector<const uint16_t*> tok_v16;
   std::vector<uint16_t> probs16;
@@ -72,12 +72,12 @@ struct Work {
   Work(const Problem& p, int64_t lanes)
       : scratch(kBf16 ? 0 : p.step_tokens / p.block_size * p.h_kv, Scratch(p.block_size, p.d)),
         kt(p.h_kv * p.d / M::kPack * p.step_tokens), zeros(p.d), k_mult(p.h_kv * p.step_tokens),
-        v_mult(p.h_kv * p.step_tokens), scores(lanes * p.step_tokens), acc(lanes * p.d), total(lanes * p.d), m(lanes),
+        v_mult(p.h_kv * p.step_tokens), scores((lanes + 16) * p.step_tokens), acc(lanes * p.d), total(lanes * p.d), m(lanes),
         l(lanes), tm(lanes), tl(lanes), corr(lanes), lane_pos(lanes), lane_lo(lanes), active(lanes), n_valid(lanes),
         first_valid(lanes), lane_q(lanes),
         q_act(lanes), p_act(lanes), tok_k(p.h_kv * p.step_tokens), tok_v(p.h_kv * p.step_tokens), s_ptr(lanes),
         acc_ptr(lanes), has_k_mult(p.h_kv), has_v_mult(p.h_kv), vt2(kBf16 ? p.h_kv * p.d / 2 * p.step_tokens : 0),
-        tok_v16(kBf16 ? p.h_kv * p.step_tokens : 0), probs16(kBf16 ? lanes * p.step_tokens : 0) {}
+        tok_v16(kBf16 ? p.h_kv * p.step_tokens : 0), probs16(kBf16 ? (lanes + 16) * p.step_tokens : 0) {}
 };
 
 // Reads the blocks of the step [start, start + n) for every KV head, in the order they lie in memory
@@ -164,6 +164,65 @@ void read_step_bf16(const Problem& p, const DenseReader<at::BFloat16>& reader, W
   }
 }
 
+#ifdef KVSERVE_HAVE_AMX
+// The item's queries packed per KV head for the tiles: lane i of KV head h (i = local row * group + g,
+// query head h * group + g) at tiles.q[(h * (per_head + 16) + i) * D / 2].
+template <int D>
+void pack_queries(const Problem& p, Work<Bf16Math>& w, int64_t num_rows) {
+  amx::AttentionTiles& t = *w.tiles;
+  const int64_t group = p.num_heads / p.h_kv;
+  t.per_head = num_rows * group;
+  for (int64_t h = 0; h < p.h_kv; ++h) {
+    uint32_t* dst = t.q.data() + h * (t.per_head + amx::kTileRows) * (D / 2);
+    for (int64_t i = 0; i < t.per_head; ++i) {
+      const int64_t lane = (i / group) * p.num_heads + h * group + i % group;
+      std::memcpy(dst + i * (D / 2), w.lane_q[lane], D / 2 * sizeof(uint32_t));
+    }
+  }
+}
+
+// run_step on AMX tiles: the same lanes, each with the same arithmetic (scores, scale, softmax, bf16
+// probabilities, P V), the products as tile sums (attention_amx.h). The lanes that see the step are
+// usually a run of the packed queries (rows in position order: a suffix, or a middle run with a
+// window), read in place; otherwise they are gathered.
+template <int D>
+void run_step_tiles(const Problem& p, Work<Bf16Math>& w, int64_t h, int64_t start, int64_t num_rows, int64_t n_max) {
+  amx::AttentionTiles& t = *w.tiles;
+  const int64_t sp = p.step_tokens, group = p.num_heads / p.h_kv;
+  int64_t num_active = 0;
+  bool run = true;
+  for (int64_t i = 0; i < num_rows * group; ++i) {
+    const int64_t lane = (i / group) * p.num_heads + h * group + i % group;
+    if (w.lane_pos[lane] < start || w.lane_lo[lane] >= start + sp) continue;
+    w.active[num_active] = static_cast<int32_t>(lane);
+    w.n_valid[num_active] = static_cast<int32_t>(std::min<int64_t>(sp, w.lane_pos[lane] + 1 - start));
+    w.first_valid[num_active] = static_cast<int32_t>(std::max<int64_t>(0, w.lane_lo[lane] - start));
+    w.acc_ptr[num_active] = w.acc.data() + lane * D;
+    t.lane_of[num_active] = static_cast<int32_t>(i);
+    run = run && i == t.lane_of[0] + num_active;
+    ++num_active;
+  }
+  if (num_active == 0) return;
+  const uint32_t* packed = t.q.data() + h * (t.per_head + amx::kTileRows) * (D / 2);
+  const uint32_t* q = packed + t.lane_of[0] * (D / 2);
+  if (!run) {
+    for (int64_t a = 0; a < num_active; ++a)
+      std::memcpy(t.gather.data() + a * (D / 2), packed + t.lane_of[a] * (D / 2), D / 2 * sizeof(uint32_t));
+    q = t.gather.data();
+  }
+  const int64_t tokens = (n_max + 63) / 64 * 64;
+  const int64_t units = (n_max + 31) / 32 * 16;  // P V over token pairs up to n_max, in tiles of 32 tokens
+  amx::scores<D>(q, num_active, w.kt.data() + h * (D / 2) * sp, sp, tokens, w.scores.data());
+  for (int64_t a = 0; a < num_active; ++a) {
+    const int64_t lane = w.active[a];
+    w.corr[a] = softmax_step_bf16(w.scores.data() + a * sp, p.scale, w.n_valid[a], w.m[lane], w.l[lane],
+                                  w.first_valid[a], w.probs16.data() + a * sp, 2 * units);
+  }
+  amx::pv<D>(t.c, w.acc_ptr.data(), w.probs16.data(), w.corr.data(), w.vt2.data() + h * D / 2 * sp, sp / 2, units, sp,
+             num_active);
+}
+#endif
+
 // One online-softmax step of KV head h (read by read_step) for the lanes of its query heads that see
 // it (lane = local row * num_heads + query head).
 template <int D, typename M>
@@ -193,23 +252,8 @@ void run_step(const Problem& p, Work<M>& w, int64_t h, int64_t start, int64_t nu
   const int64_t nv = (n_max + 4 * kLanes - 1) / (4 * kLanes) * 4;
   const float* k_mult = w.has_k_mult[h] ? w.k_mult.data() + h * sp : nullptr;
   const float* v_mult = w.has_v_mult[h] ? w.v_mult.data() + h * sp : nullptr;
-#ifdef KVSERVE_HAVE_AMX
-  const bool on_tiles = kBf16 && w.tiles.has_value();  // set once per call (run_rows)
-#else
-  constexpr bool on_tiles = false;
-#endif
-  if (!on_tiles) {
-    score_lanes<D, 4, M>(w.q_act.data(), w.kt.data() + h * (D / M::kPack) * sp, sp, nv, p.scale, w.s_ptr.data(),
-                         num_active);
-  }
-#ifdef KVSERVE_HAVE_AMX
-  if constexpr (kBf16) {
-    if (on_tiles) {
-      amx::scores<D>(*w.tiles, w.q_act.data(), w.kt.data() + h * (D / 2) * sp, sp, nv, p.scale, w.s_ptr.data(),
-                     num_active);
-    }
-  }
-#endif
+  score_lanes<D, 4, M>(w.q_act.data(), w.kt.data() + h * (D / M::kPack) * sp, sp, nv, p.scale, w.s_ptr.data(),
+                       num_active);
   for (int64_t a = 0; a < num_active; ++a) {
     const int64_t lane = w.active[a];
     w.corr[a] = softmax_step(w.s_ptr[a], w.n_valid[a], k_mult, v_mult, w.m[lane], w.l[lane], w.first_valid[a]);
@@ -228,16 +272,6 @@ void run_step(const Problem& p, Work<M>& w, int64_t h, int64_t start, int64_t nu
   } else {
     v = {w.tok_v.data() + h * sp};
   }
-#ifdef KVSERVE_HAVE_AMX
-  if constexpr (kBf16) {
-    if (on_tiles) {  // every lane over the step's pairs up to n_max: zeros past a lane's own tokens
-      const int64_t units = (n_max + 31) / 32 * 16;
-      amx::pv<D>(*w.tiles, w.acc_ptr.data(), w.p_act.data(), w.n_valid.data(), w.corr.data(), v.pairs, v.stride,
-                 units, sp, num_active);
-      return;
-    }
-  }
-#endif
   pv_lanes<D, pv_rows(D), M>(w.acc_ptr.data(), w.p_act.data(), w.corr.data(), v, common, num_active);
   for (int64_t a = 0; a < num_active; ++a) {
     const int64_t end = (w.n_valid[a] + M::kPack - 1) / M::kPack;
@@ -263,6 +297,11 @@ void run_item(const Problem& p, const Reader& reader, Work<M>& w, const Item& it
     w.lane_q[lane] = q + (r * h_all + lane % h_all) * (D / M::kPack);
     w.tm[lane] = kNegInf;
   }
+#ifdef KVSERVE_HAVE_AMX
+  if constexpr (Work<M>::kBf16) {
+    if (w.tiles.has_value()) pack_queries<D>(p, w, num_rows);
+  }
+#endif
   for (int64_t split = first_split; split <= last_split; ++split) {
     const int64_t split_begin = split * st;
     std::fill(w.acc.begin(), w.acc.begin() + num_lanes * D, 0.f);
@@ -277,7 +316,17 @@ void run_item(const Problem& p, const Reader& reader, Work<M>& w, const Item& it
       } else {
         read_step<D>(p, reader, w, it.seq, start, n_max, next_n);
       }
-      for (int64_t h = 0; h < p.h_kv; ++h) run_step<D, M>(p, w, h, start, num_rows, n_max);
+      for (int64_t h = 0; h < p.h_kv; ++h) {
+#ifdef KVSERVE_HAVE_AMX
+        if constexpr (Work<M>::kBf16) {
+          if (w.tiles.has_value()) {  // set once per call (run_rows)
+            run_step_tiles<D>(p, w, h, start, num_rows, n_max);
+            continue;
+          }
+        }
+#endif
+        run_step<D, M>(p, w, h, start, num_rows, n_max);
+      }
     }
     for (int64_t lane = 0; lane < num_lanes; ++lane) {
       if (w.lane_pos[lane] < split_begin) continue;
@@ -374,7 +423,7 @@ void run_rows(const Problem& p, const Reader& reader, const typename M::Q* q, fl
 #ifdef KVSERVE_HAVE_AMX
         if (Work<M>::kBf16 && amx::attention_on(D)) {  // a path per call, never per row
           amx::configure();
-          w.tiles.emplace(D, p.step_tokens);
+          w.tiles.emplace(D, p.h_kv, max_rows * (p.num_heads / p.h_kv));
         }
 #endif
         return w;

@@ -242,6 +242,8 @@ at::Tensor row_linear(const at::Tensor& x, const at::Tensor& packed, const c10::
 at::Tensor pack_linear_weight_bf16(const at::Tensor& weight);
 at::Tensor row_linear_bf16(const at::Tensor& x, const at::Tensor& packed, const c10::optional<at::Tensor>& bias,
                            int64_t out_features);
+at::Tensor row_linear_glu(const at::Tensor& x, const at::Tensor& packed, const c10::optional<at::Tensor>& bias,
+                          int64_t inter);
 bool linear_amx(int64_t in_features);
 bool set_amx(bool enabled);
 
@@ -266,6 +268,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("row_linear", &row_linear, "x W^T (+ b) in fp32 over packed W, each row independent of the others");
   m.def("pack_linear_weight_bf16", &pack_linear_weight_bf16, "bf16 W [out, in] -> the panels row_linear_bf16 reads");
   m.def("row_linear_bf16", &row_linear_bf16, "x W^T (+ b) for bf16 x and W, fp32 sums, each row independent");
+  m.def("row_linear_glu", &row_linear_glu, "silu(x G^T + bg) * (x U^T + bu) over gate's and up's packed weights, each row independent");
   m.def("linear_amx", &linear_amx, "whether row_linear_bf16 runs on AMX tiles for this in_features here");
   m.def("set_amx", &set_amx, "AMX tiles for the bf16 linear and attention on (default where available) or off; returns the old");
   m.def("attention_amx", &attention_amx, "whether bf16 attention over a bf16 pool runs on AMX tiles for this head_dim here");

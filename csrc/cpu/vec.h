@@ -102,6 +102,48 @@ inline vu bf16_bits(vf x) {
   return (b + 0x7fffu + ((b >> 16) & 1u)) >> 16;
 }
 
+// exp(x) for x <= 0 (scores minus their running max), lane-wise: Cephes expf polynomial, about 1 ulp.
+// Below -87 it returns ~1e-38 rather than 0, which no softmax sum can notice.
+inline vf exp_nonpositive(vf x) {
+  const vf lo = splat(-87.0f);
+  x = x < lo ? lo : x;
+  const vf magic = splat(12582912.0f);  // 1.5 * 2^23: adding it rounds to the nearest integer
+  const vf n = fmadd(x, splat(1.44269504088896341f), magic) - magic;
+  const vf r = fmadd(n, splat(2.12194440e-4f), fmadd(n, splat(-0.693359375f), x));
+  vf poly = splat(1.9875691500e-4f);
+  poly = fmadd(poly, r, splat(1.3981999507e-3f));
+  poly = fmadd(poly, r, splat(8.3334519073e-3f));
+  poly = fmadd(poly, r, splat(4.1665795894e-2f));
+  poly = fmadd(poly, r, splat(1.6666665459e-1f));
+  poly = fmadd(poly, r, splat(5.0000001201e-1f));
+  poly = fmadd(poly * r, r, r) + 1.0f;
+  const vi bits = (__builtin_convertvector(n, vi) + 127) << 23;
+  vf pow2;
+  std::memcpy(&pow2, &bits, sizeof(vf));
+  return poly * pow2;
+}
+
+// silu(g) = g / (1 + exp(-g)) lane-wise, exp by exp_nonpositive's polynomial (which covers x < 88 as
+// well): exp(-g) is +inf for g < -88 (silu -0, as torch's), ~1e-38 for g > 87 (silu g).
+inline vf silu(vf g) {
+  const vf x = -g, hi = splat(88.0f);
+  const vf e = exp_nonpositive(x < hi ? x : hi);
+  const vf inf = splat(__builtin_huge_valf());
+  return g / (splat(1.0f) + (x < hi ? e : inf));
+}
+
+// x rounded to bf16 (bf16_bits) and widened back to fp32.
+inline vf round_bf16(vf x) {
+  const vu b = bf16_bits(x) << 16;
+  vf r;
+  std::memcpy(&r, &b, sizeof(vf));
+  return r;
+}
+
+// The gated MLP's silu(g) * u over bf16 operands as torch's bf16 ops compute it: the SiLU rounded to
+// bf16, then the product in fp32 (the caller rounds it once).
+inline vf glu_bf16(vf g, vf u) { return round_bf16(silu(g)) * u; }
+
 inline float hmax(vf v) {
   float r = v[0];
   for (int i = 1; i < kLanes; ++i) r = v[i] > r ? v[i] : r;

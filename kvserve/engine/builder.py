@@ -18,6 +18,7 @@ from kvserve.attention.base import AttentionBackend
 from kvserve.attention.registry import create_backend
 from kvserve.config import ServeConfig
 from kvserve.errors import ConfigError
+from kvserve.kernels.host_allocator import keep_freed_memory
 from kvserve.kvcache.kv_storage import DenseLayerKV, LayerKV
 from kvserve.kvcache.layout import KVLayout
 from kvserve.kvcache.manager import KVCacheManager
@@ -323,6 +324,8 @@ def fused_forward(config: ServeConfig, model: torch.nn.Module) -> tuple[FusedLla
 
 def build_parts(config: ServeConfig) -> EngineParts:
     device = resolve_device(config.device)
+    if device.type == "cpu":
+        keep_freed_memory()  # a step's large temporaries reuse freed pages instead of faulting in new ones
     nested = config.weight_precision != "dense"
     dtype = nested_dtype(config, device) if nested else resolve_dtype(config.dtype, device)
     model, path = load_model(config, device, dtype)

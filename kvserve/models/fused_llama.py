@@ -6,7 +6,7 @@ about 50 torch ops per layer; at batch 8 on the dev machine (bf16), 19 ms of a 4
 rather than to GEMMs or attention (scripts/profile_step.py). Here a layer is nine calls:
 
     add_rms_norm_ -> row_linear(q|k|v) -> rope_ -> KV write -> attention -> row_linear(o)
-    -> add_rms_norm_ -> row_linear(gate|up) -> silu * up -> row_linear(down)
+    -> add_rms_norm_ -> row_linear_glu(gate|up: silu(gate) * up) -> row_linear(down)
 
 What it computes is the HF forward's arithmetic, checked against it (tests/kernels/test_fused_llama.py):
 - The projections are the same `row_linear` chains as the wrapped HF modules. q, k and v (and gate and
@@ -14,8 +14,9 @@ What it computes is the HF forward's arithmetic, checked against it (tests/kerne
   so the fused call is bitwise the separate ones. The concatenation shares memory with the HF modules'
   packs (they become views into it), so nothing is stored twice.
 - Rotary embedding and the residual adds are bitwise torch's elementwise ops (csrc/cpu/layer_ops.cpp);
-  cos / sin come from the model's own rotary module (so any RoPE scaling it implements applies), and
-  SiLU is torch's.
+  cos / sin come from the model's own rotary module (so any RoPE scaling it implements applies).
+- silu(gate) * up rounds where torch's ops of the dtype round (bf16: the SiLU, then the product), with
+  an exp of its own (csrc/cpu/vec.h), so it agrees with torch's to about an fp32 ulp before rounding.
 - RMSNorm sums squares in an order of its own, so hidden states agree with HF's to rounding (fp32
   logits within 1e-4 of HF's on SmolLM2, 7e-5 the largest seen), not bitwise. Every row's arithmetic
   is fixed whatever the other rows, so batch invariance and cache-on == cache-off hold exactly, as
@@ -200,6 +201,17 @@ class FusedLlamaForward:
                 )
             )
 
+    def gated(
+        self, gate_up: FusedLinear | NestedLinear, x: torch.Tensor, precision: RowPrecision
+    ) -> torch.Tensor:
+        """silu(gate) * up: dense weights in one extension call (row_linear_glu: on AMX the activation is
+        the GEMM's epilogue, and the [rows, 2 inter] product is never stored), NestedFP through torch."""
+        inter = gate_up.out_features // 2
+        if isinstance(gate_up, FusedLinear):
+            return self.ext.row_linear_glu(x, gate_up.packed, gate_up.bias, inter)
+        both = gate_up.run(x, precision)
+        return F.silu(both[:, :inter]) * both[:, inter:]
+
     @torch.inference_mode()
     def __call__(
         self,
@@ -231,9 +243,7 @@ class FusedLlamaForward:
             attn = backend.forward(q, kv_layers[i], meta, self.scale)  # [T, heads, head_dim]
             o = layer.o.run(attn.reshape(rows, q_cols), precision)
             x = ext.add_rms_norm_(hidden, o, layer.post_norm, self.eps)
-            gate_up = layer.gate_up.run(x, precision)
-            inter = gate_up.shape[1] // 2
-            mlp = layer.down.run(F.silu(gate_up[:, :inter]) * gate_up[:, inter:], precision)
+            mlp = layer.down.run(self.gated(layer.gate_up, x, precision), precision)
             x = ext.add_rms_norm_(hidden, mlp, layer.next_norm, self.eps)
             cut = cut_at.get(i)
             if cut is not None:  # row slices of contiguous tensors stay contiguous

@@ -131,3 +131,51 @@ def test_amx_path_equals_the_avx512_path_within_a_rounding(ext, rows, out_f, in_
     sums = x.double().abs() @ w.double().abs().T
     bound = reference.double().abs() * 2**-7 + in_f * 2**-22 * sums + 1e-30
     assert ((fast.double() - reference.double()).abs() <= bound).all()
+
+
+def amx_modes():
+    return [True, False] if has_amx_bf16() else [False]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("amx", amx_modes())
+@pytest.mark.parametrize(
+    "rows,in_f,inter,with_bias", [(1, 64, 48, False), (17, 96, 64, True), (70, 896, 160, True)]
+)
+def test_glu_is_the_unfused_gate_up_and_activation(ext, dtype, amx, rows, in_f, inter, with_bias):
+    """row_linear_glu (the fused forward's gate|up projection with silu(gate) * up, on AMX the GEMM's
+    epilogue) against the same projection stored and torch's ops on it: equal to the rounding of the
+    activation's own exp (bf16: one rounding of the result), and each row alone equals the row in
+    the call."""
+    gen = torch.Generator().manual_seed(rows + inter)
+    x = torch.randn(rows, in_f, generator=gen).to(dtype)
+    gate, up = (torch.randn(inter, in_f, generator=gen).to(dtype) for _ in range(2))
+    bias = torch.randn(2 * inter, generator=gen).to(dtype) if with_bias else None
+    bf16 = dtype == torch.bfloat16
+    pack = ext.pack_linear_weight_bf16 if bf16 else ext.pack_linear_weight
+    packed = torch.cat([pack(gate), pack(up)])
+    before = ext.set_amx(amx)
+    try:
+        both = (ext.row_linear_bf16 if bf16 else ext.row_linear)(x, packed, bias, 2 * inter)
+        want = F.silu(both[:, :inter]) * both[:, inter:]
+        got = ext.row_linear_glu(x, packed, bias, inter)
+        for r in {0, rows // 2, rows - 1}:
+            assert torch.equal(
+                ext.row_linear_glu(x[r : r + 1].contiguous(), packed, bias, inter), got[r : r + 1]
+            )
+    finally:
+        ext.set_amx(before)
+    assert got.shape == (rows, inter) and got.dtype == dtype
+    bound = want.double().abs() * (2**-7 if bf16 else 1e-6) + 1e-30
+    assert ((got.double() - want.double()).abs() <= bound).all()
+
+
+def test_glu_rejects_bad_arguments(ext):
+    x = torch.randn(3, 32)
+    packed = torch.cat([ext.pack_linear_weight(torch.randn(32, 32))] * 2)
+    with pytest.raises(RuntimeError, match="multiple of 16"):
+        ext.row_linear_glu(x, packed, None, 24)
+    with pytest.raises(RuntimeError, match="multiple of 16"):
+        ext.row_linear_glu(x, packed, None, 16)  # packed holds 2 x 32 outputs, not 2 x 16
+    with pytest.raises(RuntimeError, match="fp32 or bf16"):
+        ext.row_linear_glu(x.half(), packed, None, 32)
