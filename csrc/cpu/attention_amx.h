@@ -1,24 +1,28 @@
 // The bf16 attention step (bf16 queries over a bf16 pool, Bf16Math) on AMX tiles: where the CPU has
-// AMX-BF16 and head_dim is a multiple of 32, the step's Q . K and P V run as TDPBF16PS tile products
-// instead of vdpbf16ps chains; the softmax between them is attention_math.h's as it is.
+// AMX-BF16 and head_dim is a multiple of 32, a step's Q . K and P V are TDPBF16PS tile products and its
+// softmax runs 16 lanes at a time, one lane per vector element.
 //
-// The operands are already in tile layout, as read_step_bf16 prepares them for the lanes path:
-//   - scores: A = 16 lanes' queries (32 channels = 16 channel pairs a tile; rows of the item's packed
-//     queries), B = kt2 [D / 2][sp], K transposed into channel pairs: rows 16 channel pairs, columns 16
-//     tokens, stride sp pairs. C = 16 lanes x 16 tokens, stored as rows of the step's scores.
-//   - P V: A = 16 lanes' bf16 probabilities (32 tokens a tile; rows of the step's probabilities, which
-//     the softmax wrote with zeros up to the tile's end), B = vt2, V interleaved by token pairs
-//     [D / 16][sp / 2][16]: 16 token pairs x 16 channels, 1 KB contiguous. C = 16 lanes x 16 channels,
-//     added to the lane's accumulator after it is scaled by the step's correction.
-// Each lane's arithmetic is the lanes path's step (run_step_tiles, paged_attention.h): scores, the
-// scale, the fp32 softmax, bf16 probabilities, P V; only its sums are the tiles'.
+// Transposed: a tile's columns are lanes (16 (query row, query head) pairs of one KV head, a "group" of
+// the item's lanes packed in order), so every vector of the softmax holds one token's value for 16
+// lanes and no step needs a horizontal reduction:
+//   - scores S^T = K Q^T: A = 16 tokens' K rows (32 channels = 16 channel pairs a tile, the step's rows
+//     gathered, zero past its last token), B = the group's Q^T (16 channel pairs x 16 lanes, packed once
+//     per item). C = 16 tokens x 16 lanes.
+//   - P V as O^T = V^T P^T: A = V^T in token pairs (16 channels x 16 token pairs, built per step), B =
+//     the group's probabilities P^T (16 token pairs x 16 lanes, written by the softmax). C = 16 channels
+//     x 16 lanes, added to the group's transposed accumulator after it is scaled by the step's
+//     correction.
 //
-// Why a lane's result stays a function of its own inputs: a tile row is one lane, and a C element
-// depends on its row of A and its column of B only. Every lane runs the same tiles over the whole step
-// (its probabilities are 0 past its last valid token and the padded V rows are 0, and adding 0 leaves
-// an fp32 sum as it is), so where a lane's valid tokens end, or which lanes share its tile, does not
-// change its sums. The sums differ from the vdpbf16ps chains', so a machine runs this path for every
-// call of a given head_dim (amx::on()).
+// A lane's arithmetic is the lanes path's (attention_math.h softmax_step, Bf16Math): each score is the
+// sum over the channel pairs in order of exact bf16 products (here the tile's, which add the pairs in
+// the same order for C^T as for C: a product of two bf16 values is exact and commutative), times the
+// scale; the step max; the correction; exp of each score less the max, masked outside the lane's
+// tokens; the sum in kLanes slots (token t in slot t % 16, tokens in order) folded by hsum's halving;
+// the probabilities rounded to bf16; P V over token pairs in order. So a lane's result depends on its
+// own inputs only, and which lanes share its tiles, where theirs end, or whether its group runs a step
+// it does not see (its state is left as it was: a masked lane's correction is 1 and its probabilities
+// 0) never changes it. The sums differ from the vdpbf16ps chains', so a machine runs this path for
+// every call of a given head_dim (amx::on()).
 #pragma once
 
 #include "amx.h"
@@ -35,104 +39,272 @@
 namespace kvserve_cpu {
 namespace amx {
 
-// Scratch of one worker. q holds every lane of the current item packed per KV head (pack_queries):
-// [h_kv][per_head + 16][D / 2] channel pairs, so that the lanes a step runs, a run of consecutive lanes
-// wherever the rows come in position order, are read by the A tiles in place; gather holds them when
-// they are not such a run. The 16 extra rows keep a last partial tile's loads inside the buffer (their
-// rows are computed and dropped).
+constexpr int64_t kGroup = 16;  // lanes per group: a tile's columns, a vector's elements
+
+// One worker's state for the tiles. Per KV head h and group g of the item's lanes (lane i of head h =
+// local row i / group_size, query head h * group_size + i % group_size; padding lanes past the item's):
 struct AttentionTiles {
-  std::vector<uint32_t> q, gather;
-  std::vector<int32_t> lane_of;  // a step's active lanes' indices i (run_step_tiles)
-  int64_t per_head = 0, d;
-  alignas(64) float c[4 * kTileRows * 16];
-  AttentionTiles(int64_t d_, int64_t h_kv, int64_t lanes_per_head)
-      : q(h_kv * (lanes_per_head + kTileRows) * d_ / 2), gather((lanes_per_head + kTileRows) * d_ / 2),
-        lane_of(lanes_per_head), d(d_) {}
+  int64_t d, sp, h_kv, groups = 0, per_head = 0;
+  std::vector<uint32_t> qt;     // [h_kv][groups][D / 32][16 pairs][16 lanes]: Q^T, B tiles of the scores
+  std::vector<int32_t> pos, lo; // [h_kv][groups][16]: each lane's position and first visible position
+  std::vector<float> acc;       // [h_kv][groups][D][16]: the split's transposed accumulators
+  std::vector<float> m, l;      // [h_kv][groups][16]: the split's running max and sum
+  std::vector<uint16_t> k;      // [h_kv][sp][D]: the step's K rows, zero past its tokens
+  std::vector<uint32_t> vt;     // [h_kv][D][sp / 2]: the step's V^T in token pairs, zero past its tokens
+  std::vector<uint32_t> vrows;  // [sp / 2][D]: V's token pairs before the transpose
+  std::vector<float> st;        // [sp][16]: one group's scores
+  std::vector<uint32_t> pt;     // [sp / 2][16]: one group's probabilities in token pairs
+  alignas(64) float c[4 * kTileRows * kGroup];
+  AttentionTiles(int64_t d_, int64_t sp_, int64_t h_kv_, int64_t max_lanes_per_head)
+      : d(d_), sp(sp_), h_kv(h_kv_) {
+    const int64_t g = (max_lanes_per_head + kGroup - 1) / kGroup;
+    qt.resize(h_kv * g * d * kGroup / 2);
+    pos.resize(h_kv * g * kGroup), lo.resize(h_kv * g * kGroup);
+    acc.resize(h_kv * g * d * kGroup), m.resize(h_kv * g * kGroup), l.resize(h_kv * g * kGroup);
+    k.resize(h_kv * sp * d), vt.resize(h_kv * d * sp / 2), vrows.resize(sp / 2 * d);
+    st.resize(sp * kGroup), pt.resize(sp / 2 * kGroup);
+  }
+  int64_t at(int64_t h, int64_t g) const { return h * groups + g; }  // a (KV head, group) index
 };
 
 inline bool attention_on(int64_t d) { return d % 32 == 0 && on(); }
 
-// out[j][t] = (q_j . k_t) for tokens t < tokens (a multiple of 64) and the lanes j < n, whose queries
-// are rows of q (stride D / 2 pairs; 16 rows past n readable) and whose scores rows of s (stride sp; 16
-// rows past n writable). Four C tiles (16 lanes x 64 tokens) run at once, so their TDPBF16PS overlap.
+// The item's lanes into groups: Q^T, positions. lane_q[lane] is lane's query (D / 2 pairs), lane_pos /
+// lane_lo its position and first visible position; padding lanes get position -1 (they see nothing).
 template <int D>
-void scores(const uint32_t* q, int64_t n, const uint32_t* kt, int64_t sp, int64_t tokens, float* s) {
-  constexpr int64_t kSteps = D / 32;
-  const int64_t b_stride = sp * 4;
-  for (int64_t j0 = 0; j0 < n; j0 += kTileRows) {
-    const char* a = reinterpret_cast<const char*>(q + j0 * (D / 2));
-    for (int64_t t0 = 0; t0 < tokens; t0 += 64) {
-      _tile_zero(0);
-      _tile_zero(1);
-      _tile_zero(2);
-      _tile_zero(3);
-      for (int64_t k = 0; k < kSteps; ++k) {
-        const char* b = reinterpret_cast<const char*>(kt + k * 16 * sp + t0);
-        _tile_loadd(4, a + k * 64, D * 2);
-        _tile_loadd(6, b, b_stride);
-        _tile_dpbf16ps(0, 4, 6);
-        _tile_loadd(7, b + 64, b_stride);
-        _tile_dpbf16ps(1, 4, 7);
-        _tile_loadd(6, b + 128, b_stride);
-        _tile_dpbf16ps(2, 4, 6);
-        _tile_loadd(7, b + 192, b_stride);
-        _tile_dpbf16ps(3, 4, 7);
+void pack_lanes(AttentionTiles& t, const uint32_t* const* lane_q, const int32_t* lane_pos, const int32_t* lane_lo,
+                int64_t num_rows, int64_t num_heads) {
+  const int64_t group = num_heads / t.h_kv;
+  t.per_head = num_rows * group;
+  t.groups = (t.per_head + kGroup - 1) / kGroup;
+  for (int64_t h = 0; h < t.h_kv; ++h) {
+    for (int64_t g = 0; g < t.groups; ++g) {
+      uint32_t* qt = t.qt.data() + t.at(h, g) * (D / 2) * kGroup;  // [D / 2 pairs][16 lanes]
+      int32_t* pos = t.pos.data() + t.at(h, g) * kGroup;
+      int32_t* lo = t.lo.data() + t.at(h, g) * kGroup;
+      for (int64_t j = 0; j < kGroup; ++j) {
+        const int64_t i = g * kGroup + j;
+        if (i >= t.per_head) {
+          pos[j] = -1, lo[j] = 0;
+          for (int64_t c = 0; c < D / 2; ++c) qt[c * kGroup + j] = 0;
+          continue;
+        }
+        const int64_t lane = (i / group) * num_heads + h * group + i % group;
+        pos[j] = lane_pos[lane], lo[j] = lane_lo[lane];
+        for (int64_t c = 0; c < D / 2; ++c) qt[c * kGroup + j] = lane_q[lane][c];
       }
-      float* out = s + j0 * sp + t0;
-      _tile_stored(0, out, b_stride);
-      _tile_stored(1, out + 16, b_stride);
-      _tile_stored(2, out + 32, b_stride);
-      _tile_stored(3, out + 48, b_stride);
     }
   }
 }
 
-// acc_j <- acc_j * corr_j + sum over tokens t < 2 * units of p_j[t] v_t for the lanes j < n, whose bf16
-// probabilities are rows of p (stride sp; zero from each lane's last valid token up to 2 * units; 16
-// rows past n readable). units (token pairs) is a multiple of 16. Up to four channel tiles at once.
+// The step's K rows and V^T for every KV head from its token rows (k_rows / v_rows [h][sp]: D bf16 each,
+// rows past n point at zeros), tokens up to `padded` (a multiple of 64).
 template <int D>
-void pv(float* c, float* const* acc, const uint16_t* p, const float* corr, const uint32_t* vt2, int64_t pair_stride,
-        int64_t units, int64_t sp, int64_t n) {
-  constexpr int64_t kTiles = D / 16 < 4 ? D / 16 : 4;  // channel tiles per pass
-  constexpr int64_t kC = kTileRows * 16;
-  for (int64_t j0 = 0; j0 < n; j0 += kTileRows) {
-    const int64_t lanes = std::min(kTileRows, n - j0);
-    const char* a = reinterpret_cast<const char*>(p + j0 * sp);
-    for (int64_t c0 = 0; c0 < D; c0 += 16 * kTiles) {
-      const char* b = reinterpret_cast<const char*>(vt2 + (c0 / 16) * pair_stride * 16);
-      const int64_t b_tile = pair_stride * 16 * 4;  // bytes from one channel tile of V to the next
-      _tile_zero(0);
-      _tile_zero(1);
-      if constexpr (kTiles > 2) {
-        _tile_zero(2);
-        _tile_zero(3);
-      }
-      for (int64_t u0 = 0; u0 < units; u0 += 16) {
-        const char* bu = b + u0 * 64;
-        _tile_loadd(4, a + u0 * 4, sp * 2);
-        _tile_loadd(6, bu, 64);
-        _tile_dpbf16ps(0, 4, 6);
-        _tile_loadd(7, bu + b_tile, 64);
-        _tile_dpbf16ps(1, 4, 7);
-        if constexpr (kTiles > 2) {
-          _tile_loadd(6, bu + 2 * b_tile, 64);
-          _tile_dpbf16ps(2, 4, 6);
-          _tile_loadd(7, bu + 3 * b_tile, 64);
-          _tile_dpbf16ps(3, 4, 7);
+void read_kv(AttentionTiles& t, const uint16_t* const* k_rows, const uint16_t* const* v_rows, int64_t padded) {
+  const int64_t sp = t.sp;
+  for (int64_t h = 0; h < t.h_kv; ++h) {
+    uint16_t* k = t.k.data() + h * sp * D;
+    for (int64_t tok = 0; tok < padded; ++tok) std::memcpy(k + tok * D, k_rows[h * sp + tok], D * sizeof(uint16_t));
+    const uint16_t* const* v = v_rows + h * sp;
+    for (int64_t u = 0; u < padded / 2; ++u) {
+      uint32_t* row = t.vrows.data() + u * D;
+      for (int64_t c = 0; c < D; ++c) row[c] = uint32_t{v[2 * u][c]} | (uint32_t{v[2 * u + 1][c]} << 16);
+    }
+    uint32_t* vt = t.vt.data() + h * D * (sp / 2);
+    const float* rows[16];
+    for (int64_t u0 = 0; u0 < padded / 2; u0 += 16) {
+      for (int64_t r = 0; r < 16; ++r) rows[r] = reinterpret_cast<const float*>(t.vrows.data() + (u0 + r) * D);
+      for (int64_t c0 = 0; c0 < D; c0 += 16)
+        transpose_tile(rows, c0, reinterpret_cast<float*>(vt + c0 * (sp / 2) + u0), sp / 2);
+    }
+  }
+}
+
+// Whether a lane of group g (of any KV head: they share positions) is at or past position `from`.
+inline bool reaches(const AttentionTiles& t, int64_t g, int64_t from) {
+  const int32_t* pos = t.pos.data() + g * kGroup;
+  for (int64_t j = 0; j < kGroup; ++j)
+    if (pos[j] >= from) return true;
+  return false;
+}
+
+// A split's start at position `from`: the accumulators 0, max -inf, sum 0 of every group with a lane
+// that sees it (the others are neither run nor folded in this split).
+inline void begin_split(AttentionTiles& t, int64_t from) {
+  for (int64_t g = 0; g < t.groups; ++g) {
+    if (!reaches(t, g, from)) continue;
+    for (int64_t h = 0; h < t.h_kv; ++h) {
+      std::fill_n(t.acc.data() + t.at(h, g) * t.d * kGroup, t.d * kGroup, 0.f);
+      std::fill_n(t.m.data() + t.at(h, g) * kGroup, kGroup, kNegInf);
+      std::fill_n(t.l.data() + t.at(h, g) * kGroup, kGroup, 0.f);
+    }
+  }
+}
+
+// A split's end: the state of the groups begin_split started into the lanes path's per-lane arrays
+// (acc [lane][D], m, l), where run_item folds it.
+template <int D>
+void end_split(const AttentionTiles& t, int64_t from, int64_t num_heads, float* acc, float* m, float* l) {
+  const int64_t group = num_heads / t.h_kv;
+  alignas(64) float block[16 * 16];
+  for (int64_t h = 0; h < t.h_kv; ++h) {
+    for (int64_t g = 0; g < t.groups; ++g) {
+      if (!reaches(t, g, from)) continue;
+      const float* a = t.acc.data() + t.at(h, g) * D * kGroup;
+      const int64_t lanes = std::min(kGroup, t.per_head - g * kGroup);
+      for (int64_t c0 = 0; c0 < D; c0 += 16) {
+        const float* rows[16];
+        for (int64_t r = 0; r < 16; ++r) rows[r] = a + (c0 + r) * kGroup;
+        transpose_tile(rows, 0, block, 16);  // block[lane][channel]
+        for (int64_t j = 0; j < lanes; ++j) {
+          const int64_t i = g * kGroup + j, lane = (i / group) * num_heads + h * group + i % group;
+          std::memcpy(acc + lane * D + c0, block + j * 16, 16 * sizeof(float));
         }
       }
-      _tile_stored(0, c, 64);
-      _tile_stored(1, c + kC, 64);
-      if constexpr (kTiles > 2) {
-        _tile_stored(2, c + 2 * kC, 64);
-        _tile_stored(3, c + 3 * kC, 64);
-      }
       for (int64_t j = 0; j < lanes; ++j) {
-        float* dst = acc[j0 + j] + c0;
-        const vf f = splat(corr[j0 + j]);
-        for (int64_t t = 0; t < kTiles; ++t) storeu(dst + t * 16, loadu(dst + t * 16) * f + loadu(c + t * kC + j * 16));
+        const int64_t i = g * kGroup + j, lane = (i / group) * num_heads + h * group + i % group;
+        m[lane] = t.m[t.at(h, g) * kGroup + j], l[lane] = t.l[t.at(h, g) * kGroup + j];
       }
     }
+  }
+}
+
+// S^T of group g of KV head h over the step's tokens < tokens (a multiple of 64) into t.st.
+template <int D>
+void scores(AttentionTiles& t, int64_t h, int64_t g, int64_t tokens) {
+  const char* q = reinterpret_cast<const char*>(t.qt.data() + t.at(h, g) * (D / 2) * kGroup);
+  const char* k = reinterpret_cast<const char*>(t.k.data() + h * t.sp * D);
+  constexpr int64_t kRow = D * 2, kTile = 16 * kRow;  // bytes of a K row, of 16
+  for (int64_t t0 = 0; t0 < tokens; t0 += 64) {
+    _tile_zero(0);
+    _tile_zero(1);
+    _tile_zero(2);
+    _tile_zero(3);
+    const char* a = k + t0 * kRow;
+    for (int64_t ks = 0; ks < D / 32; ++ks) {
+      _tile_loadd(6, q + ks * 1024, 64);
+      _tile_loadd(4, a + ks * 64, kRow);
+      _tile_dpbf16ps(0, 4, 6);
+      _tile_loadd(5, a + kTile + ks * 64, kRow);
+      _tile_dpbf16ps(1, 5, 6);
+      _tile_loadd(4, a + 2 * kTile + ks * 64, kRow);
+      _tile_dpbf16ps(2, 4, 6);
+      _tile_loadd(5, a + 3 * kTile + ks * 64, kRow);
+      _tile_dpbf16ps(3, 5, 6);
+    }
+    float* s = t.st.data() + t0 * kGroup;
+    _tile_stored(0, s, 64);
+    _tile_stored(1, s + 16 * kGroup, 64);
+    _tile_stored(2, s + 32 * kGroup, 64);
+    _tile_stored(3, s + 48 * kGroup, 64);
+  }
+}
+
+// The softmax of group g's step at `start`, scores in t.st for tokens < n_max: updates m and l, writes
+// the bf16 probabilities in token pairs to t.pt up to 2 * units tokens, returns the correction. A lane
+// that does not see the step keeps its state (correction 1, probabilities 0).
+inline vf softmax(AttentionTiles& t, int64_t h, int64_t g, int64_t start, int64_t n_max, int64_t units, float scale) {
+  const int64_t at = t.at(h, g) * kGroup;
+  vi pos, lo;
+  std::memcpy(&pos, t.pos.data() + at, sizeof(vi));
+  std::memcpy(&lo, t.lo.data() + at, sizeof(vi));
+  const vi sees = (pos >= static_cast<int32_t>(start)) & (lo < static_cast<int32_t>(start + t.sp));
+  float* st = t.st.data();
+  vf mx = splat(kNegInf);
+  for (int64_t tok = 0; tok < n_max; ++tok) {
+    const vi p = vi{} + static_cast<int32_t>(start + tok);
+    const vf x = loadu(st + tok * kGroup) * scale;
+    const vf masked = (p <= pos) & (p >= lo) ? x : splat(kNegInf);
+    storeu(st + tok * kGroup, masked);
+    mx = mx > masked ? mx : masked;
+  }
+  const vf m_old = loadu(t.m.data() + at);
+  const vf m_new = m_old < mx ? mx : m_old;  // std::max(m, step max), lane by lane
+  const vf corr = sees ? exp_nonpositive(m_old - m_new) : splat(1.0f);
+  vf slot[kLanes];
+  for (auto& s : slot) s = vf{};
+  for (int64_t tok = 0; tok < 2 * units; tok += 2) {
+    vu bits[2];
+    for (int64_t e = 0; e < 2; ++e) {
+      const int64_t x = tok + e;
+      vf p = vf{};
+      if (x < n_max) {
+        const vi at_pos = vi{} + static_cast<int32_t>(start + x);
+        p = exp_nonpositive(loadu(st + x * kGroup) - m_new);
+        p = (at_pos <= pos) & (at_pos >= lo) ? p : vf{};
+      }
+      slot[x % kLanes] += p;
+      bits[e] = bf16_bits(p);
+    }
+    const vu pair = bits[0] | (bits[1] << 16);
+    std::memcpy(t.pt.data() + tok / 2 * kGroup, &pair, sizeof(vu));
+  }
+  // hsum's halving (vec.h) of the slots, lane by lane
+  for (int w = kLanes / 2; w >= 1; w /= 2)
+    for (int j = 0; j < w; ++j) slot[j] = slot[j] + slot[j + w];
+  const vf l_old = loadu(t.l.data() + at);
+  storeu(t.l.data() + at, l_old * corr + slot[0]);
+  storeu(t.m.data() + at, sees ? m_new : m_old);
+  return corr;
+}
+
+// acc^T <- acc^T * corr + V^T P^T over the token pairs < units (a multiple of 16) for group g.
+template <int D>
+void pv(AttentionTiles& t, int64_t h, int64_t g, int64_t units, vf corr) {
+  constexpr int64_t kTiles = D / 16 < 4 ? D / 16 : 4;  // channel tiles per pass
+  constexpr int64_t kC = kTileRows * kGroup;
+  const int64_t half = t.sp / 2, a_stride = half * 4, a_tile = 16 * a_stride;
+  const char* p = reinterpret_cast<const char*>(t.pt.data());
+  float* acc = t.acc.data() + t.at(h, g) * D * kGroup;
+  for (int64_t c0 = 0; c0 < D; c0 += 16 * kTiles) {
+    const char* v = reinterpret_cast<const char*>(t.vt.data() + (h * D + c0) * half);
+    _tile_zero(0);
+    _tile_zero(1);
+    if constexpr (kTiles > 2) {
+      _tile_zero(2);
+      _tile_zero(3);
+    }
+    for (int64_t u0 = 0; u0 < units; u0 += 16) {
+      _tile_loadd(6, p + u0 * 64, 64);
+      _tile_loadd(4, v + u0 * 4, a_stride);
+      _tile_dpbf16ps(0, 4, 6);
+      _tile_loadd(5, v + a_tile + u0 * 4, a_stride);
+      _tile_dpbf16ps(1, 5, 6);
+      if constexpr (kTiles > 2) {
+        _tile_loadd(4, v + 2 * a_tile + u0 * 4, a_stride);
+        _tile_dpbf16ps(2, 4, 6);
+        _tile_loadd(5, v + 3 * a_tile + u0 * 4, a_stride);
+        _tile_dpbf16ps(3, 5, 6);
+      }
+    }
+    _tile_stored(0, t.c, 64);
+    _tile_stored(1, t.c + kC, 64);
+    if constexpr (kTiles > 2) {
+      _tile_stored(2, t.c + 2 * kC, 64);
+      _tile_stored(3, t.c + 3 * kC, 64);
+    }
+    for (int64_t r = 0; r < 16 * kTiles; ++r) {
+      float* row = acc + (c0 + r) * kGroup;
+      storeu(row, loadu(row) * corr + loadu(t.c + r * kGroup));
+    }
+  }
+}
+
+// One step at `start` (tokens < n_max, K and V read by read_kv) for every group of KV head h that has a
+// lane seeing it.
+template <int D>
+void run_step(AttentionTiles& t, int64_t h, int64_t start, int64_t n_max, float scale) {
+  const int64_t tokens = (n_max + 63) / 64 * 64;
+  const int64_t units = (n_max + 31) / 32 * 16;  // P V over token pairs up to n_max, in tiles of 32 tokens
+  for (int64_t g = 0; g < t.groups; ++g) {
+    const int32_t* pos = t.pos.data() + t.at(h, g) * kGroup;
+    const int32_t* lo = t.lo.data() + t.at(h, g) * kGroup;
+    bool any = false;
+    for (int64_t j = 0; j < kGroup; ++j) any |= pos[j] >= start && lo[j] < start + t.sp;
+    if (!any) continue;
+    scores<D>(t, h, g, tokens);
+    const vf corr = softmax(t, h, g, start, n_max, units, scale);
+    pv<D>(t, h, g, units, corr);
   }
 }
 

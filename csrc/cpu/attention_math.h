@@ -222,7 +222,9 @@ inline float softmax_step(float* s, int64_t n, const float* k_mult, const float*
     mx = mx > x ? mx : x;
   }
   const float new_max = std::max(m, hmax(mx));
-  const float correction = std::exp(m - new_max);  // exp(-inf) = 0 on a split's first step
+  // the polynomial of the probabilities (one arithmetic with the AMX path's 16-lane softmax); on a
+  // split's first step m = -inf, clamped to exp(-87) ~ 1e-38, which scales l = 0 and acc = 0
+  const float correction = exp_nonpositive(splat(m - new_max))[0];
   vf sum = {};
   for (int64_t v = 0; v < nv; ++v) {
     vf e = exp_nonpositive(loadu(s + v * kLanes) - new_max);
@@ -232,40 +234,6 @@ inline float softmax_step(float* s, int64_t n, const float* k_mult, const float*
     if (v_mult) e = e * loadu(v_mult + v * kLanes);
     storeu(s + v * kLanes, e);
   }
-  l = l * correction + hsum(sum);
-  m = new_max;
-  return correction;
-}
-
-// softmax_step for the AMX tiles' step (attention_amx.h), the same arithmetic on scores stored unscaled:
-// x = s * scale (what the lanes path stores), then the step max, the rescale of (m, l), exp and sum as
-// softmax_step computes them without multipliers; the probabilities go to probs as bf16 (probs_to_bf16's
-// rounding), zero outside [first, n) and up to `width` (the P V tiles' tokens). Returns the correction.
-inline float softmax_step_bf16(float* s, float scale, int64_t n, float& m, float& l, int64_t first, uint16_t* probs,
-                               int64_t width) {
-  typedef uint16_t vh __attribute__((vector_size(kLanes * sizeof(uint16_t))));
-  const vi idx = lane_index();
-  const int64_t nv = (n + kLanes - 1) / kLanes;
-  vf mx = splat(kNegInf);
-  for (int64_t v = 0; v < nv; ++v) {
-    vf x = loadu(s + v * kLanes) * scale;
-    const vi at = idx + static_cast<int32_t>(v * kLanes);
-    x = (at < static_cast<int32_t>(n)) & (at >= static_cast<int32_t>(first)) ? x : splat(kNegInf);
-    storeu(s + v * kLanes, x);
-    mx = mx > x ? mx : x;
-  }
-  const float new_max = std::max(m, hmax(mx));
-  const float correction = std::exp(m - new_max);
-  vf sum = {};
-  for (int64_t v = 0; v < nv; ++v) {
-    vf e = exp_nonpositive(loadu(s + v * kLanes) - new_max);
-    const vi at = idx + static_cast<int32_t>(v * kLanes);
-    e = (at < static_cast<int32_t>(n)) & (at >= static_cast<int32_t>(first)) ? e : vf{};
-    sum += e;
-    const vh h = __builtin_convertvector(bf16_bits(e), vh);
-    std::memcpy(probs + v * kLanes, &h, sizeof(vh));
-  }
-  std::memset(probs + nv * kLanes, 0, (width - nv * kLanes) * sizeof(uint16_t));
   l = l * correction + hsum(sum);
   m = new_max;
   return correction;

@@ -139,6 +139,12 @@ void read_step_bf16(const Problem& p, const DenseReader<at::BFloat16>& reader, W
   for (int64_t h = 0; h < p.h_kv; ++h) {
     for (int64_t t = n; t < padded; ++t) w.tok_k[h * sp + t] = w.zeros.data(), w.tok_v16[h * sp + t] = zeros16;
   }
+#ifdef KVSERVE_HAVE_AMX
+  if (w.tiles.has_value()) {  // the tiles read K's rows and V^T (attention_amx.h), not the lanes' layouts
+    amx::read_kv<D>(*w.tiles, reinterpret_cast<const uint16_t* const*>(w.tok_k.data()), w.tok_v16.data(), padded);
+    return;
+  }
+#endif
   auto* kt2 = reinterpret_cast<float*>(w.kt.data());
   for (int64_t t0 = 0; t0 < padded; t0 += kLanes)
     for (int64_t h = 0; h < p.h_kv; ++h)
@@ -163,65 +169,6 @@ void read_step_bf16(const Problem& p, const DenseReader<at::BFloat16>& reader, W
     for (int64_t h = 0; h < p.h_kv; ++h) reader.prefetch(block, h, std::min(bs, next_n - t0));
   }
 }
-
-#ifdef KVSERVE_HAVE_AMX
-// The item's queries packed per KV head for the tiles: lane i of KV head h (i = local row * group + g,
-// query head h * group + g) at tiles.q[(h * (per_head + 16) + i) * D / 2].
-template <int D>
-void pack_queries(const Problem& p, Work<Bf16Math>& w, int64_t num_rows) {
-  amx::AttentionTiles& t = *w.tiles;
-  const int64_t group = p.num_heads / p.h_kv;
-  t.per_head = num_rows * group;
-  for (int64_t h = 0; h < p.h_kv; ++h) {
-    uint32_t* dst = t.q.data() + h * (t.per_head + amx::kTileRows) * (D / 2);
-    for (int64_t i = 0; i < t.per_head; ++i) {
-      const int64_t lane = (i / group) * p.num_heads + h * group + i % group;
-      std::memcpy(dst + i * (D / 2), w.lane_q[lane], D / 2 * sizeof(uint32_t));
-    }
-  }
-}
-
-// run_step on AMX tiles: the same lanes, each with the same arithmetic (scores, scale, softmax, bf16
-// probabilities, P V), the products as tile sums (attention_amx.h). The lanes that see the step are
-// usually a run of the packed queries (rows in position order: a suffix, or a middle run with a
-// window), read in place; otherwise they are gathered.
-template <int D>
-void run_step_tiles(const Problem& p, Work<Bf16Math>& w, int64_t h, int64_t start, int64_t num_rows, int64_t n_max) {
-  amx::AttentionTiles& t = *w.tiles;
-  const int64_t sp = p.step_tokens, group = p.num_heads / p.h_kv;
-  int64_t num_active = 0;
-  bool run = true;
-  for (int64_t i = 0; i < num_rows * group; ++i) {
-    const int64_t lane = (i / group) * p.num_heads + h * group + i % group;
-    if (w.lane_pos[lane] < start || w.lane_lo[lane] >= start + sp) continue;
-    w.active[num_active] = static_cast<int32_t>(lane);
-    w.n_valid[num_active] = static_cast<int32_t>(std::min<int64_t>(sp, w.lane_pos[lane] + 1 - start));
-    w.first_valid[num_active] = static_cast<int32_t>(std::max<int64_t>(0, w.lane_lo[lane] - start));
-    w.acc_ptr[num_active] = w.acc.data() + lane * D;
-    t.lane_of[num_active] = static_cast<int32_t>(i);
-    run = run && i == t.lane_of[0] + num_active;
-    ++num_active;
-  }
-  if (num_active == 0) return;
-  const uint32_t* packed = t.q.data() + h * (t.per_head + amx::kTileRows) * (D / 2);
-  const uint32_t* q = packed + t.lane_of[0] * (D / 2);
-  if (!run) {
-    for (int64_t a = 0; a < num_active; ++a)
-      std::memcpy(t.gather.data() + a * (D / 2), packed + t.lane_of[a] * (D / 2), D / 2 * sizeof(uint32_t));
-    q = t.gather.data();
-  }
-  const int64_t tokens = (n_max + 63) / 64 * 64;
-  const int64_t units = (n_max + 31) / 32 * 16;  // P V over token pairs up to n_max, in tiles of 32 tokens
-  amx::scores<D>(q, num_active, w.kt.data() + h * (D / 2) * sp, sp, tokens, w.scores.data());
-  for (int64_t a = 0; a < num_active; ++a) {
-    const int64_t lane = w.active[a];
-    w.corr[a] = softmax_step_bf16(w.scores.data() + a * sp, p.scale, w.n_valid[a], w.m[lane], w.l[lane],
-                                  w.first_valid[a], w.probs16.data() + a * sp, 2 * units);
-  }
-  amx::pv<D>(t.c, w.acc_ptr.data(), w.probs16.data(), w.corr.data(), w.vt2.data() + h * D / 2 * sp, sp / 2, units, sp,
-             num_active);
-}
-#endif
 
 // One online-softmax step of KV head h (read by read_step) for the lanes of its query heads that see
 // it (lane = local row * num_heads + query head).
@@ -298,15 +245,26 @@ void run_item(const Problem& p, const Reader& reader, Work<M>& w, const Item& it
     w.tm[lane] = kNegInf;
   }
 #ifdef KVSERVE_HAVE_AMX
+  amx::AttentionTiles* tiles = nullptr;  // bf16 on AMX tiles: set once per call (run_rows)
   if constexpr (Work<M>::kBf16) {
-    if (w.tiles.has_value()) pack_queries<D>(p, w, num_rows);
+    if (w.tiles.has_value()) {
+      tiles = &*w.tiles;
+      amx::pack_lanes<D>(*tiles, w.lane_q.data(), w.lane_pos.data(), w.lane_lo.data(), num_rows, p.num_heads);
+    }
   }
 #endif
   for (int64_t split = first_split; split <= last_split; ++split) {
     const int64_t split_begin = split * st;
-    std::fill(w.acc.begin(), w.acc.begin() + num_lanes * D, 0.f);
-    std::fill(w.m.begin(), w.m.begin() + num_lanes, kNegInf);
-    std::fill(w.l.begin(), w.l.begin() + num_lanes, 0.f);
+#ifdef KVSERVE_HAVE_AMX
+    if (tiles) {
+      amx::begin_split(*tiles, split_begin);
+    } else
+#endif
+    {
+      std::fill(w.acc.begin(), w.acc.begin() + num_lanes * D, 0.f);
+      std::fill(w.m.begin(), w.m.begin() + num_lanes, kNegInf);
+      std::fill(w.l.begin(), w.l.begin() + num_lanes, 0.f);
+    }
     for (int64_t start = split_begin; start < split_begin + st && start <= max_pos; start += p.step_tokens) {
       if (start + p.step_tokens <= min_lo) continue;  // before every row's window: nothing to read
       const int64_t n_max = std::min<int64_t>(p.step_tokens, max_pos + 1 - start);
@@ -318,16 +276,17 @@ void run_item(const Problem& p, const Reader& reader, Work<M>& w, const Item& it
       }
       for (int64_t h = 0; h < p.h_kv; ++h) {
 #ifdef KVSERVE_HAVE_AMX
-        if constexpr (Work<M>::kBf16) {
-          if (w.tiles.has_value()) {  // set once per call (run_rows)
-            run_step_tiles<D>(p, w, h, start, num_rows, n_max);
-            continue;
-          }
+        if (tiles) {
+          amx::run_step<D>(*tiles, h, start, n_max, p.scale);
+          continue;
         }
 #endif
         run_step<D, M>(p, w, h, start, num_rows, n_max);
       }
     }
+#ifdef KVSERVE_HAVE_AMX
+    if (tiles) amx::end_split<D>(*tiles, split_begin, p.num_heads, w.acc.data(), w.m.data(), w.l.data());
+#endif
     for (int64_t lane = 0; lane < num_lanes; ++lane) {
       if (w.lane_pos[lane] < split_begin) continue;
       if (it.split >= 0) {  // a partial for the final fold: [acc D, m, l] per (row, split, head)
@@ -423,7 +382,7 @@ void run_rows(const Problem& p, const Reader& reader, const typename M::Q* q, fl
 #ifdef KVSERVE_HAVE_AMX
         if (Work<M>::kBf16 && amx::attention_on(D)) {  // a path per call, never per row
           amx::configure();
-          w.tiles.emplace(D, p.h_kv, max_rows * (p.num_heads / p.h_kv));
+          w.tiles.emplace(D, p.step_tokens, p.h_kv, max_rows * (p.num_heads / p.h_kv));
         }
 #endif
         return w;
