@@ -52,8 +52,9 @@ struct AttentionTiles {
   std::vector<uint16_t> k;      // [h_kv][sp][D]: the step's K rows, zero past its tokens
   std::vector<uint32_t> vt;     // [h_kv][D][sp / 2]: the step's V^T in token pairs, zero past its tokens
   std::vector<uint32_t> vrows;  // [sp / 2][D]: V's token pairs before the transpose
-  std::vector<float> st;        // [sp][16]: one group's scores
-  std::vector<uint32_t> pt;     // [sp / 2][16]: one group's probabilities in token pairs
+  std::vector<float> st;        // [2][sp][16]: a group's scores (two buffers: the next group's tiles run
+                                // while this one's softmax does)
+  std::vector<uint32_t> pt;     // [sp / 2][16]: a group's probabilities in token pairs
   alignas(64) float c[4 * kTileRows * kGroup];
   AttentionTiles(int64_t d_, int64_t sp_, int64_t h_kv_, int64_t max_lanes_per_head)
       : d(d_), sp(sp_), h_kv(h_kv_) {
@@ -62,7 +63,7 @@ struct AttentionTiles {
     pos.resize(h_kv * g * kGroup), lo.resize(h_kv * g * kGroup);
     acc.resize(h_kv * g * d * kGroup), m.resize(h_kv * g * kGroup), l.resize(h_kv * g * kGroup);
     k.resize(h_kv * sp * d), vt.resize(h_kv * d * sp / 2), vrows.resize(sp / 2 * d);
-    st.resize(sp * kGroup), pt.resize(sp / 2 * kGroup);
+    st.resize(2 * sp * kGroup), pt.resize(sp / 2 * kGroup);
   }
   int64_t at(int64_t h, int64_t g) const { return h * groups + g; }  // a (KV head, group) index
 };
@@ -169,9 +170,9 @@ void end_split(const AttentionTiles& t, int64_t from, int64_t num_heads, float* 
   }
 }
 
-// S^T of group g of KV head h over the step's tokens < tokens (a multiple of 64) into t.st.
+// S^T of group g of KV head h over the step's tokens < tokens (a multiple of 64) into st [tokens][16].
 template <int D>
-void scores(AttentionTiles& t, int64_t h, int64_t g, int64_t tokens) {
+void scores(const AttentionTiles& t, int64_t h, int64_t g, int64_t tokens, float* st) {
   const char* q = reinterpret_cast<const char*>(t.qt.data() + t.at(h, g) * (D / 2) * kGroup);
   const char* k = reinterpret_cast<const char*>(t.k.data() + h * t.sp * D);
   constexpr int64_t kRow = D * 2, kTile = 16 * kRow;  // bytes of a K row, of 16
@@ -192,7 +193,7 @@ void scores(AttentionTiles& t, int64_t h, int64_t g, int64_t tokens) {
       _tile_loadd(5, a + 3 * kTile + ks * 64, kRow);
       _tile_dpbf16ps(3, 5, 6);
     }
-    float* s = t.st.data() + t0 * kGroup;
+    float* s = st + t0 * kGroup;
     _tile_stored(0, s, 64);
     _tile_stored(1, s + 16 * kGroup, 64);
     _tile_stored(2, s + 32 * kGroup, 64);
@@ -200,44 +201,74 @@ void scores(AttentionTiles& t, int64_t h, int64_t g, int64_t tokens) {
   }
 }
 
-// The softmax of group g's step at `start`, scores in t.st for tokens < n_max: updates m and l, writes
-// the bf16 probabilities in token pairs to t.pt up to 2 * units tokens, returns the correction. A lane
-// that does not see the step keeps its state (correction 1, probabilities 0).
-inline vf softmax(AttentionTiles& t, int64_t h, int64_t g, int64_t start, int64_t n_max, int64_t units, float scale) {
+// Two tokens' probabilities (16 lanes each) as bf16 pairs: p0 in the low half of each 32-bit lane.
+// vcvtne2ps2bf16 rounds to nearest even as bf16_bits does (the probabilities are never denormal, which
+// it would flush: exp_nonpositive is at least exp(-87) ~ 1.6e-38 or exactly 0).
+inline vu bf16_pairs(vf p0, vf p1) {
+#if defined(__AVX512BF16__)
+  const __m512i both = reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(reinterpret_cast<__m512>(p1), reinterpret_cast<__m512>(p0)));
+  // [p0 0..15, p1 0..15] as bf16 -> (p0 j, p1 j) pairs
+  const __m512i order = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23, 7, 22, 6, 21, 5,
+                                         20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
+  return reinterpret_cast<vu>(_mm512_permutexvar_epi16(order, both));
+#else
+  return bf16_bits(p0) | (bf16_bits(p1) << 16);
+#endif
+}
+
+// The softmax of group g's step at `start`, scores st for tokens < n_max: updates m and l, writes the
+// bf16 probabilities in token pairs to t.pt up to 2 * units tokens, returns the correction. A lane
+// that does not see the step keeps its state (correction 1, probabilities 0). Where every lane sees
+// every token of the step (all but the diagonal and window-edge groups) nothing is masked.
+inline vf softmax(AttentionTiles& t, float* st, int64_t h, int64_t g, int64_t start, int64_t n_max, int64_t units,
+                  float scale) {
   const int64_t at = t.at(h, g) * kGroup;
   vi pos, lo;
   std::memcpy(&pos, t.pos.data() + at, sizeof(vi));
   std::memcpy(&lo, t.lo.data() + at, sizeof(vi));
-  const vi sees = (pos >= static_cast<int32_t>(start)) & (lo < static_cast<int32_t>(start + t.sp));
-  float* st = t.st.data();
-  vf mx = splat(kNegInf);
-  for (int64_t tok = 0; tok < n_max; ++tok) {
-    const vi p = vi{} + static_cast<int32_t>(start + tok);
-    const vf x = loadu(st + tok * kGroup) * scale;
-    const vf masked = (p <= pos) & (p >= lo) ? x : splat(kNegInf);
-    storeu(st + tok * kGroup, masked);
-    mx = mx > masked ? mx : masked;
+  // a lane sees token `start + tok` iff lo <= start + tok <= pos: tok in [first, last]
+  const vi first = lo - static_cast<int32_t>(start), last = pos - static_cast<int32_t>(start);
+  const vi sees = (last >= 0) & (first < static_cast<int32_t>(t.sp));
+  bool whole = true;  // every lane sees tokens [0, n_max)
+  for (int j = 0; j < kLanes; ++j) whole = whole && first[j] <= 0 && last[j] >= n_max - 1;
+  vf mxs[4] = {splat(kNegInf), splat(kNegInf), splat(kNegInf), splat(kNegInf)};  // four chains (max is exact)
+  if (whole) {
+    for (int64_t tok = 0; tok < n_max; ++tok) {
+      const vf x = loadu(st + tok * kGroup) * scale;
+      storeu(st + tok * kGroup, x);
+      mxs[tok % 4] = mxs[tok % 4] > x ? mxs[tok % 4] : x;
+    }
+  } else {
+    for (int64_t tok = 0; tok < n_max; ++tok) {
+      const vi x = vi{} + static_cast<int32_t>(tok);
+      const vf masked = (x <= last) & (x >= first) ? loadu(st + tok * kGroup) * scale : splat(kNegInf);
+      storeu(st + tok * kGroup, masked);
+      mxs[tok % 4] = mxs[tok % 4] > masked ? mxs[tok % 4] : masked;
+    }
   }
+  const vf mx01 = mxs[0] > mxs[1] ? mxs[0] : mxs[1], mx23 = mxs[2] > mxs[3] ? mxs[2] : mxs[3];
+  const vf mx = mx01 > mx23 ? mx01 : mx23;
   const vf m_old = loadu(t.m.data() + at);
   const vf m_new = m_old < mx ? mx : m_old;  // std::max(m, step max), lane by lane
   const vf corr = sees ? exp_nonpositive(m_old - m_new) : splat(1.0f);
   vf slot[kLanes];
   for (auto& s : slot) s = vf{};
-  for (int64_t tok = 0; tok < 2 * units; tok += 2) {
-    vu bits[2];
-    for (int64_t e = 0; e < 2; ++e) {
-      const int64_t x = tok + e;
-      vf p = vf{};
-      if (x < n_max) {
-        const vi at_pos = vi{} + static_cast<int32_t>(start + x);
-        p = exp_nonpositive(loadu(st + x * kGroup) - m_new);
-        p = (at_pos <= pos) & (at_pos >= lo) ? p : vf{};
-      }
-      slot[x % kLanes] += p;
-      bits[e] = bf16_bits(p);
+  auto prob = [&](int64_t tok) {
+    if (tok >= n_max) return vf{};
+    const vf e = exp_nonpositive(loadu(st + tok * kGroup) - m_new);
+    if (whole) return e;
+    const vi x = vi{} + static_cast<int32_t>(tok);
+    return (x <= last) & (x >= first) ? e : vf{};
+  };
+  for (int64_t t0 = 0; t0 < 2 * units; t0 += kLanes) {  // 16 tokens a round, one per slot: 16 exp chains
+#pragma GCC unroll 8
+    for (int j = 0; j < kLanes; j += 2) {
+      const vf p0 = prob(t0 + j), p1 = prob(t0 + j + 1);
+      slot[j] += p0;
+      slot[j + 1] += p1;
+      const vu pair = bf16_pairs(p0, p1);
+      std::memcpy(t.pt.data() + (t0 + j) / 2 * kGroup, &pair, sizeof(vu));
     }
-    const vu pair = bits[0] | (bits[1] << 16);
-    std::memcpy(t.pt.data() + tok / 2 * kGroup, &pair, sizeof(vu));
   }
   // hsum's halving (vec.h) of the slots, lane by lane
   for (int w = kLanes / 2; w >= 1; w /= 2)
@@ -291,20 +322,32 @@ void pv(AttentionTiles& t, int64_t h, int64_t g, int64_t units, vf corr) {
 }
 
 // One step at `start` (tokens < n_max, K and V read by read_kv) for every group of KV head h that has a
-// lane seeing it.
+// lane seeing it. The next group's scores are computed before this group's softmax, so that the tile
+// unit works while the vector units do (two score buffers).
 template <int D>
 void run_step(AttentionTiles& t, int64_t h, int64_t start, int64_t n_max, float scale) {
   const int64_t tokens = (n_max + 63) / 64 * 64;
   const int64_t units = (n_max + 31) / 32 * 16;  // P V over token pairs up to n_max, in tiles of 32 tokens
-  for (int64_t g = 0; g < t.groups; ++g) {
+  auto seen = [&](int64_t g) {
     const int32_t* pos = t.pos.data() + t.at(h, g) * kGroup;
     const int32_t* lo = t.lo.data() + t.at(h, g) * kGroup;
     bool any = false;
     for (int64_t j = 0; j < kGroup; ++j) any |= pos[j] >= start && lo[j] < start + t.sp;
-    if (!any) continue;
-    scores<D>(t, h, g, tokens);
-    const vf corr = softmax(t, h, g, start, n_max, units, scale);
+    return any;
+  };
+  auto next_seen = [&](int64_t g) {
+    while (g < t.groups && !seen(g)) ++g;
+    return g;
+  };
+  float* st[2] = {t.st.data(), t.st.data() + t.sp * kGroup};
+  int64_t g = next_seen(0), buf = 0;
+  if (g < t.groups) scores<D>(t, h, g, tokens, st[0]);
+  while (g < t.groups) {
+    const int64_t next = next_seen(g + 1);
+    if (next < t.groups) scores<D>(t, h, next, tokens, st[buf ^ 1]);
+    const vf corr = softmax(t, st[buf], h, g, start, n_max, units, scale);
     pv<D>(t, h, g, units, corr);
+    g = next, buf ^= 1;
   }
 }
 
