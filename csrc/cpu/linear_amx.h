@@ -55,14 +55,26 @@ inline const char* a_rows(const Shape& s, int64_t m) {
   return reinterpret_cast<const char*>(m < s.full_rows ? s.x + m * s.in : s.tail + (m - s.full_rows) * s.in);
 }
 
-// C tiles c (row tile r, panel q) -> y with the bias, rounded to bf16 once.
+// The low halves of h's 16 lanes (bf16 bits) to dst[0 .. n).
+inline void store_bits(at::BFloat16* dst, vu h, int64_t n) {
+  typedef uint16_t vh __attribute__((vector_size(kTileOutputs * sizeof(uint16_t))));
+  const vh bits = __builtin_convertvector(h, vh);
+  if (n == kTileOutputs) {
+    std::memcpy(dst, &bits, sizeof(vh));  // one 32-byte store
+  } else {
+    std::memcpy(dst, &bits, n * sizeof(uint16_t));  // the last panel of an output count not a multiple of 16
+  }
+}
+
+// C tiles c (row tile r, panel q) -> y with the bias, rounded to bf16 once (bf16_bits: nearest even, as
+// c10's conversion of a finite float).
 inline void store(const Shape& s, const float* c, int64_t m, int64_t p) {
   const int64_t o0 = p * kTileOutputs, n = std::min(kTileOutputs, s.out - o0);
   const int64_t rows = std::min(kTileRows, s.rows - m);
+  const vf b = s.b ? loadu(s.b + o0) : vf{};  // zero-padded to whole panels
   for (int64_t r = 0; r < rows; ++r) {
-    at::BFloat16* dst = s.y + (m + r) * s.out + o0;
-    const float* src = c + r * kTileOutputs;
-    for (int64_t j = 0; j < n; ++j) dst[j] = at::BFloat16(s.b ? src[j] + s.b[o0 + j] : src[j]);
+    const vf v = loadu(c + r * kTileOutputs);
+    store_bits(s.y + (m + r) * s.out + o0, bf16_bits(s.b ? v + b : v), n);
   }
 }
 
@@ -76,8 +88,7 @@ inline void store_glu(const Shape& s, const float* gate, const float* up, int64_
   for (int64_t r = 0; r < rows; ++r) {
     const vu h = bf16_bits(glu_bf16(round_bf16(loadu(gate + r * kTileOutputs) + bg),
                                      round_bf16(loadu(up + r * kTileOutputs) + bu)));
-    at::BFloat16* dst = s.y + (m + r) * s.out + o0;
-    for (int64_t j = 0; j < n; ++j) dst[j] = at::BFloat16(static_cast<uint16_t>(h[j]), at::BFloat16::from_bits());
+    store_bits(s.y + (m + r) * s.out + o0, h, n);
   }
 }
 
