@@ -25,7 +25,7 @@ from kvserve.attention.probe import AttentionProbe, ProbingBackend
 from kvserve.engine.prompt_logprobs import ROWS_PER_BLOCK, PromptRows, rows_to_score, score
 from kvserve.kvcache.kv_storage import LayerKV
 from kvserve.kvcache.layout import KVLayout
-from kvserve.models.fused_llama import FusedLlamaForward, LayerCut
+from kvserve.models.fused_llama import FusedLlamaForward, LayerCut, LayerTail
 from kvserve.models.hf_adapter import PoolCache
 from kvserve.models.nested import NestedLinear, RowPrecision
 from kvserve.request import TokenLogprob
@@ -45,6 +45,7 @@ class StepInputs:
     precision: RowPrecision | None = None  # NestedFP weights: each row's precision (its sequence's)
     probes: list[AttentionProbe] = field(default_factory=list)  # attention measured beside the forward
     layer_metas: list[AttentionMetadata] | None = None  # per layer, its group's (None: one group)
+    tail: LayerTail | None = None  # the fused forward's last layer: only the sampled rows (prepare_inputs)
 
 
 @dataclass
@@ -159,11 +160,25 @@ class ModelRunner:
             sub = AttentionMetadata.build(keep, self.block_size, dev, explicit_positions=explicit)
             cuts.append(LayerCut(k - 1, sum(len(r.positions) for r in keep), sub))
         positions = torch.cat([r.positions for r in rows])
+        tail = None
+        if self._takes_tail(items, logits_indices, len(input_ids), cuts, prompt_rows, probes, row_precisions):
+            # only the sampled rows (each its sequence's last) past the last layer's KV write
+            last = [
+                SeqRows(r.block_ids, r.positions[-1:], r.seq_len)
+                for it, r in zip(items, rows, strict=True)
+                if it.sample
+            ]
+            tail = LayerTail(
+                torch.tensor(logits_indices, dtype=torch.long, device=dev),
+                AttentionMetadata.build(last, self.block_size, dev, write=False),
+            )
+            logits_indices = list(range(len(logits_indices)))
         return StepInputs(
             input_ids=torch.tensor([input_ids], dtype=torch.long, device=dev),
             position_ids=positions.unsqueeze(0).to(dev),
             meta=meta,
             logits_indices=torch.tensor(logits_indices, dtype=torch.long, device=dev),
+            tail=tail,
             cuts=cuts,
             work=work,
             prompt_rows=prompt_rows,
@@ -171,6 +186,25 @@ class ModelRunner:
             probes=probes,
             layer_metas=layer_metas,
         )
+
+    def _takes_tail(
+        self,
+        items: list[Any],
+        logits_indices: list[int],
+        num_rows: int,
+        cuts: list[LayerCut],
+        prompt_rows: list[PromptRows],
+        probes: list[Any],
+        row_precisions: list[str],
+    ) -> bool:
+        """The fused forward's last layer may skip rows whose hidden state nobody reads: when the only
+        rows that leave the model are the sampled ones (no prompt logprobs, probes, early cuts or
+        per-row NestedFP precisions), each its sequence's last row, and they are fewer than all."""
+        if self.fused is None or cuts or prompt_rows or probes or row_precisions:
+            return False
+        if len(logits_indices) == num_rows:  # decode: every row is sampled
+            return False
+        return all(it.positions is None for it in items)  # bottom-right rows: a sampled row ends its sequence
 
     def backend_for(self, meta: AttentionMetadata) -> AttentionBackend:
         """Rows at explicit positions need a backend that takes them."""
@@ -194,7 +228,8 @@ class ModelRunner:
                 inputs.meta,
                 inputs.cuts,
                 inputs.precision,
-            )  # [num_tokens left after the cuts, hidden]
+                inputs.tail,
+            )  # [num_tokens left after the cuts, or the tail's rows, hidden]
         elif inputs.cuts:
             hidden = self._hf_by_layer(inputs, backend)
         else:

@@ -77,6 +77,16 @@ class LayerCut:
 
 
 @dataclass
+class LayerTail:
+    """The last layer computes past its KV write only the rows `rows` (those whose hidden state leaves
+    the model: the sampled rows), with metadata `meta` for them. Each row's arithmetic is the same as
+    in the full layer; the other rows' last-layer KV is written all the same."""
+
+    rows: torch.Tensor  # [k] int64 indices into the step's rows
+    meta: AttentionMetadata
+
+
+@dataclass
 class FusedLayer:
     post_norm: torch.Tensor
     next_norm: torch.Tensor  # the next layer's input norm; after the last layer, the final norm
@@ -168,7 +178,9 @@ def fuse(linears: list[Any], ext: ModuleType) -> FusedLinear | NestedLinear:
 
 
 class FusedLlamaForward:
-    """decoder(input_ids) -> last hidden states [num_tokens, hidden], for one packed step."""
+    """decoder(input_ids) -> last hidden states [num_tokens, hidden] for one packed step: of the rows
+    left after the cuts, or with a tail, of its rows only (the sampled rows: the last layer computes
+    no other row past its KV write)."""
 
     def __init__(self, model: nn.Module, ext: ModuleType):
         reason = unsupported_reason(model, ext)
@@ -222,6 +234,7 @@ class FusedLlamaForward:
         meta: AttentionMetadata,
         cuts: list[LayerCut] | None = None,
         precision: RowPrecision | None = None,  # NestedFP weights: each row's mode (default FP16)
+        tail: LayerTail | None = None,  # with no cuts: only these rows past the last layer's KV write
     ) -> torch.Tensor:
         ext = self.ext
         precision = precision or RowPrecision()
@@ -240,6 +253,13 @@ class FusedLlamaForward:
             v = qkv[:, q_cols + kv_cols :].view(rows, self.num_kv_heads, self.head_dim)
             kv_layers[i].write(meta.slot_mapping, k, v)
             q = qkv[:, :q_cols].view(rows, self.num_heads, self.head_dim)
+            if tail is not None and i == len(self.layers) - 1:  # the rows that leave the model
+                assert not cuts, "a tail takes no cuts"
+                rows, meta = tail.rows.numel(), tail.meta
+                if rows == 0:  # nothing sampled (a prompt's slice before its last): only the KV was needed
+                    x = x[:0]
+                    break
+                q, hidden = q.index_select(0, tail.rows), hidden.index_select(0, tail.rows)
             attn = backend.forward(q, kv_layers[i], meta, self.scale)  # [T, heads, head_dim]
             o = layer.o.run(attn.reshape(rows, q_cols), precision)
             x = ext.add_rms_norm_(hidden, o, layer.post_norm, self.eps)
