@@ -25,7 +25,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from bench_serving import QUICK, VLLM_SIZE, WORKLOADS, Size, agreement, bench_system  # noqa: E402
+from bench_serving import QUICK, VLLM_SIZE, WORKLOADS, Size, agreement, bench_interleaved, bench_system  # noqa: E402
 from machine import machine  # noqa: E402
 
 BASELINE = "hf"
@@ -78,8 +78,11 @@ def add_agreement(results: list[dict]) -> None:
             r["agreement"] = agreement(outputs[(r["system"], r["workload"])], ref)
 
 
-def run_all(systems: list[str], workloads: list[str], size: Size, out: Path, resume: bool):
-    """Runs every (workload, system) pair not already in `out` (with resume), saving after each."""
+def run_all(
+    systems: list[str], workloads: list[str], size: Size, out: Path, resume: bool, interleave: bool = False
+):
+    """Runs every (workload, system) pair not already in `out` (with resume), saving after each; with
+    `interleave`, all the systems of a workload at once, taking turns (bench_serving.bench_interleaved)."""
     from peers.launch import systems as system_specs
 
     data = json.loads(out.read_text()) if resume and out.exists() else {"results": []}
@@ -97,6 +100,28 @@ def run_all(systems: list[str], workloads: list[str], size: Size, out: Path, res
     for workload in workloads:
         k = WORKLOADS.index(workload)
         specs = system_specs(workload)
+        if interleave:
+            names = [
+                n
+                for n in systems
+                if (n, workload) not in done
+                and not (specs[n].workloads and workload not in specs[n].workloads)
+            ]
+            if not names:
+                continue
+            t0, load = time.monotonic(), os.getloadavg()[0]
+            for r in bench_interleaved(names, workload, size, 18400 + 10 * k, out.parent / "logs"):
+                r["run_wall_s"], r["loadavg_1m_before"] = time.monotonic() - t0, load
+                results.append(r)
+                status = r.get("unavailable", "ok").splitlines()[-1][:120]
+                print(
+                    f"[{time.strftime('%H:%M:%S')}] {workload:9} {r['system']:15} interleaved  {status}",
+                    flush=True,
+                )
+            add_agreement(results)
+            meta["finished"] = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())
+            out.write_text(json.dumps({"meta": meta, "results": results}, indent=1))
+            continue
         for i, name in enumerate(rotated(systems, k)):
             only = specs[name].workloads
             if (name, workload) in done or (only and workload not in only):
@@ -337,6 +362,12 @@ def main() -> None:
     p.add_argument("--out", type=Path, default=Path("out/bench/compare.json"))
     p.add_argument("--resume", action="store_true", help="keep the runs already in --out")
     p.add_argument("--report", type=Path, help="only rebuild the docs from this JSON")
+    p.add_argument(
+        "--interleave",
+        action="store_true",
+        help="start a workload's systems together and let them take turns request by request "
+        "(concurrent phases whole), so a slow spell of a shared machine falls on all alike",
+    )
     p.add_argument("--docs", type=Path, default=Path("docs"), help="where benchmarks.md goes")
     p.add_argument("--suite", choices=["all", "vllm"], default="all", help="vllm: kvserve vs vLLM-CPU")
     p.add_argument(
@@ -370,7 +401,7 @@ def main() -> None:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         size = QUICK if args.quick else VLLM_SIZE if args.suite == "vllm" else Size()
         names, workloads = args.systems.split(","), args.workloads.split(",")
-        data = run_all(names, workloads, size, args.out, args.resume)
+        data = run_all(names, workloads, size, args.out, args.resume, args.interleave)
     if args.suite == "vllm":
         from bench_vllm_report import write_vllm_report
 

@@ -377,6 +377,97 @@ def load_tokenizer():
     return AutoTokenizer.from_pretrained(model_dir())
 
 
+def _rounds(phase: Phase) -> list[Phase]:
+    """A phase cut where systems may take turns: a concurrency-1 phase request by request (each
+    request's timing is alone on the machine either way), a concurrent phase whole."""
+    if phase.concurrency > 1:
+        return [phase]
+    return [dataclasses.replace(phase, requests=(r,)) for r in phase.requests]
+
+
+async def _interleaved(
+    urls: list[str], phases: list[Phase], size: Size, temps, caps, tokenizer
+) -> list[list[dict]]:
+    """Every system's phases, the systems taking turns round by round (the first system first in even
+    rounds, last in odd ones): a slow spell of a shared machine falls on all of them alike."""
+    from openai import AsyncOpenAI
+
+    clients = [AsyncOpenAI(base_url=u, api_key="unused", max_retries=0, timeout=900.0) for u in urls]
+    models = [(await c.models.list()).data[0].id for c in clients]
+    warm = Req("warmup", tuple((m["role"], m["content"]) for m in WARMUP_MESSAGES))
+    for c, m, t in zip(clients, models, temps, strict=True):
+        await _one(c, m, warm, 2, t, tokenizer)  # untimed, unrelated prompt
+    out: list[list[dict]] = [[] for _ in urls]
+    turn = 0
+    for phase in phases:
+        parts: list[list[dict]] = [[] for _ in urls]
+        for part in _rounds(phase):
+            order = list(range(len(urls)))
+            order = order if turn % 2 == 0 else order[::-1]
+            turn += 1
+            for i in order:
+                parts[i].append(
+                    await run_phase(clients[i], models[i], part, size, temps[i], tokenizer, caps[i])
+                )
+        for i, done in enumerate(parts):
+            records = [rec for d in done for rec in d["records"]]
+            wall = sum(d["summary"]["wall_s"] for d in done)
+            out[i].append(
+                {
+                    "phase": phase.name,
+                    "concurrency": phase.concurrency,
+                    "summary": summarize(records, wall),
+                    "records": records,
+                }
+            )
+    for c in clients:
+        await c.close()
+    return out
+
+
+def bench_interleaved(names: list[str], workload: str, size: Size, port: int, log_dir: Path) -> list[dict]:
+    """Starts every system at once (each idle while another is measured), runs the workload's phases
+    in turns (_interleaved), stops them all: one result per system, as bench_system gives."""
+    from contextlib import ExitStack
+
+    from peers.launch import peak_rss_bytes, running, systems
+
+    specs = systems(workload)
+    tokenizer = load_tokenizer()
+    phases = build_workload(workload, tokenizer, size)
+    results = [
+        {
+            "system": n,
+            "workload": workload,
+            "note": specs[n].note,
+            "interleaved_with": [m for m in names if m != n],
+        }
+        for n in names
+    ]
+    try:
+        with ExitStack() as stack:
+            started = [
+                stack.enter_context(running(specs[n], port + i, log_dir / f"{n}-{workload}.log"))
+                for i, n in enumerate(names)
+            ]
+            run = _interleaved(
+                [url for _, url in started],
+                phases,
+                size,
+                [specs[n].greedy_temperature for n in names],
+                [specs[n].max_requests for n in names],
+                tokenizer,
+            )
+            per_system = asyncio.run(asyncio.wait_for(run, RUN_TIMEOUT_S * len(names)))
+            for r, phases_done, (pid, _) in zip(results, per_system, started, strict=True):
+                r["phases"] = phases_done
+                r["peak_rss_bytes"] = peak_rss_bytes(pid)
+    except (RuntimeError, TimeoutError) as exc:
+        for r in results:
+            r["unavailable"] = f"{type(exc).__name__}: {exc}"[-1500:]
+    return results
+
+
 def bench_system(system_name: str, workload: str, size: Size, port: int, log_dir: Path) -> dict:
     """Starts the system, runs the workload, records peak RSS, stops the system."""
     from peers.launch import peak_rss_bytes, running, systems
