@@ -218,8 +218,74 @@ inline vu bf16_pairs(vf p0, vf p1) {
 
 // The softmax of group g's step at `start`, scores st for tokens < n_max: updates m and l, writes the
 // bf16 probabilities in token pairs to t.pt up to 2 * units tokens, returns the correction. A lane
-// that does not see the step keeps its state (correction 1, probabilities 0). Where every lane sees
-// every token of the step (all but the diagonal and window-edge groups) nothing is masked.
+// that does not see the step keeps its state (correction 1, probabilities 0). Whole: every lane sees
+// every token of the step (all but the diagonal and window-edge groups), so nothing is masked.
+template <bool Whole>
+inline vf softmax_of(AttentionTiles& t, float* st, int64_t at, vi first, vi last, vi sees, int64_t n_max, int64_t units,
+                     float scale) {
+  auto visible = [&](int64_t tok) {
+    const vi x = vi{} + static_cast<int32_t>(tok);
+    return (x <= last) & (x >= first);
+  };
+  auto scaled = [&](int64_t tok) {
+    const vf x = loadu(st + tok * kGroup) * scale;
+    if constexpr (Whole) return x;
+    return visible(tok) ? x : splat(kNegInf);
+  };
+  // the step max in four chains held in registers (max is exact: any order gives the same)
+  vf mx0 = splat(kNegInf), mx1 = mx0, mx2 = mx0, mx3 = mx0;
+  int64_t tok = 0;
+  for (; tok + 4 <= n_max; tok += 4) {
+    const vf x0 = scaled(tok), x1 = scaled(tok + 1), x2 = scaled(tok + 2), x3 = scaled(tok + 3);
+    storeu(st + tok * kGroup, x0);
+    storeu(st + (tok + 1) * kGroup, x1);
+    storeu(st + (tok + 2) * kGroup, x2);
+    storeu(st + (tok + 3) * kGroup, x3);
+    mx0 = mx0 > x0 ? mx0 : x0;
+    mx1 = mx1 > x1 ? mx1 : x1;
+    mx2 = mx2 > x2 ? mx2 : x2;
+    mx3 = mx3 > x3 ? mx3 : x3;
+  }
+  for (; tok < n_max; ++tok) {
+    const vf x = scaled(tok);
+    storeu(st + tok * kGroup, x);
+    mx0 = mx0 > x ? mx0 : x;
+  }
+  const vf mx01 = mx0 > mx1 ? mx0 : mx1, mx23 = mx2 > mx3 ? mx2 : mx3;
+  const vf mx = mx01 > mx23 ? mx01 : mx23;
+  const vf m_old = loadu(t.m.data() + at);
+  const vf m_new = m_old < mx ? mx : m_old;  // std::max(m, step max), lane by lane
+  const vf corr = sees ? exp_nonpositive(m_old - m_new) : splat(1.0f);
+  vf slot[kLanes];
+  for (auto& s : slot) s = vf{};
+  auto prob = [&](int64_t tok) {
+    const vf e = exp_nonpositive(loadu(st + tok * kGroup) - m_new);
+    if constexpr (Whole) return e;
+    return visible(tok) ? e : vf{};
+  };
+  auto round = [&](int64_t t0, auto&& p) {  // 16 tokens, one per slot: 16 exp chains
+#pragma GCC unroll 8
+    for (int j = 0; j < kLanes; j += 2) {
+      const vf p0 = p(t0 + j), p1 = p(t0 + j + 1);
+      slot[j] += p0;
+      slot[j + 1] += p1;
+      const vu pair = bf16_pairs(p0, p1);
+      std::memcpy(t.pt.data() + (t0 + j) / 2 * kGroup, &pair, sizeof(vu));
+    }
+  };
+  int64_t t0 = 0;
+  for (; t0 + kLanes <= n_max; t0 += kLanes) round(t0, prob);
+  for (; t0 < 2 * units; t0 += kLanes)  // the rounds past n_max's last whole one: 0 past it
+    round(t0, [&](int64_t tok) { return tok < n_max ? prob(tok) : vf{}; });
+  // hsum's halving (vec.h) of the slots, lane by lane
+  for (int w = kLanes / 2; w >= 1; w /= 2)
+    for (int j = 0; j < w; ++j) slot[j] = slot[j] + slot[j + w];
+  const vf l_old = loadu(t.l.data() + at);
+  storeu(t.l.data() + at, l_old * corr + slot[0]);
+  storeu(t.m.data() + at, sees ? m_new : m_old);
+  return corr;
+}
+
 inline vf softmax(AttentionTiles& t, float* st, int64_t h, int64_t g, int64_t start, int64_t n_max, int64_t units,
                   float scale) {
   const int64_t at = t.at(h, g) * kGroup;
@@ -231,52 +297,8 @@ inline vf softmax(AttentionTiles& t, float* st, int64_t h, int64_t g, int64_t st
   const vi sees = (last >= 0) & (first < static_cast<int32_t>(t.sp));
   bool whole = true;  // every lane sees tokens [0, n_max)
   for (int j = 0; j < kLanes; ++j) whole = whole && first[j] <= 0 && last[j] >= n_max - 1;
-  vf mxs[4] = {splat(kNegInf), splat(kNegInf), splat(kNegInf), splat(kNegInf)};  // four chains (max is exact)
-  if (whole) {
-    for (int64_t tok = 0; tok < n_max; ++tok) {
-      const vf x = loadu(st + tok * kGroup) * scale;
-      storeu(st + tok * kGroup, x);
-      mxs[tok % 4] = mxs[tok % 4] > x ? mxs[tok % 4] : x;
-    }
-  } else {
-    for (int64_t tok = 0; tok < n_max; ++tok) {
-      const vi x = vi{} + static_cast<int32_t>(tok);
-      const vf masked = (x <= last) & (x >= first) ? loadu(st + tok * kGroup) * scale : splat(kNegInf);
-      storeu(st + tok * kGroup, masked);
-      mxs[tok % 4] = mxs[tok % 4] > masked ? mxs[tok % 4] : masked;
-    }
-  }
-  const vf mx01 = mxs[0] > mxs[1] ? mxs[0] : mxs[1], mx23 = mxs[2] > mxs[3] ? mxs[2] : mxs[3];
-  const vf mx = mx01 > mx23 ? mx01 : mx23;
-  const vf m_old = loadu(t.m.data() + at);
-  const vf m_new = m_old < mx ? mx : m_old;  // std::max(m, step max), lane by lane
-  const vf corr = sees ? exp_nonpositive(m_old - m_new) : splat(1.0f);
-  vf slot[kLanes];
-  for (auto& s : slot) s = vf{};
-  auto prob = [&](int64_t tok) {
-    if (tok >= n_max) return vf{};
-    const vf e = exp_nonpositive(loadu(st + tok * kGroup) - m_new);
-    if (whole) return e;
-    const vi x = vi{} + static_cast<int32_t>(tok);
-    return (x <= last) & (x >= first) ? e : vf{};
-  };
-  for (int64_t t0 = 0; t0 < 2 * units; t0 += kLanes) {  // 16 tokens a round, one per slot: 16 exp chains
-#pragma GCC unroll 8
-    for (int j = 0; j < kLanes; j += 2) {
-      const vf p0 = prob(t0 + j), p1 = prob(t0 + j + 1);
-      slot[j] += p0;
-      slot[j + 1] += p1;
-      const vu pair = bf16_pairs(p0, p1);
-      std::memcpy(t.pt.data() + (t0 + j) / 2 * kGroup, &pair, sizeof(vu));
-    }
-  }
-  // hsum's halving (vec.h) of the slots, lane by lane
-  for (int w = kLanes / 2; w >= 1; w /= 2)
-    for (int j = 0; j < w; ++j) slot[j] = slot[j] + slot[j + w];
-  const vf l_old = loadu(t.l.data() + at);
-  storeu(t.l.data() + at, l_old * corr + slot[0]);
-  storeu(t.m.data() + at, sees ? m_new : m_old);
-  return corr;
+  return whole ? softmax_of<true>(t, st, at, first, last, sees, n_max, units, scale)
+               : softmax_of<false>(t, st, at, first, last, sees, n_max, units, scale);
 }
 
 // acc^T <- acc^T * corr + V^T P^T over the token pairs < units (a multiple of 16) for group g.
