@@ -16,7 +16,11 @@ capped at `max_pinned_blocks`; `reserve_pins` books room for a warm before it ru
 A full chunk computed here also keeps the keys of its leading whole blocks (`block_keys`,
 hashing.block_keys): a prompt that shares only the first blocks of a cached chunk (a new question after
 a cached document that ends mid-chunk) finds them with `match_blocks` and reuses those blocks, so an
-exact prefix hit is as fine as a block, not a chunk. The keys go with the chunk when it is dropped.
+exact prefix hit is as fine as a block, not a chunk. A request whose prompt is in, or that is done,
+also caches the whole blocks it computed past its last full chunk as a block tail (fewer than a
+chunk's tokens, every one of its blocks keyed: KVCacheManager.commit_blocks), so the next question
+over the same system prompt, or the next turn of a chat, hits to the block too. The keys go with the
+chunk when it is dropped.
 
 Evictable == no users, no pin, no cached children; only evictable chunks are known to the eviction
 policy.
@@ -50,7 +54,7 @@ class CachedChunk:
     block_ids: list[int]  # the global groups' blocks, group after group (kvcache/layout.py)
     depth: int  # chunk index within the prompt that produced it (0 = first chunk)
     parent: bytes | None  # prefix hash of the chunk before it (None: depth 0, under the root)
-    num_tokens: int = 0  # chunk_size, or fewer for a prompt's tail (never prefix-matched)
+    num_tokens: int = 0  # chunk_size, or fewer: a prompt's tail (content matches) or a block tail (match_blocks)
     num_users: int = 0
     num_pins: int = 0  # owners pinning it
     num_children: int = 0  # cached chunks whose parent it is
@@ -172,7 +176,8 @@ class ChunkStore:
         """Register a chunk computed by a running request, which becomes its first user. The parent
         must be cached (the caller holds it). The caller (kvcache/manager.py) has given the store one
         pool ref on each block (`block_ids` and `window_blocks`); the store releases it when it drops
-        the chunk. A tail (num_tokens < chunk_size) is held for content matches only."""
+        the chunk. A tail (num_tokens < chunk_size) is never prefix-matched by hash: a prompt's tail is
+        held for content matches, a block tail (with block_keys) for match_blocks."""
         num_tokens = num_tokens or self.chunk_size
         assert prefix_hash not in self._chunks and 0 < num_tokens <= self.chunk_size
         window_blocks = list(window_blocks or [])
@@ -409,9 +414,7 @@ class ChunkStore:
         assert self._pinned_holders == pinned, "pinned blocks do not match the pinned chunks"
         assert self.num_pinned_blocks <= self.max_pinned_blocks
         assert self.policy.candidates() == {h for h, c in self._chunks.items() if c.evictable}
-        indexed = {
-            key: (h, j) for h, c in self._chunks.items() for j, key in enumerate(c.block_keys, start=1)
-        }
-        assert indexed == self._by_blocks, "the block index does not match the chunks' keys"
-        for h, j in indexed.values():
-            assert j < self.blocks_per_chunk and self._chunks[h].num_tokens == self.chunk_size
+        owners = {key: h for h, c in self._chunks.items() for key in c.block_keys}
+        assert owners == {key: h for key, (h, _) in self._by_blocks.items()}, "the block index does not match the chunks' keys"
+        for h, j in self._by_blocks.values():  # a key names a chunk's first j whole blocks, never all of a full one
+            assert j < self.blocks_per_chunk and j * self.pool.block_size <= self._chunks[h].num_tokens

@@ -53,6 +53,12 @@ def content_hash(namespace: str, chunk_token_ids: Sequence[int]) -> bytes:
     return hashlib.sha256(b"content\0" + namespace.encode() + b"\0" + _token_bytes(chunk_token_ids)).digest()
 
 
+def blocks_hash(parent: bytes, token_ids: Sequence[int]) -> bytes:
+    """Key of the whole blocks a finished request computed after its last full chunk (prefix-matched
+    block by block only, through their block_keys)."""
+    return hashlib.sha256(b"blocks-tail\0" + parent + _token_bytes(token_ids)).digest()
+
+
 def tail_hash(parent: bytes, token_ids: Sequence[int]) -> bytes:
     """Key of a prompt's tail (its tokens after its last full chunk) (held for content matches only)."""
     return hashlib.sha256(b"tail\0" + parent + _token_bytes(token_ids)).digest()

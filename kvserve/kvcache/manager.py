@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 from kvserve.config import ServeConfig
 from kvserve.kvcache.block_pool import BlockPool
 from kvserve.kvcache.chunk_store import CachedChunk, ChunkStore
-from kvserve.kvcache.hashing import block_keys, chunk_prefix_hashes, tail_hash
+from kvserve.kvcache.hashing import block_keys, blocks_hash, chunk_prefix_hashes, tail_hash
 from kvserve.kvcache.layout import KVLayout
 from kvserve.kvcache.stats import PoolStats, StoreStats, cache_stats
 
@@ -374,6 +374,42 @@ class KVCacheManager:
             self.store.acquire(chunk, hit=False)
         held.used_chunks.append(h)
         return h, open_block
+
+    def commit_blocks(
+        self, request_id: str, token_ids: list[int], num_computed: int, prefix_hashes: list[bytes], root: bytes
+    ) -> CachedChunk | None:
+        """Before the request is freed: cache the whole blocks it computed after its last full chunk
+        (its first num_computed tokens' KV is complete), keyed block by block, so a prompt that shares
+        them (the next question over the same system prompt, the next turn of a chat) reuses them
+        through `match_blocks`: an exact hit ends on a block, as fine as the pool's unit, not on a
+        chunk. Returns the entry cached, or None: no whole block, KV not exact (a register limit), its
+        chunks not all in the store, sliding-window layers (tails take one layer group), or every one
+        of its blocks already findable."""
+        held = self._held[request_id]
+        num_full = num_computed // self.chunk_size
+        if self.num_groups != 1 or held.register_limit is not None or held.num_chunks_in_store < num_full:
+            return None
+        bs = self.block_size
+        num_blocks = (num_computed - num_full * self.chunk_size) // bs
+        if num_blocks == 0 or len(prefix_hashes) < num_full:
+            return None
+        parent = prefix_hashes[num_full - 1] if num_full else None
+        start = num_full * self.chunk_size
+        tokens = token_ids[start : start + num_blocks * bs]
+        keys = block_keys(parent or root, tokens, bs)
+        found = self.store.match_blocks(keys)
+        if found is not None and found[1] == num_blocks:
+            return None  # another chunk already has all of these blocks
+        h = blocks_hash(parent or root, tokens)
+        if h in self.store:
+            return None
+        first = num_full * self.blocks_per_chunk
+        blocks = held.tables[0][first : first + num_blocks]
+        assert len(blocks) == num_blocks and -1 not in blocks
+        self.pool.retain(blocks)
+        chunk = self.store.insert(h, blocks, num_full, parent, num_blocks * bs, block_keys=keys)
+        held.used_chunks.append(h)  # released by `free`, after which it is evictable
+        return chunk
 
     def mark_in_flight(self, request_id: str, hashes: list[bytes]) -> None:
         """The request will compute and register these chunks: twins wait for them."""

@@ -52,6 +52,8 @@ class ChunkRegistrar:
         seq.num_computed_tokens += item.num_new_tokens
         if self.enable_prefix_caching:
             self.register(seq)
+            if start < seq.num_prompt_tokens <= seq.num_computed_tokens:
+                self.register_blocks(seq)  # the prompt is in: its last whole blocks, for twins admitted next
         # after the commit: the store keeps what it cached of the blocks the window leaves
         self.kv.slide(seq.request_id, seq.num_computed_tokens)
 
@@ -96,6 +98,20 @@ class ChunkRegistrar:
         h, open_block = committed
         self.content.register(seq, seq.num_prompt_tokens, hashes + [h])
         return open_block
+
+    def register_blocks(self, seq: Sequence) -> None:
+        """The sequence's prompt is computed, or it is done (stopped, at its length, aborted: not failed):
+        the whole blocks of KV it computed after its last full chunk stay cached for exact hits that end
+        there (KVCacheManager.commit_blocks). Not for warms (they cache their tail for content matches),
+        background recomputes, or a sequence mid-repair (its KV is not complete)."""
+        request = seq.request
+        if not self.enable_prefix_caching or request.warm_only or request.background:
+            return
+        if self.repairs.get(seq.request_id) is not None:
+            return
+        self.kv.commit_blocks(
+            seq.request_id, seq.token_ids, seq.num_computed_tokens, seq.cache.prefix_hashes, seq.cache.root_hash
+        )
 
     def limit(self, seq: Sequence, num_chunks: int) -> None:
         """From chunk `num_chunks` on, the sequence's KV must not be cached (it is not what its root hash

@@ -251,6 +251,8 @@ class Scheduler:
     def finish(self, seq: Sequence, reason: FinishReason, error: str | None = None) -> None:
         if seq.status == SeqStatus.RUNNING:
             self.running.remove(seq)
+            if reason != FinishReason.ERROR:
+                self.chunks.register_blocks(seq)
         elif seq.status == SeqStatus.WAITING:
             self._dequeue(seq)
         else:

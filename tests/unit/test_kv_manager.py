@@ -124,3 +124,34 @@ def test_a_prompt_sharing_a_cached_chunks_first_blocks_reuses_them():
     kv.store.evict(16)
     kv.check_integrity([])
     assert len(kv.store) == 0 and kv.pool.num_free_blocks == 16
+
+
+def test_a_requests_whole_blocks_past_its_last_full_chunk_are_cached_block_by_block():
+    kv = make()
+    a = list(range(22))  # 2 chunks (16 tokens), then 1 whole block (16..19) and 2 tokens
+    hs = compute(kv, "a", a)
+    assert kv.commit_blocks("a", a, 15, hs, ROOT) is None  # computed inside chunk 1: no whole block past a chunk
+    tail = kv.commit_blocks("a", a, len(a), hs, ROOT)
+    assert tail is not None and tail.num_tokens == 4 and tail.block_ids == kv.block_ids("a")[4:5]
+    assert tail.parent == hs[1] and tail.depth == 2 and len(tail.block_keys) == 1
+    assert kv.commit_blocks("a", a, len(a), hs, ROOT) is None  # its block is findable already
+    kv.check_integrity(["a"])
+    kv.free("a")
+    kv.check_integrity([])
+    b = a[:20] + [99, 98]  # shares a's 2 chunks and its whole block after them
+    hb = hashes(b)
+    matched = kv.match(hb)
+    assert [c.prefix_hash for c in matched] == hs
+    assert kv.match_blocks(hb, b, len(matched), ROOT, max_tokens=len(b) - 1) == (tail, 1)
+    assert kv.store.evict(16) == 5 and kv.num_free_blocks == 16  # the tail first (a leaf), then the chunks
+    kv.check_integrity([])
+
+
+def test_blocks_past_a_register_limit_are_not_cached():
+    kv = make()
+    a = list(range(22))
+    hs = compute(kv, "a", a)
+    kv.limit("a", hs, 1)  # from chunk 1 on the KV is not what the hashes name
+    assert kv.commit_blocks("a", a, len(a), hs, ROOT) is None
+    kv.free("a")
+    kv.check_integrity([])
