@@ -164,6 +164,26 @@ def test_together_equals_alone(tiny: tuple[LLM, LLM]):
     check_together_equals_alone(*tiny, prompt_len=2 * CHUNK + 11, seed=2)
 
 
+def test_block_tails_equal_cold(tiny: tuple[LLM, LLM]):
+    """A finished request's whole blocks past its last full chunk (a block tail, KVCacheManager.commit_blocks)
+    reused by the next question over the same system prompt and by the next turn (its reply's blocks,
+    computed by decode steps): bitwise what the cold engine computes."""
+    cached, cold = tiny
+    system = corpus_token_ids(cached, 2 * CHUNK + 17, seed=41)  # ends 17 tokens into chunk 2
+    first = system + corpus_token_ids(cached, 2, seed=42)
+    (done,) = cached.generate([first], GREEDY)  # 83 + 7 tokens computed: chunk 2 never fills
+    prompts = {
+        "next question": system + corpus_token_ids(cached, 5, seed=43),
+        "next turn": first + done.token_ids + corpus_token_ids(cached, 3, seed=44),
+    }
+    hits = {"next question": 2 * CHUNK + 16, "next turn": (len(first) + len(done.token_ids) - 1) // 16 * 16}
+    for name, prompt in prompts.items():
+        (warm,), warm_logits = generate_with_logits(cached, [prompt], GREEDY)
+        _, ref_logits = generate_with_logits(cold, [prompt], GREEDY)
+        assert warm.num_cached_tokens == hits[name], name
+        _same(warm_logits, ref_logits, f"{name} over a block tail != cold")
+
+
 def test_decode_next_to_long_prefill(tiny: tuple[LLM, LLM]):
     cached, _ = tiny
     check_decode_next_to_prefill(cached, short_len=20, long_len=600, seed=3)  # budget 512: cut
