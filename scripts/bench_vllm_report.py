@@ -124,8 +124,13 @@ def target_rows(data: dict, model: str = DEFAULT_MODEL) -> list[str]:
                 + " | reported | - |"
             )
     rates = agreement_rates(data)
-    got = ", ".join(f"{k} {v:.2f} ({n} requests)" for k, (n, v) in sorted(rates.items())) or "not measured in this run"
-    rows.append(f"| exact greedy agreement with fp32 HF | {got} |" + " |" * (2 * len(peers)) + " reported | - |")
+    got = (
+        ", ".join(f"{k} {v:.2f} ({n} requests)" for k, (n, v) in sorted(rates.items()))
+        or "not measured in this run"
+    )
+    rows.append(
+        f"| exact greedy agreement with fp32 HF | {got} |" + " |" * (2 * len(peers)) + " reported | - |"
+    )
     return rows
 
 

@@ -54,7 +54,8 @@ class CachedChunk:
     block_ids: list[int]  # the global groups' blocks, group after group (kvcache/layout.py)
     depth: int  # chunk index within the prompt that produced it (0 = first chunk)
     parent: bytes | None  # prefix hash of the chunk before it (None: depth 0, under the root)
-    num_tokens: int = 0  # chunk_size, or fewer: a prompt's tail (content matches) or a block tail (match_blocks)
+    # chunk_size, or fewer: a prompt's tail (content matches) or a block tail (match_blocks)
+    num_tokens: int = 0
     num_users: int = 0
     num_pins: int = 0  # owners pinning it
     num_children: int = 0  # cached chunks whose parent it is
@@ -415,6 +416,8 @@ class ChunkStore:
         assert self.num_pinned_blocks <= self.max_pinned_blocks
         assert self.policy.candidates() == {h for h, c in self._chunks.items() if c.evictable}
         owners = {key: h for h, c in self._chunks.items() for key in c.block_keys}
-        assert owners == {key: h for key, (h, _) in self._by_blocks.items()}, "the block index does not match the chunks' keys"
-        for h, j in self._by_blocks.values():  # a key names a chunk's first j whole blocks, never all of a full one
+        indexed = {key: h for key, (h, _) in self._by_blocks.items()}
+        assert owners == indexed, "the block index does not match the chunks' keys"
+        # a key names a chunk's first j whole blocks, never all of a full chunk's
+        for h, j in self._by_blocks.values():
             assert j < self.blocks_per_chunk and j * self.pool.block_size <= self._chunks[h].num_tokens

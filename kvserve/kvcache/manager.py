@@ -376,7 +376,12 @@ class KVCacheManager:
         return h, open_block
 
     def commit_blocks(
-        self, request_id: str, token_ids: list[int], num_computed: int, prefix_hashes: list[bytes], root: bytes
+        self,
+        request_id: str,
+        token_ids: list[int],
+        num_computed: int,
+        prefix_hashes: list[bytes],
+        root: bytes,
     ) -> CachedChunk | None:
         """Before the request is freed: cache the whole blocks it computed after its last full chunk
         (its first num_computed tokens' KV is complete), keyed block by block, so a prompt that shares

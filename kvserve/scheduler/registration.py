@@ -110,7 +110,11 @@ class ChunkRegistrar:
         if self.repairs.get(seq.request_id) is not None:
             return
         self.kv.commit_blocks(
-            seq.request_id, seq.token_ids, seq.num_computed_tokens, seq.cache.prefix_hashes, seq.cache.root_hash
+            seq.request_id,
+            seq.token_ids,
+            seq.num_computed_tokens,
+            seq.cache.prefix_hashes,
+            seq.cache.root_hash,
         )
 
     def limit(self, seq: Sequence, num_chunks: int) -> None:

@@ -130,7 +130,9 @@ def test_a_requests_whole_blocks_past_its_last_full_chunk_are_cached_block_by_bl
     kv = make()
     a = list(range(22))  # 2 chunks (16 tokens), then 1 whole block (16..19) and 2 tokens
     hs = compute(kv, "a", a)
-    assert kv.commit_blocks("a", a, 15, hs, ROOT) is None  # computed inside chunk 1: no whole block past a chunk
+    assert (
+        kv.commit_blocks("a", a, 15, hs, ROOT) is None
+    )  # computed inside chunk 1: no whole block past a chunk
     tail = kv.commit_blocks("a", a, len(a), hs, ROOT)
     assert tail is not None and tail.num_tokens == 4 and tail.block_ids == kv.block_ids("a")[4:5]
     assert tail.parent == hs[1] and tail.depth == 2 and len(tail.block_keys) == 1
