@@ -33,9 +33,10 @@ def _metric(text: str, name: str) -> float:
 def test_cached_tokens_grow_on_a_repeated_prefix(tiny_server: Server) -> None:
     prefix = _ids(1, 300)
     assert _cached(tiny_server, prefix) == 0
-    assert _cached(tiny_server, prefix + _ids(2, 20)) == 2 * CHUNK
+    # 2 chunks, and the 2 whole blocks (16 tokens each) the first request computed past them (a block tail)
+    assert _cached(tiny_server, prefix + _ids(2, 20)) == 2 * CHUNK + 32
     longer = prefix + _ids(2, 20) + _ids(3, 200)
-    assert _cached(tiny_server, longer) == 2 * CHUNK
+    assert _cached(tiny_server, longer) == 2 * CHUNK + 64  # the second request's 4 whole blocks past them
     assert _cached(tiny_server, longer + [5]) == 4 * CHUNK  # the previous request's chunks were registered
     # another cache_salt never sees them
     r = tiny_server.client().completions.create(
