@@ -203,7 +203,17 @@ class ChunkStore:
         self._chunks[prefix_hash] = chunk
         self._holders.update(chunk.all_block_ids)
         for j, key in enumerate(block_keys or [], start=1):
-            if key not in self._by_blocks:  # another chunk with the same leading blocks keeps it
+            owner = self._by_blocks.get(key)
+            if (
+                owner is not None
+                and num_tokens == self.chunk_size
+                and self._chunks[owner[0]].num_tokens < num_tokens
+            ):
+                # a full chunk takes the key from a block tail with the same leading blocks: it outlives
+                # the tail (a leaf, evicted first), which would take the key with it
+                self._chunks[owner[0]].block_keys.remove(key)
+                owner = None
+            if owner is None:  # else another chunk with the same leading blocks keeps it
                 self._by_blocks[key] = (prefix_hash, j)
                 chunk.block_keys.append(key)
         self.policy.touch(prefix_hash)

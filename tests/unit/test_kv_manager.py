@@ -157,3 +157,30 @@ def test_blocks_past_a_register_limit_are_not_cached():
     assert kv.commit_blocks("a", a, len(a), hs, ROOT) is None
     kv.free("a")
     kv.check_integrity([])
+
+
+def test_a_full_chunk_takes_the_block_keys_of_a_tail_it_extends():
+    """A block tail's keys move to a full chunk with the same leading blocks, so evicting the tail (a
+    leaf, evicted first) does not take away the full chunk's block hits."""
+    pool = BlockPool(16, 4)
+    kv = KVCacheManager(pool, ChunkStore(pool, CHUNK, policy="lru"))
+    a = list(range(20))  # 2 chunks and one whole block
+    hs = compute(kv, "a", a)
+    tail = kv.commit_blocks("a", a, len(a), hs, ROOT)
+    assert tail is not None and len(tail.block_keys) == 1
+    kv.free("a")
+    b = a + [50, 51, 52, 53]  # a's prompt and one more block: chunk 2 fills
+    hb = hashes(b)
+    matched = kv.match(hb)
+    assert kv.match_blocks(hb, b, len(matched), ROOT, max_tokens=len(b) - 1) == (tail, 1)
+    assert kv.reserve(matched, 2)  # b computes chunk 2 itself (as one admitted beside a would)
+    kv.admit("b", matched, [], 2)
+    kv.commit("b", b, len(b), hb, ROOT)
+    full = kv.store.get(hb[2])
+    assert full is not None and len(full.block_keys) == 1 and tail.block_keys == []
+    kv.free("b")
+    kv.check_integrity([])
+    assert kv.store.evict(1) == 1  # the tail goes first (released before b's chunk 2), its block with it
+    assert kv.store.get(tail.prefix_hash) is None
+    assert kv.match_blocks(hb, b[:20] + [9, 9, 9], len(matched), ROOT, max_tokens=22) == (full, 1)
+    kv.check_integrity([])
