@@ -110,17 +110,10 @@ def run_all(
             if not names:
                 continue
             t0, load = time.monotonic(), os.getloadavg()[0]
-            for r in bench_interleaved(names, workload, size, 18400 + 10 * k, out.parent / "logs"):
+            runs = bench_interleaved(names, workload, size, 18400 + 10 * k, out.parent / "logs")
+            for r in runs:
                 r["run_wall_s"], r["loadavg_1m_before"] = time.monotonic() - t0, load
-                results.append(r)
-                status = r.get("unavailable", "ok").splitlines()[-1][:120]
-                print(
-                    f"[{time.strftime('%H:%M:%S')}] {workload:9} {r['system']:15} interleaved  {status}",
-                    flush=True,
-                )
-            add_agreement(results)
-            meta["finished"] = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())
-            out.write_text(json.dumps({"meta": meta, "results": results}, indent=1))
+            _keep(runs, "interleaved", results, meta, out)
             continue
         for i, name in enumerate(rotated(systems, k)):
             only = specs[name].workloads
@@ -131,16 +124,20 @@ def run_all(
             r = bench_system(name, workload, size, 18400 + 10 * k + i, out.parent / "logs")
             r["run_wall_s"] = time.monotonic() - t0
             r["loadavg_1m_before"] = load
-            results.append(r)
-            status = r.get("unavailable", "ok").splitlines()[-1][:120]
-            print(
-                f"[{time.strftime('%H:%M:%S')}] {workload:9} {name:15} {r['run_wall_s']:6.0f} s  {status}",
-                flush=True,
-            )
-            add_agreement(results)
-            meta["finished"] = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())
-            out.write_text(json.dumps({"meta": meta, "results": results}, indent=1))
+            _keep([r], f"{r['run_wall_s']:6.0f} s", results, meta, out)
     return {"meta": meta, "results": results}
+
+
+def _keep(runs: list[dict], how: str, results: list[dict], meta: dict, out: Path) -> None:
+    """Add a workload's runs to the results, say how each went, and rewrite `out` (so an interrupted
+    run resumes from there)."""
+    for r in runs:
+        results.append(r)
+        status = r.get("unavailable", "ok").splitlines()[-1][:120]
+        print(f"[{time.strftime('%H:%M:%S')}] {r['workload']:9} {r['system']:15} {how}  {status}", flush=True)
+    add_agreement(results)
+    meta["finished"] = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())
+    out.write_text(json.dumps({"meta": meta, "results": results}, indent=1))
 
 
 # -- report: tables, target verdicts, plots ------------------------------------------------------

@@ -8,6 +8,7 @@ import json
 from pathlib import Path
 
 from bench_compare import _fmt, slim
+from bench_serving import percentile
 
 DEFAULT_MODEL = "smollm2-135m"
 OURS = "kvserve-auto"
@@ -52,11 +53,8 @@ def paired_ratio(data: dict, peer: str, workload: str, phase: str) -> float | No
         if ph is None:
             return None
         recs.append({x["id"]: x["ttft_s"] for x in ph["records"] if x.get("ttft_s") and not x.get("error")})
-    ratios = sorted(recs[0][i] / recs[1][i] for i in recs[0].keys() & recs[1].keys())
-    if len(ratios) < 2:
-        return None
-    mid = len(ratios) // 2
-    return ratios[mid] if len(ratios) % 2 else (ratios[mid - 1] + ratios[mid]) / 2
+    ratios = [recs[0][i] / recs[1][i] for i in recs[0].keys() & recs[1].keys()]
+    return percentile(ratios, 50) if len(ratios) >= 2 else None
 
 
 def _summaries(data: dict) -> dict:

@@ -383,11 +383,11 @@ class KVCacheManager:
         prefix_hashes: list[bytes],
         root: bytes,
     ) -> CachedChunk | None:
-        """Before the request is freed: cache the whole blocks it computed after its last full chunk
-        (its first num_computed tokens' KV is complete), keyed block by block, so a prompt that shares
-        them (the next question over the same system prompt, the next turn of a chat) reuses them
-        through `match_blocks`: an exact hit ends on a block, as fine as the pool's unit, not on a
-        chunk. Returns the entry cached, or None: no whole block, KV not exact (a register limit), its
+        """When its prompt is in, and before it is freed: cache the whole blocks the request computed
+        after its last full chunk (its first num_computed tokens' KV is complete), keyed block by
+        block, so a prompt that shares them (the next question over the same system prompt, the next
+        turn of a chat) reuses them through `match_blocks`: an exact hit ends on a block, as fine as
+        the pool's unit, not on a chunk. Returns the entry cached, or None: no whole block, KV not exact (a register limit), its
         chunks not all in the store, sliding-window layers (tails take one layer group), or every one
         of its blocks already findable."""
         held = self._held[request_id]
@@ -396,7 +396,7 @@ class KVCacheManager:
             return None
         bs = self.block_size
         num_blocks = (num_computed - num_full * self.chunk_size) // bs
-        if num_blocks == 0 or len(prefix_hashes) < num_full:
+        if num_blocks == 0:  # (its num_full chunks are in the store: `commit` hashed them all)
             return None
         parent = prefix_hashes[num_full - 1] if num_full else None
         start = num_full * self.chunk_size
