@@ -13,16 +13,18 @@
 //     x 16 lanes, added to the group's transposed accumulator after it is scaled by the step's
 //     correction.
 //
-// A lane's arithmetic is the lanes path's (attention_math.h softmax_step, Bf16Math): each score is the
-// sum over the channel pairs in order of exact bf16 products (here the tile's, which add the pairs in
-// the same order for C^T as for C: a product of two bf16 values is exact and commutative), times the
-// scale; the step max; the correction; exp of each score less the max, masked outside the lane's
-// tokens; the sum in kLanes slots (token t in slot t % 16, tokens in order) folded by hsum's halving;
-// the probabilities rounded to bf16; P V over token pairs in order. So a lane's result depends on its
-// own inputs only, and which lanes share its tiles, where theirs end, or whether its group runs a step
-// it does not see (its state is left as it was: a masked lane's correction is 1 and its probabilities
-// 0) never changes it. The sums differ from the vdpbf16ps chains', so a machine runs this path for
-// every call of a given head_dim (amx::on()).
+// A lane's arithmetic follows the lanes path's (attention_math.h softmax_step, Bf16Math) in shape: each
+// score is the sum over the channel pairs in order of exact bf16 products (here the tile's, which add
+// the pairs in the same order for C^T as for C: a product of two bf16 values is exact and commutative);
+// the step max; the correction; the probabilities, masked outside the lane's tokens; their sum in
+// kLanes slots (token t in slot t % 16, tokens in order) folded by hsum's halving; the probabilities
+// rounded to bf16; P V over token pairs in order. The softmax itself is cheaper (softmax_of: the max in
+// log2 units, scale and max in one multiply-add, exp2_probability's degree-4 polynomial within 3e-6
+// where exp_nonpositive's degree 6 is within an ulp). So a lane's result depends on its own inputs
+// only, and which lanes share its tiles, where theirs end, or whether its group runs a step it does not
+// see (its state is left as it was: a masked lane's correction is 1 and its probabilities 0) never
+// changes it. The sums and the softmax differ from the vdpbf16ps path's within the bf16 roundings, so a
+// machine runs this path for every call of a given head_dim (amx::on()).
 #pragma once
 
 #include "amx.h"
@@ -40,6 +42,8 @@ namespace kvserve_cpu {
 namespace amx {
 
 constexpr int64_t kGroup = 16;  // lanes per group: a tile's columns, a vector's elements
+// the softmax's running max is in log2 units (softmax_of); end_split hands it on in natural ones
+constexpr float kLog2e = 1.44269504088896341f, kLn2 = 0.693147180559945309f;
 
 // One worker's state for the tiles. Per KV head h and group g of the item's lanes (lane i of head h =
 // local row i / group_size, query head h * group_size + i % group_size; padding lanes past the item's):
@@ -164,7 +168,7 @@ void end_split(const AttentionTiles& t, int64_t from, int64_t num_heads, float* 
       }
       for (int64_t j = 0; j < lanes; ++j) {
         const int64_t i = g * kGroup + j, lane = (i / group) * num_heads + h * group + i % group;
-        m[lane] = t.m[t.at(h, g) * kGroup + j], l[lane] = t.l[t.at(h, g) * kGroup + j];
+        m[lane] = t.m[t.at(h, g) * kGroup + j] * kLn2, l[lane] = t.l[t.at(h, g) * kGroup + j];
       }
     }
   }
@@ -201,9 +205,26 @@ void scores(const AttentionTiles& t, int64_t h, int64_t g, int64_t tokens, float
   }
 }
 
+// 2^y for y <= 0 (or -inf), for the probabilities: within 3e-6 of 2^y relative, exactly 1 at 0 (a
+// degree-4 polynomial of 2^f on [-1/2, 1/2] with constant term 1, fitted for relative error), far inside
+// the probabilities' rounding to bf16 (2^-9) that P V uses. y is clamped at -125, so the result is at
+// least ~2e-38 and never denormal: 2^n by VSCALEFPS, n = y rounded to the nearest integer, f the rest.
+inline vf exp2_probability(vf y) {
+  const vf lo = splat(-125.0f);
+  y = y < lo ? lo : y;
+  const vf n = reinterpret_cast<vf>(_mm512_roundscale_ps(reinterpret_cast<__m512>(y), _MM_FROUND_TO_NEAREST_INT));
+  const vf f = y - n;
+  vf p = splat(9.582851082086563e-3f);
+  p = fmadd(p, f, splat(5.5906426161527634e-2f));
+  p = fmadd(p, f, splat(2.4024099111557007e-1f));
+  p = fmadd(p, f, splat(6.931241750717163e-1f));
+  p = fmadd(p, f, splat(1.0f));
+  return reinterpret_cast<vf>(_mm512_scalef_ps(reinterpret_cast<__m512>(p), reinterpret_cast<__m512>(n)));
+}
+
 // Two tokens' probabilities (16 lanes each) as bf16 pairs: p0 in the low half of each 32-bit lane.
 // vcvtne2ps2bf16 rounds to nearest even as bf16_bits does (the probabilities are never denormal, which
-// it would flush: exp_nonpositive is at least exp(-87) ~ 1.6e-38 or exactly 0).
+// it would flush: exp2_probability is at least ~2e-38, or exactly 0 where masked).
 inline vu bf16_pairs(vf p0, vf p1) {
 #if defined(__AVX512BF16__)
   const __m512i both = reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(reinterpret_cast<__m512>(p1), reinterpret_cast<__m512>(p0)));
@@ -219,16 +240,22 @@ inline vu bf16_pairs(vf p0, vf p1) {
 // The softmax of group g's step at `start`, scores st for tokens < n_max: updates m and l, writes the
 // bf16 probabilities in token pairs to t.pt up to 2 * units tokens, returns the correction. A lane
 // that does not see the step keeps its state (correction 1, probabilities 0). Whole: every lane sees
-// every token of the step (all but the diagonal and window-edge groups), so nothing is masked.
+// every token of the step (all but the diagonal and window-edge groups), so nothing is masked; a lane's
+// arithmetic is the same either way.
+//
+// In log2 units: m is the running max of score * scale2 (scale2 = scale * log2(e)), the probability of
+// score s is 2^(s * scale2 - m) with one fused multiply-add, and the correction 2^(m_old - m_new).
+// The step max is taken over the raw scores and scaled once (a positive factor and its rounding keep
+// the order, so it is the max of the scaled scores).
 template <bool Whole>
 inline vf softmax_of(AttentionTiles& t, float* st, int64_t at, vi first, vi last, vi sees, int64_t n_max, int64_t units,
-                     float scale) {
+                     float scale2) {
   auto visible = [&](int64_t tok) {
     const vi x = vi{} + static_cast<int32_t>(tok);
     return (x <= last) & (x >= first);
   };
-  auto scaled = [&](int64_t tok) {
-    const vf x = loadu(st + tok * kGroup) * scale;
+  auto raw = [&](int64_t tok) {
+    const vf x = loadu(st + tok * kGroup);
     if constexpr (Whole) return x;
     return visible(tok) ? x : splat(kNegInf);
   };
@@ -236,30 +263,26 @@ inline vf softmax_of(AttentionTiles& t, float* st, int64_t at, vi first, vi last
   vf mx0 = splat(kNegInf), mx1 = mx0, mx2 = mx0, mx3 = mx0;
   int64_t tok = 0;
   for (; tok + 4 <= n_max; tok += 4) {
-    const vf x0 = scaled(tok), x1 = scaled(tok + 1), x2 = scaled(tok + 2), x3 = scaled(tok + 3);
-    storeu(st + tok * kGroup, x0);
-    storeu(st + (tok + 1) * kGroup, x1);
-    storeu(st + (tok + 2) * kGroup, x2);
-    storeu(st + (tok + 3) * kGroup, x3);
+    const vf x0 = raw(tok), x1 = raw(tok + 1), x2 = raw(tok + 2), x3 = raw(tok + 3);
     mx0 = mx0 > x0 ? mx0 : x0;
     mx1 = mx1 > x1 ? mx1 : x1;
     mx2 = mx2 > x2 ? mx2 : x2;
     mx3 = mx3 > x3 ? mx3 : x3;
   }
   for (; tok < n_max; ++tok) {
-    const vf x = scaled(tok);
-    storeu(st + tok * kGroup, x);
+    const vf x = raw(tok);
     mx0 = mx0 > x ? mx0 : x;
   }
   const vf mx01 = mx0 > mx1 ? mx0 : mx1, mx23 = mx2 > mx3 ? mx2 : mx3;
-  const vf mx = mx01 > mx23 ? mx01 : mx23;
+  const vf mx = (mx01 > mx23 ? mx01 : mx23) * scale2;
   const vf m_old = loadu(t.m.data() + at);
   const vf m_new = m_old < mx ? mx : m_old;  // std::max(m, step max), lane by lane
-  const vf corr = sees ? exp_nonpositive(m_old - m_new) : splat(1.0f);
+  const vf corr = sees ? exp2_probability(m_old - m_new) : splat(1.0f);
+  const vf neg_m = -m_new;
   vf slot[kLanes];
   for (auto& s : slot) s = vf{};
   auto prob = [&](int64_t tok) {
-    const vf e = exp_nonpositive(loadu(st + tok * kGroup) - m_new);
+    const vf e = exp2_probability(fmadd(loadu(st + tok * kGroup), splat(scale2), neg_m));
     if constexpr (Whole) return e;
     return visible(tok) ? e : vf{};
   };
@@ -287,7 +310,7 @@ inline vf softmax_of(AttentionTiles& t, float* st, int64_t at, vi first, vi last
 }
 
 inline vf softmax(AttentionTiles& t, float* st, int64_t h, int64_t g, int64_t start, int64_t n_max, int64_t units,
-                  float scale) {
+                  float scale2) {
   const int64_t at = t.at(h, g) * kGroup;
   vi pos, lo;
   std::memcpy(&pos, t.pos.data() + at, sizeof(vi));
@@ -297,8 +320,8 @@ inline vf softmax(AttentionTiles& t, float* st, int64_t h, int64_t g, int64_t st
   const vi sees = (last >= 0) & (first < static_cast<int32_t>(t.sp));
   bool whole = true;  // every lane sees tokens [0, n_max)
   for (int j = 0; j < kLanes; ++j) whole = whole && first[j] <= 0 && last[j] >= n_max - 1;
-  return whole ? softmax_of<true>(t, st, at, first, last, sees, n_max, units, scale)
-               : softmax_of<false>(t, st, at, first, last, sees, n_max, units, scale);
+  return whole ? softmax_of<true>(t, st, at, first, last, sees, n_max, units, scale2)
+               : softmax_of<false>(t, st, at, first, last, sees, n_max, units, scale2);
 }
 
 // acc^T <- acc^T * corr + V^T P^T over the token pairs < units (a multiple of 16) for group g.
@@ -367,7 +390,7 @@ void run_step(AttentionTiles& t, int64_t h, int64_t start, int64_t n_max, float 
   while (g < t.groups) {
     const int64_t next = next_seen(g + 1);
     if (next < t.groups) scores<D>(t, h, next, tokens, st[buf ^ 1]);
-    const vf corr = softmax(t, st[buf], h, g, start, n_max, units, scale);
+    const vf corr = softmax(t, st[buf], h, g, start, n_max, units, scale * kLog2e);
     pv<D>(t, h, g, units, corr);
     g = next, buf ^= 1;
   }

@@ -67,6 +67,7 @@ Problem make_problem(const at::Tensor& query, int64_t h_kv, int64_t block_size, 
   TORCH_CHECK(block_tables.size(0) == p.num_seqs && row_start.size(0) == p.num_seqs + 1,
               "block_tables, seq_lens and query_start_loc need one row per sequence (query_start_loc one more)");
   p.max_blocks = block_tables.size(1);
+  TORCH_CHECK(scale > 0, "scale must be positive (the AMX softmax takes the max before scaling), got ", scale);
   p.scale = static_cast<float>(scale);
   p.block_tables = block_tables.data_ptr<int32_t>();
   p.seq_lens = seq_lens.data_ptr<int32_t>();

@@ -267,3 +267,19 @@ def test_amx_attention_equals_the_lanes_within_the_bf16_roundings(ext, shape, wi
     atol = 2**-7 * kv.gather(blocks)[1].float().abs().max().item()
     torch.testing.assert_close(tiles.float(), lanes.float(), atol=atol, rtol=0)
     assert not torch.equal(tiles, lanes)
+
+
+@pytest.mark.parametrize("scale", [0.0, -0.125])
+def test_attention_rejects_a_scale_that_is_not_positive(ext, scale):
+    """The AMX softmax takes the step max of the raw scores and scales it once, which holds only for a
+    positive scale: the kernel refuses any other rather than answer wrongly."""
+    q, kv, meta = make_batch([(20, 20)], 4, 2, 64, 16, torch.bfloat16, layout="contiguous")
+    args = (
+        meta.block_tables.int(),
+        meta.seq_lens.int(),
+        meta.query_start_loc.int(),
+        torch.zeros(0, dtype=torch.int32),
+    )
+    with pytest.raises(RuntimeError, match="scale must be positive"):
+        ext.paged_attention_dense(q, kv.k_cache, kv.v_cache, *args, scale, 0)
+    assert torch.isfinite(ext.paged_attention_dense(q, kv.k_cache, kv.v_cache, *args, 0.125, 0).float()).all()
