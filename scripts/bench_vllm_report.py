@@ -116,7 +116,8 @@ def target_rows(data: dict, model: str = DEFAULT_MODEL) -> list[str]:
         paired = [paired_ratio(data, p, w, phase) for p in peers] if phase.startswith("c") else []
         if "TTFT" in label and any(r is not None for r in paired):
             rows.append(
-                f"| {label.split(' (s)')[0].replace('TTFT p50', 'TTFT')}: median of per-request ratios kvserve / peer (interleaved) | | "
+                f"| {label.split(' (s)')[0].replace('TTFT p50', 'TTFT')}: "
+                "median of per-request ratios kvserve / peer (interleaved) | | "
                 + " | " * len(peers)
                 + " | ".join("-" if r is None else f"{r:.2f}x" for r in paired)
                 + " | reported | - |"

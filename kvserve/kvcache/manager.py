@@ -387,9 +387,9 @@ class KVCacheManager:
         after its last full chunk (its first num_computed tokens' KV is complete), keyed block by
         block, so a prompt that shares them (the next question over the same system prompt, the next
         turn of a chat) reuses them through `match_blocks`: an exact hit ends on a block, as fine as
-        the pool's unit, not on a chunk. Returns the entry cached, or None: no whole block, KV not exact (a register limit), its
-        chunks not all in the store, sliding-window layers (tails take one layer group), or every one
-        of its blocks already findable."""
+        the pool's unit, not on a chunk. Returns the entry cached, or None: no whole block, KV not
+        exact (a register limit), its chunks not all in the store, sliding-window layers (tails take
+        one layer group), or every one of its blocks already findable."""
         held = self._held[request_id]
         num_full = num_computed // self.chunk_size
         if self.num_groups != 1 or held.register_limit is not None or held.num_chunks_in_store < num_full:
