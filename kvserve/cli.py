@@ -105,8 +105,12 @@ def serve(config: ServeConfig, log_level: str) -> None:
     import uvicorn
 
     from kvserve.api.server import create_app
+    from kvserve.engine.builder import resolve_device
+    from kvserve.kernels.host_allocator import keep_freed_memory
     from kvserve.serving import freeze_startup_heap, start_backend
 
+    if resolve_device(config.device).type == "cpu":
+        keep_freed_memory()  # before any thread starts: its one-arena cap holds for threads started after it
     backend = start_backend(config)
     app = create_app(config, backend)
     log.debug("kvserve: %d start-up objects frozen out of the garbage collector", freeze_startup_heap())
