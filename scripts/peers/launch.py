@@ -219,6 +219,22 @@ def peak_rss_bytes(pid: int) -> int:
     return total
 
 
+def cpu_seconds(pid: int) -> float:
+    """CPU time (user + system) the process and its live children have used so far."""
+    import psutil
+
+    total = 0.0
+    try:
+        procs = [psutil.Process(pid), *psutil.Process(pid).children(recursive=True)]
+    except psutil.NoSuchProcess:
+        return 0.0
+    for proc in procs:
+        with contextlib.suppress(psutil.Error):
+            times = proc.cpu_times()
+            total += times.user + times.system
+    return total
+
+
 @contextlib.contextmanager
 def running(system: System, port: int, log_path: Path, ready_timeout_s: float = 900.0):
     """Starts the server in its own process group, waits for /v1/models, yields (pid, base_url).

