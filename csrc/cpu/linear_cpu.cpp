@@ -61,8 +61,12 @@ struct Bf16 {
   static vf load_w(const uint32_t* w, int64_t) { return load_pairs(w); }
   // acc + x0 * w0 + x1 * w1 lane-wise (lane = output feature) for the pair in each 32-bit lane
   static vf step(vf acc, vf x, vf w) { return dot_pairs(acc, x, w); }
-  static void store(at::BFloat16* dst, vf v, int64_t n) {
-    for (int64_t l = 0; l < n; ++l) dst[l] = at::BFloat16(v[l]);  // round to nearest even
+  // rounded as at::BFloat16(v) rounds
+  static void store(at::BFloat16* dst, vf v, int64_t n) { store_bf16_bits(dst, bf16_bits_of(v), n); }
+  // the gated MLP's activation of bf16 g and u (each rounded as store rounds it), as torch's bf16 ops
+  // compute it (vec.h glu_bf16), rounded once more
+  static void store_glu(at::BFloat16* dst, vf g, vf u) {
+    store_bf16_bits(dst, bf16_bits_of(glu_bf16(widen_bits(bf16_bits_of(g)), widen_bits(bf16_bits_of(u)))), kLanes);
   }
 };
 
@@ -146,46 +150,16 @@ at::Tensor row_linear_bf16(const at::Tensor& x_in, const at::Tensor& packed, con
   return y;
 }
 
-namespace {
-
-inline vf widen_bf16(const at::BFloat16* p) {
-  typedef uint16_t vh __attribute__((vector_size(kLanes * sizeof(uint16_t))));
-  vh h;
-  std::memcpy(&h, p, sizeof(vh));
-  const vu b = __builtin_convertvector(h, vu) << 16;
-  vf r;
-  std::memcpy(&r, &b, sizeof(vf));
-  return r;
-}
-
-// y[r] = silu(gu[r, :inter]) * gu[r, inter:] for the rows of a stored gate|up product.
-template <typename T>
-void glu_rows(const T* gu, T* y, int64_t rows, int64_t inter) {
-  parallel_chunks(rows, 1, std::max<int64_t>(1, (int64_t{1} << 16) / inter), [&](int64_t first, int64_t last) {
-    for (int64_t r = first; r < last; ++r) {
-      const T* g = gu + r * 2 * inter;
-      T* dst = y + r * inter;
-      for (int64_t i = 0; i < inter; i += kLanes) {
-        if constexpr (std::is_same_v<T, float>) {
-          storeu(dst + i, silu(loadu(g + i)) * loadu(g + inter + i));
-        } else {
-          const vu h = bf16_bits(glu_bf16(widen_bf16(g + i), widen_bf16(g + inter + i)));
-          for (int l = 0; l < kLanes; ++l) dst[i + l] = at::BFloat16(static_cast<uint16_t>(h[l]), at::BFloat16::from_bits());
-        }
-      }
-    }
-  });
-}
-
-}  // namespace
-
 // The gated MLP's first half in one call: silu(x G^T + bg) * (x U^T + bu), over packed = G's and U's
 // packed weights concatenated (inter outputs each, whole panels), as the fused forward's gate|up
 // projection and activation. Each element is the unfused path's value: g and u are row_linear(_bf16)'s
 // outputs (bf16: rounded, bias included), then SiLU and product as torch's ops of that dtype round
-// them (vec.h glu_bf16; fp32 rounds nothing). On AMX tiles the activation is the GEMM's epilogue and
-// the [rows, 2 inter] product is never stored (linear_amx.h store_glu); elsewhere it is computed, then
-// the activation row by row. Each row's result depends on that row alone: batch invariant.
+// them (vec.h glu_bf16; fp32 rounds nothing). The activation is the GEMM's epilogue, and the
+// [rows, 2 inter] product is never stored: on AMX tiles (linear_amx.h store_glu) and on the lanes, whose
+// register tiles take a gate panel with the up panel of the same outputs (linear_tiles.h, Glu). At 1,800
+// rows of Qwen2.5-0.5B that product is 35 MB, past this machine's 32 MB L3: the stored product ran the
+// lanes' gate|up at 718 GF/s where its halves ran at 955 (AMD EPYC, 2026-12-02). Each row's result
+// depends on that row alone: batch invariant.
 at::Tensor row_linear_glu(const at::Tensor& x_in, const at::Tensor& packed, const c10::optional<at::Tensor>& bias,
                           int64_t inter) {
   TORCH_CHECK(inter > 0 && inter % 16 == 0 && packed.dim() == 3 && packed.size(0) * kLanes == 2 * inter,
@@ -205,12 +179,25 @@ at::Tensor row_linear_glu(const at::Tensor& x_in, const at::Tensor& packed, cons
     return y;
   }
 #endif
-  const at::Tensor gu = bf16 ? row_linear_bf16(x_in, packed, bias, 2 * inter) : row_linear(x_in, packed, bias, 2 * inter);
-  auto y = at::empty({gu.size(0), inter}, gu.options());
+  TORCH_CHECK(packed.scalar_type() == x_in.scalar_type(), "row_linear_glu: x and the packed weight differ in dtype");
+  check_packed(x_in, packed, 2 * inter, bf16 ? 2 : 1);
+  at::Tensor x = x_in;
+  if (bf16 && x.size(1) % 2) x = at::constant_pad_nd(x, {0, 1});  // the zero weight of the pad pairs with it
+  const int64_t rows = x.size(0), panels = packed.size(0);
+  const at::Tensor b = padded_bias(bias, panels, 2 * inter);
+  auto y = at::empty({rows, inter}, x.options());
+  if (rows == 0) return y;
+  const float* bp = b.defined() ? b.data_ptr<float>() : nullptr;
   if (bf16) {
-    glu_rows(gu.data_ptr<at::BFloat16>(), y.data_ptr<at::BFloat16>(), gu.size(0), inter);
+    Shape<Bf16> s{reinterpret_cast<const uint32_t*>(x.data_ptr<at::BFloat16>()),
+                  reinterpret_cast<const uint32_t*>(packed.data_ptr<at::BFloat16>()), bp, y.data_ptr<at::BFloat16>(),
+                  x.size(1) / 2, inter};
+    s.glu_half = panels / 2;
+    run_blocks<Bf16, true>(s, rows, panels / 2, x.size(1));
   } else {
-    glu_rows(gu.data_ptr<float>(), y.data_ptr<float>(), gu.size(0), inter);
+    Shape<Fp32> s{x.data_ptr<float>(), packed.data_ptr<float>(), bp, y.data_ptr<float>(), x.size(1), inter};
+    s.glu_half = panels / 2;
+    run_blocks<Fp32, true>(s, rows, panels / 2, x.size(1));
   }
   return y;
 }

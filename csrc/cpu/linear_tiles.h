@@ -39,6 +39,8 @@ struct Fp32 {
       for (int64_t l = 0; l < n; ++l) dst[l] = v[l];
     }
   }
+  // silu(g) * u, the gated MLP's activation in fp32 (kLanes outputs)
+  static void store_glu(float* dst, vf g, vf u) { storeu(dst, silu(g) * u); }
 };
 
 template <typename T>
@@ -50,78 +52,103 @@ struct Shape {
   int64_t steps, out;
   int64_t plane = 0;          // a second weight plane starts this many X after the first (NestedFP lo)
   const float* scale = nullptr;  // [panels * kLanes] per-output factor before the bias, or null
+  // > 0: a gated MLP's gate|up (row_linear_glu): panel p < glu_half is the gate's and p + glu_half the
+  // up's of the same outputs, and y [rows, out = glu_half * kLanes] takes T::store_glu of the two
+  int64_t glu_half = 0;
 };
 
-// y[m0 .. m0 + R, panels p0 .. p0 + P]: the register tile.
-template <typename T, int R, int P>
+// y[m0 .. m0 + R, panels p0 .. p0 + P]: the register tile. Glu: P / 2 gate panels from p0 and the up
+// panels of the same outputs (p0 + glu_half on), stored as T::store_glu of each pair.
+template <typename T, int R, int P, bool Glu = false>
 inline void tile(const Shape<T>& s, int64_t m0, int64_t p0) {
+  constexpr int Q = Glu ? P / 2 : P;  // the panels of y this tile stores
   const typename T::X* x = s.x + m0 * s.steps;
-  const typename T::W* w = s.wp + p0 * s.steps * kLanes;
+  const typename T::W* w[P];
+  for (int p = 0; p < P; ++p) w[p] = s.wp + (p0 + (p < Q ? p : s.glu_half + p - Q)) * s.steps * kLanes;
   vf acc[R][P];
   for (int r = 0; r < R; ++r)
     for (int p = 0; p < P; ++p) acc[r][p] = vf{};
   for (int64_t i = 0; i < s.steps; ++i) {
     vf wv[P];
-    for (int p = 0; p < P; ++p) wv[p] = T::load_w(w + (p * s.steps + i) * kLanes, s.plane);
+    for (int p = 0; p < P; ++p) wv[p] = T::load_w(w[p] + i * kLanes, s.plane);
     for (int r = 0; r < R; ++r) {
       const vf xv = T::broadcast(x[r * s.steps + i]);
       for (int p = 0; p < P; ++p) acc[r][p] = T::step(acc[r][p], xv, wv[p]);
     }
   }
-  for (int p = 0; p < P; ++p) {
+  for (int p = 0; p < Q; ++p) {
     const int64_t o0 = (p0 + p) * kLanes, n = std::min<int64_t>(kLanes, s.out - o0);
     const vf bias = s.b ? loadu(s.b + o0) : vf{};
-    const vf scale = s.scale ? loadu(s.scale + o0) : vf{};
-    for (int r = 0; r < R; ++r) {
-      const vf v = s.scale ? acc[r][p] * scale : acc[r][p];
-      T::store(s.y + (m0 + r) * s.out + o0, s.b ? v + bias : v, n);
+    if constexpr (Glu) {  // whole panels (row_linear_glu checks), no per-output scale
+      const vf up_bias = s.b ? loadu(s.b + o0 + s.glu_half * kLanes) : vf{};
+      for (int r = 0; r < R; ++r) {
+        T::store_glu(s.y + (m0 + r) * s.out + o0, s.b ? acc[r][p] + bias : acc[r][p],
+                     s.b ? acc[r][p + Q] + up_bias : acc[r][p + Q]);
+      }
+    } else {
+      const vf scale = s.scale ? loadu(s.scale + o0) : vf{};
+      for (int r = 0; r < R; ++r) {
+        const vf v = s.scale ? acc[r][p] * scale : acc[r][p];
+        T::store(s.y + (m0 + r) * s.out + o0, s.b ? v + bias : v, n);
+      }
     }
   }
 }
 
-// Rows [m0, m1) x panels [p0, p0 + P): row tiles of 8, then 4, 2, 1.
-template <typename T, int P>
+// Rows [m0, m1) x panels [p0, p0 + P): row tiles of 8 (6 for 4 panels: 24 accumulators either way), then
+// 4, 2, 1.
+template <typename T, int P, bool Glu = false>
 inline void rows_tile(const Shape<T>& s, int64_t m0, int64_t m1, int64_t p0) {
+  constexpr int kRows = P > kTilePanels ? 6 : kTileRows;
   int64_t m = m0;
-  for (; m + kTileRows <= m1; m += kTileRows) tile<T, kTileRows, P>(s, m, p0);
-  if (m + 4 <= m1) tile<T, 4, P>(s, m, p0), m += 4;
-  if (m + 2 <= m1) tile<T, 2, P>(s, m, p0), m += 2;
-  if (m < m1) tile<T, 1, P>(s, m, p0);
+  for (; m + kRows <= m1; m += kRows) tile<T, kRows, P, Glu>(s, m, p0);
+  if (m + 4 <= m1) tile<T, 4, P, Glu>(s, m, p0), m += 4;
+  if (m + 2 <= m1) tile<T, 2, P, Glu>(s, m, p0), m += 2;
+  if (m < m1) tile<T, 1, P, Glu>(s, m, p0);
 }
 
-// The block rows [m0, m1) x panels [p0, p1).
-template <typename T>
+// The block rows [m0, m1) x panels [p0, p1) of y (Glu: gate panels, each with its up panel: s.glu_half
+// set, T has store_glu).
+template <typename T, bool Glu = false>
 void block(const Shape<T>& s, int64_t m0, int64_t m1, int64_t p0, int64_t p1) {
   int64_t p = p0;
+  if constexpr (Glu) {
+    for (; p + 2 <= p1; p += 2) rows_tile<T, 4, true>(s, m0, m1, p);
+    if (p < p1) rows_tile<T, 2, true>(s, m0, m1, p);
+    return;
+  }
   for (; p + kTilePanels <= p1; p += kTilePanels) rows_tile<T, kTilePanels>(s, m0, m1, p);
   for (; p < p1; ++p) rows_tile<T, 1>(s, m0, m1, p);
 }
 
 // The same schedule for both dtypes: few rows stream W panel by panel; many rows go in cache blocks.
-template <typename T>
+// Glu: panels counts y's (the gate's) panels; each brings its up panel along.
+template <typename T, bool Glu = false>
 void run_blocks(const Shape<T>& s, int64_t rows, int64_t panels, int64_t in_features) {
-  auto block_fn = [&](int64_t m0, int64_t m1, int64_t p0, int64_t p1) { block<T>(s, m0, m1, p0, p1); };
-  if (rows <= kFewRows) {  // bound by reading W: each panel once, three at a time (three FMA chains)
-    const int64_t groups = (panels + kTilePanels - 1) / kTilePanels;
+  auto block_fn = [&](int64_t m0, int64_t m1, int64_t p0, int64_t p1) { block<T, Glu>(s, m0, m1, p0, p1); };
+  // y's panels a block takes (Glu: gate panels in pairs, each pair with its up pair: 4 weight panels)
+  constexpr int64_t kPanels = Glu ? 2 : kTilePanels;
+  if (rows <= kFewRows) {  // bound by reading W: each panel once, three (Glu: four) at a time
+    const int64_t groups = (panels + kPanels - 1) / kPanels;
     // a thread gets at least T::kMinMacsPerThread of work: waking a second thread for one decode-step
     // projection costs more than it saves (with the server's own threads on the same cores, far more)
-    const int64_t group_macs = std::max<int64_t>(1, rows * in_features * kTilePanels * kLanes);
+    const int64_t group_macs = std::max<int64_t>(1, rows * in_features * kPanels * (Glu ? 2 : 1) * kLanes);
     const int64_t grain = std::max<int64_t>(2, T::kMinMacsPerThread / group_macs);
     parallel_chunks(groups, std::max<int64_t>(1, grain / 4), grain, [&](int64_t first, int64_t last) {
-      for (int64_t g = first; g < last; ++g) block_fn(0, rows, g * kTilePanels, std::min(panels, (g + 1) * kTilePanels));
+      for (int64_t g = first; g < last; ++g) block_fn(0, rows, g * kPanels, std::min(panels, (g + 1) * kPanels));
     });
     return;
   }
   const int64_t row_blocks = (rows + kBlockRows - 1) / kBlockRows;
-  const int64_t panel_blocks = (panels + kTilePanels - 1) / kTilePanels;
+  const int64_t panel_blocks = (panels + kPanels - 1) / kPanels;
   // panel-major: consecutive blocks of a chunk share their panels
   const int64_t num_blocks = row_blocks * panel_blocks;
   parallel_chunks(num_blocks, (num_blocks + 8 * at::get_num_threads() - 1) / (8 * at::get_num_threads()), 1,
                   [&](int64_t first, int64_t last) {
     for (int64_t i = first; i < last; ++i) {
       const int64_t pb = i / row_blocks, rb = i % row_blocks;
-      block_fn(rb * kBlockRows, std::min(rows, (rb + 1) * kBlockRows), pb * kTilePanels,
-               std::min(panels, (pb + 1) * kTilePanels));
+      block_fn(rb * kBlockRows, std::min(rows, (rb + 1) * kBlockRows), pb * kPanels,
+               std::min(panels, (pb + 1) * kPanels));
     }
   });
 }

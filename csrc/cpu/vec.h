@@ -138,12 +138,25 @@ inline vf silu(vf g) {
   return g / (splat(1.0f) + (x < hi ? e : inf));
 }
 
-// x rounded to bf16 (bf16_bits) and widened back to fp32.
-inline vf round_bf16(vf x) {
-  const vu b = bf16_bits(x) << 16;
+// bf16 bits (the low 16 of each lane) widened to fp32.
+inline vf widen_bits(vu h) {
+  const vu b = h << 16;
   vf r;
   std::memcpy(&r, &b, sizeof(vf));
   return r;
+}
+
+// x rounded to bf16 (bf16_bits) and widened back to fp32.
+inline vf round_bf16(vf x) { return widen_bits(bf16_bits(x)); }
+
+// x's bf16 bits as at::BFloat16(x) rounds: to nearest even (bf16_bits), a NaN to the quiet NaN 0x7fc0.
+inline vu bf16_bits_of(vf x) { return x == x ? bf16_bits(x) : vu{} + 0x7fc0u; }
+
+// The low 16 bits of the first n (<= kLanes) lanes of h, stored as n consecutive bf16.
+inline void store_bf16_bits(void* dst, vu h, int64_t n) {
+  typedef uint16_t vh __attribute__((vector_size(kLanes * sizeof(uint16_t))));
+  const vh narrow = __builtin_convertvector(h, vh);
+  std::memcpy(dst, &narrow, n * sizeof(uint16_t));
 }
 
 // The gated MLP's silu(g) * u over bf16 operands as torch's bf16 ops compute it: the SiLU rounded to

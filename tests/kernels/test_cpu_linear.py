@@ -140,7 +140,8 @@ def amx_modes():
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("amx", amx_modes())
 @pytest.mark.parametrize(
-    "rows,in_f,inter,with_bias", [(1, 64, 48, False), (17, 96, 64, True), (70, 896, 160, True)]
+    "rows,in_f,inter,with_bias",
+    [(1, 64, 48, False), (17, 96, 64, True), (70, 896, 160, True), (203, 97, 80, True)],
 )
 def test_glu_is_the_unfused_gate_up_and_activation(ext, dtype, amx, rows, in_f, inter, with_bias):
     """row_linear_glu (the fused forward's gate|up projection with silu(gate) * up, on AMX the GEMM's
