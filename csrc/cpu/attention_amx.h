@@ -42,8 +42,6 @@ namespace kvserve_cpu {
 namespace amx {
 
 constexpr int64_t kGroup = 16;  // lanes per group: a tile's columns, a vector's elements
-// the softmax's running max is in log2 units (softmax_of); end_split hands it on in natural ones
-constexpr float kLog2e = 1.44269504088896341f, kLn2 = 0.693147180559945309f;
 
 // One worker's state for the tiles. Per KV head h and group g of the item's lanes (lane i of head h =
 // local row i / group_size, query head h * group_size + i % group_size; padding lanes past the item's):
@@ -203,23 +201,6 @@ void scores(const AttentionTiles& t, int64_t h, int64_t g, int64_t tokens, float
     _tile_stored(2, s + 32 * kGroup, 64);
     _tile_stored(3, s + 48 * kGroup, 64);
   }
-}
-
-// 2^y for y <= 0 (or -inf), for the probabilities: within 3e-6 of 2^y relative, exactly 1 at 0 (a
-// degree-4 polynomial of 2^f on [-1/2, 1/2] with constant term 1, fitted for relative error), far inside
-// the probabilities' rounding to bf16 (2^-9) that P V uses. y is clamped at -125, so the result is at
-// least ~2e-38 and never denormal: 2^n by VSCALEFPS, n = y rounded to the nearest integer, f the rest.
-inline vf exp2_probability(vf y) {
-  const vf lo = splat(-125.0f);
-  y = y < lo ? lo : y;
-  const vf n = reinterpret_cast<vf>(_mm512_roundscale_ps(reinterpret_cast<__m512>(y), _MM_FROUND_TO_NEAREST_INT));
-  const vf f = y - n;
-  vf p = splat(9.582851082086563e-3f);
-  p = fmadd(p, f, splat(5.5906426161527634e-2f));
-  p = fmadd(p, f, splat(2.4024099111557007e-1f));
-  p = fmadd(p, f, splat(6.931241750717163e-1f));
-  p = fmadd(p, f, splat(1.0f));
-  return reinterpret_cast<vf>(_mm512_scalef_ps(reinterpret_cast<__m512>(p), reinterpret_cast<__m512>(n)));
 }
 
 // Two tokens' probabilities (16 lanes each) as bf16 pairs: p0 in the low half of each 32-bit lane.

@@ -19,6 +19,9 @@
 namespace kvserve_cpu {
 
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+// the bf16 arithmetic's running max is in log2 units (softmax_step_bf16; the AMX tiles' softmax_of); each
+// split's end hands it on in natural ones
+constexpr float kLog2e = 1.44269504088896341f, kLn2 = 0.693147180559945309f;
 
 inline vi lane_index() {
   vi idx;
@@ -80,7 +83,7 @@ __attribute__((always_inline)) inline void transpose_tile(const float* const* ro
 
 // The two arithmetics of a step. Fp32Math: fp32 queries (pre-scaled), K and V, one FMA per product.
 // Bf16Math (bf16 queries over a bf16 pool): operands in bf16 pairs, one dot_pairs per two products
-// with fp32 sums: Q . K over channel pairs (2d, 2d + 1), the scale applied to the sum, and P V over
+// with fp32 sums: Q . K over channel pairs (2d, 2d + 1), the scale applied by the softmax, and P V over
 // token pairs (2u, 2u + 1), with the probabilities rounded to bf16 (what a bf16 flash-attention kernel
 // does); the softmax stays in fp32. `Unit` is what one multiply-add step covers: a channel / token for
 // fp32, a pair for bf16.
@@ -118,7 +121,7 @@ struct Bf16Math {
   }
   static vf load_v(const V& v, int64_t u, int c) { return load_pairs(v.pairs + (c * v.stride + u) * kLanes); }
   static vf mac(vf acc, vf a, vf b) { return dot_pairs(acc, a, b); }
-  static vf scaled(vf s, float scale) { return s * scale; }
+  static vf scaled(vf s, float) { return s; }  // the scale is the softmax's (softmax_step_bf16)
 };
 
 // out[j][v] = sum over the units of d in order of q_j . kt[.][v] (one chain of M::mac per score), for R
@@ -194,15 +197,6 @@ void pv_lanes(float* const* acc, const typename M::P* const* p, const float* cor
   }
 }
 
-// The bf16 bits of the probabilities p[0 .. n) (n a multiple of kLanes), rounded to nearest even.
-inline void probs_to_bf16(const float* p, int64_t n, uint16_t* out) {
-  typedef uint16_t vh __attribute__((vector_size(kLanes * sizeof(uint16_t))));
-  for (int64_t i = 0; i < n; i += kLanes) {
-    const vh h = __builtin_convertvector(bf16_bits(loadu(p + i)), vh);
-    std::memcpy(out + i, &h, sizeof(vh));
-  }
-}
-
 constexpr int pv_rows(int d) { return std::max(1, std::min(8, 16 / (d / kLanes))); }
 
 // One lane's online-softmax step over its valid tokens [first, n) of the step (scores in s, overwritten
@@ -235,6 +229,72 @@ inline float softmax_step(float* s, int64_t n, const float* k_mult, const float*
     storeu(s + v * kLanes, e);
   }
   l = l * correction + hsum(sum);
+  m = new_max;
+  return correction;
+}
+
+// One lane's online-softmax step in the bf16 arithmetic, the AMX tiles' softmax (attention_amx.h
+// softmax_of) one lane at a time: s holds the raw scores (q . k, unscaled) of the step's tokens, of which
+// [first, n) are the lane's; m is in log2 units (the running max of score * scale2, scale2 = scale *
+// log2(e)), a probability is 2^(s * scale2 - m) with one multiply-add (exp2_probability), the correction
+// 2^(m_old - m_new). The step max is taken over the raw scores and scaled once (a positive scale keeps
+// the order). Writes the probabilities rounded to bf16 (0 outside [first, n)) for the ceil(n / kLanes)
+// vectors P V may read, updates m and l, returns the correction. Whole: first = 0 and n a multiple of
+// kLanes (every token of a full step), so nothing is masked; a lane's arithmetic is the same either way.
+template <bool Whole>
+inline float softmax_step_bf16(const float* s, int64_t n, int64_t first, float scale2, float& m, float& l,
+                               uint16_t* probs) {
+  const vi idx = lane_index();
+  const int64_t nv = (n + kLanes - 1) / kLanes;
+  auto visible = [&](int64_t v) {
+    const vi at = idx + static_cast<int32_t>(v * kLanes);
+    return (at < static_cast<int32_t>(n)) & (at >= static_cast<int32_t>(first));
+  };
+  vf mx0 = splat(kNegInf), mx1 = mx0;  // two chains (max is exact: any order gives the same)
+  int64_t v = 0;
+  for (; v + 2 <= nv; v += 2) {
+    vf x0 = loadu(s + v * kLanes), x1 = loadu(s + (v + 1) * kLanes);
+    if constexpr (!Whole) x0 = visible(v) ? x0 : splat(kNegInf), x1 = visible(v + 1) ? x1 : splat(kNegInf);
+    mx0 = mx0 > x0 ? mx0 : x0;
+    mx1 = mx1 > x1 ? mx1 : x1;
+  }
+  if (v < nv) {
+    vf x = loadu(s + v * kLanes);
+    if constexpr (!Whole) x = visible(v) ? x : splat(kNegInf);
+    mx0 = mx0 > x ? mx0 : x;
+  }
+  const float new_max = std::max(m, hmax(mx0 > mx1 ? mx0 : mx1) * scale2);
+  // on a split's first step m = -inf: 2^-125 ~ 2e-38 (the clamp), which scales l = 0 and acc = 0
+  const float correction = exp2_probability(splat(m - new_max))[0];
+  const vf neg_m = splat(-new_max), sc = splat(scale2);
+  vf sum0 = {}, sum1 = {};
+  auto prob = [&](int64_t v) {
+    const vf e = exp2_probability(fmadd(loadu(s + v * kLanes), sc, neg_m));
+    if constexpr (Whole) return e;
+    return visible(v) ? e : vf{};
+  };
+  auto store = [&](int64_t v, vf e) {  // the probabilities are never denormal (>= ~2e-38, or 0)
+#if defined(__AVX512BF16__)
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(probs + v * kLanes),
+                        reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(reinterpret_cast<__m512>(e))));
+#else
+    store_bf16_bits(probs + v * kLanes, bf16_bits(e), kLanes);
+#endif
+  };
+  v = 0;
+  for (; v + 2 <= nv; v += 2) {  // two sums, folded below: each lane's order is fixed
+    const vf e0 = prob(v), e1 = prob(v + 1);
+    sum0 += e0;
+    sum1 += e1;
+    store(v, e0);
+    store(v + 1, e1);
+  }
+  if (v < nv) {
+    const vf e = prob(v);
+    sum0 += e;
+    store(v, e);
+  }
+  l = l * correction + hsum(sum0 + sum1);
   m = new_max;
   return correction;
 }

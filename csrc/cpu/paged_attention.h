@@ -203,11 +203,12 @@ void run_step(const Problem& p, Work<M>& w, int64_t h, int64_t start, int64_t nu
                        num_active);
   for (int64_t a = 0; a < num_active; ++a) {
     const int64_t lane = w.active[a];
-    w.corr[a] = softmax_step(w.s_ptr[a], w.n_valid[a], k_mult, v_mult, w.m[lane], w.l[lane], w.first_valid[a]);
-    // probabilities past n_valid are 0: a lane's last pair may hold one
-    if constexpr (kBf16) {
-      const int64_t n_vec = (w.n_valid[a] + kLanes - 1) / kLanes * kLanes;  // what softmax_step wrote
-      probs_to_bf16(w.s_ptr[a], n_vec, w.probs16.data() + a * sp);
+    if constexpr (kBf16) {  // probabilities past n_valid are 0: a lane's last pair may hold one
+      const bool whole = w.first_valid[a] == 0 && w.n_valid[a] == sp;
+      w.corr[a] = (whole ? softmax_step_bf16<true> : softmax_step_bf16<false>)(
+          w.s_ptr[a], w.n_valid[a], w.first_valid[a], p.scale * kLog2e, w.m[lane], w.l[lane], w.probs16.data() + a * sp);
+    } else {
+      w.corr[a] = softmax_step(w.s_ptr[a], w.n_valid[a], k_mult, v_mult, w.m[lane], w.l[lane], w.first_valid[a]);
     }
   }
   // Units of the P V chain: tokens (fp32) or token pairs (bf16). All lanes run [0, common) together,
@@ -285,8 +286,13 @@ void run_item(const Problem& p, const Reader& reader, Work<M>& w, const Item& it
       }
     }
 #ifdef KVSERVE_HAVE_AMX
-    if (tiles) amx::end_split<D>(*tiles, split_begin, p.num_heads, w.acc.data(), w.m.data(), w.l.data());
+    if (tiles) {
+      amx::end_split<D>(*tiles, split_begin, p.num_heads, w.acc.data(), w.m.data(), w.l.data());
+    } else
 #endif
+    if constexpr (Work<M>::kBf16) {  // the lanes' max from log2 units to natural ones, as end_split does
+      for (int64_t lane = 0; lane < num_lanes; ++lane) w.m[lane] *= kLn2;
+    }
     for (int64_t lane = 0; lane < num_lanes; ++lane) {
       if (w.lane_pos[lane] < split_begin) continue;
       if (it.split >= 0) {  // a partial for the final fold: [acc D, m, l] per (row, split, head)

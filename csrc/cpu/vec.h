@@ -129,6 +129,36 @@ inline vf exp_nonpositive(vf x) {
 #endif
 }
 
+// 2^y for y <= 0 (or -inf), for the softmax's probabilities: within 3e-6 of 2^y relative, exactly 1 at 0
+// (a degree-4 polynomial of 2^f on [-1/2, 1/2] with constant term 1, fitted for relative error), far
+// inside the probabilities' rounding to bf16 (2^-9) that P V uses. y is clamped at -125, so the result is
+// at least ~2e-38 and never denormal: 2^n times the polynomial, n = y rounded to the nearest integer
+// (ties to even), f the rest.
+inline vf exp2_probability(vf y) {
+  const vf lo = splat(-125.0f);
+  y = y < lo ? lo : y;
+#if defined(__AVX512F__)
+  const vf n = reinterpret_cast<vf>(_mm512_roundscale_ps(reinterpret_cast<__m512>(y), _MM_FROUND_TO_NEAREST_INT));
+#else
+  const vf magic = splat(12582912.0f);  // 1.5 * 2^23: adding it rounds to the nearest integer, ties to even
+  const vf n = (y + magic) - magic;
+#endif
+  const vf f = y - n;
+  vf p = splat(9.582851082086563e-3f);
+  p = fmadd(p, f, splat(5.5906426161527634e-2f));
+  p = fmadd(p, f, splat(2.4024099111557007e-1f));
+  p = fmadd(p, f, splat(6.931241750717163e-1f));
+  p = fmadd(p, f, splat(1.0f));
+#if defined(__AVX512F__)
+  return reinterpret_cast<vf>(_mm512_scalef_ps(reinterpret_cast<__m512>(p), reinterpret_cast<__m512>(n)));
+#else
+  const vi bits = (__builtin_convertvector(n, vi) + 127) << 23;  // exact, as VSCALEFPS: n >= -125
+  vf pow2;
+  std::memcpy(&pow2, &bits, sizeof(vf));
+  return p * pow2;
+#endif
+}
+
 // silu(g) = g / (1 + exp(-g)) lane-wise, exp by exp_nonpositive's polynomial (which covers x < 88 as
 // well): exp(-g) is +inf for g < -88 (silu -0, as torch's), ~1e-38 for g > 87 (silu g).
 inline vf silu(vf g) {
@@ -164,9 +194,13 @@ inline void store_bf16_bits(void* dst, vu h, int64_t n) {
 inline vf glu_bf16(vf g, vf u) { return round_bf16(silu(g)) * u; }
 
 inline float hmax(vf v) {
+#if defined(__AVX512F__)
+  return _mm512_reduce_max_ps(reinterpret_cast<__m512>(v));  // max is exact: any order gives the same
+#else
   float r = v[0];
   for (int i = 1; i < kLanes; ++i) r = v[i] > r ? v[i] : r;
   return r;
+#endif
 }
 
 }  // namespace kvserve_cpu
