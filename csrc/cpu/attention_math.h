@@ -216,7 +216,7 @@ inline float softmax_step(float* s, int64_t n, const float* k_mult, const float*
     mx = mx > x ? mx : x;
   }
   const float new_max = std::max(m, hmax(mx));
-  // the polynomial of the probabilities (one arithmetic with the AMX path's 16-lane softmax); on a
+  // the polynomial of the fp32 arithmetic's probabilities (the bf16 arithmetic has softmax_step_bf16's); on a
   // split's first step m = -inf, clamped to exp(-87) ~ 1e-38, which scales l = 0 and acc = 0
   const float correction = exp_nonpositive(splat(m - new_max))[0];
   vf sum = {};
