@@ -166,19 +166,6 @@ at::Tensor row_linear_glu(const at::Tensor& x_in, const at::Tensor& packed, cons
               "row_linear_glu: packed must be gate's and up's packed weights of inter (a multiple of 16) outputs each");
   const bool bf16 = x_in.scalar_type() == at::kBFloat16;
   TORCH_CHECK(bf16 || x_in.scalar_type() == at::kFloat, "row_linear_glu takes fp32 or bf16 x");
-#ifdef KVSERVE_HAVE_AMX
-  if (bf16 && amx_for(x_in.size(1))) {
-    TORCH_CHECK(packed.scalar_type() == at::kBFloat16, "row_linear_glu: bf16 x needs a bf16 packed weight");
-    check_packed(x_in, packed, 2 * inter, 2);
-    const int64_t rows = x_in.size(0), panels = packed.size(0);
-    const at::Tensor b = padded_bias(bias, panels, 2 * inter);
-    auto y = at::empty({rows, inter}, x_in.options());
-    if (rows == 0) return y;
-    amx::run(x_in.data_ptr<at::BFloat16>(), packed.data_ptr<at::BFloat16>(), b.defined() ? b.data_ptr<float>() : nullptr,
-             y.data_ptr<at::BFloat16>(), rows, x_in.size(1), inter, panels / 2, panels / 2);
-    return y;
-  }
-#endif
   TORCH_CHECK(packed.scalar_type() == x_in.scalar_type(), "row_linear_glu: x and the packed weight differ in dtype");
   check_packed(x_in, packed, 2 * inter, bf16 ? 2 : 1);
   at::Tensor x = x_in;
@@ -188,6 +175,13 @@ at::Tensor row_linear_glu(const at::Tensor& x_in, const at::Tensor& packed, cons
   auto y = at::empty({rows, inter}, x.options());
   if (rows == 0) return y;
   const float* bp = b.defined() ? b.data_ptr<float>() : nullptr;
+#ifdef KVSERVE_HAVE_AMX
+  if (bf16 && amx_for(x.size(1))) {
+    amx::run(x.data_ptr<at::BFloat16>(), packed.data_ptr<at::BFloat16>(), bp, y.data_ptr<at::BFloat16>(), rows,
+             x.size(1), inter, panels / 2, panels / 2);
+    return y;
+  }
+#endif
   if (bf16) {
     Shape<Bf16> s{reinterpret_cast<const uint32_t*>(x.data_ptr<at::BFloat16>()),
                   reinterpret_cast<const uint32_t*>(packed.data_ptr<at::BFloat16>()), bp, y.data_ptr<at::BFloat16>(),

@@ -202,16 +202,20 @@ def gguf_path() -> str:
     return spec.submodule_search_locations[0] + "/SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
-def peak_rss_bytes(pid: int) -> int:
-    """Sum of VmHWM (peak resident set) over the process and its live children."""
+def _process_tree(pid: int) -> list:
+    """The process and its live children ([] once it is gone)."""
     import psutil
 
-    total = 0
     try:
-        procs = [psutil.Process(pid), *psutil.Process(pid).children(recursive=True)]
+        return [psutil.Process(pid), *psutil.Process(pid).children(recursive=True)]
     except psutil.NoSuchProcess:
-        return 0
-    for proc in procs:
+        return []
+
+
+def peak_rss_bytes(pid: int) -> int:
+    """Sum of VmHWM (peak resident set) over the process and its live children."""
+    total = 0
+    for proc in _process_tree(pid):
         with contextlib.suppress(OSError):
             for line in Path(f"/proc/{proc.pid}/status").read_text().splitlines():
                 if line.startswith("VmHWM:"):
@@ -224,11 +228,7 @@ def cpu_seconds(pid: int) -> float:
     import psutil
 
     total = 0.0
-    try:
-        procs = [psutil.Process(pid), *psutil.Process(pid).children(recursive=True)]
-    except psutil.NoSuchProcess:
-        return 0.0
-    for proc in procs:
+    for proc in _process_tree(pid):
         with contextlib.suppress(psutil.Error):
             times = proc.cpu_times()
             total += times.user + times.system
