@@ -52,7 +52,16 @@ bool amx_for(int64_t in_features) {
 // One step of input: fp32 (Fp32, linear_tiles.h) takes one input feature (x a float, W's step kLanes
 // floats), bf16 a pair (x two bf16 in a uint32, W's step kLanes such pairs). Both a W step and a
 // broadcast x are one vf.
-struct Bf16 {
+// AVX2 widens each pair to fp32 (dot_pairs): two registers per weight step and per x, so smaller tiles
+// than fp32's (4 x 2: 8 accumulators, 4 weight halves, 2 x halves and the mask)
+#if defined(__AVX512F__)
+using Bf16TileShape = DefaultTileShape;
+#else
+struct Bf16TileShape {
+  static constexpr int kTileRows = 4, kTilePanels = 2, kBlockPanels = 2, kGluRows = 4, kGluPairs = 1;
+};
+#endif
+struct Bf16 : Bf16TileShape {
   static constexpr int64_t kMinMacsPerThread = Fp32::kMinMacsPerThread;
   using X = uint32_t;
   using W = uint32_t;

@@ -90,7 +90,7 @@ struct NestedFp8 : Fp32 {
 // plane's bytes with integer operations. One vdpbf16ps then does two multiply-adds per lane; the 16-bit
 // work runs at the full vector width. W's unit is a byte pair so that the tile's step indexing (kLanes W
 // per step) lands on the 2 kLanes bytes of inputs 2i and 2i + 1.
-struct NestedFp8Pairs {
+struct NestedFp8Pairs : DefaultTileShape {
   using X = uint32_t;
   using W = uint16_t;
   using Y = float;

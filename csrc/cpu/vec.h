@@ -32,7 +32,18 @@ inline vf loadu(const float* p) {
   return v;
 }
 inline void storeu(float* p, vf v) { std::memcpy(p, &v, sizeof(vf)); }
-inline vf splat(float x) { return vf{} + x; }
+// x in every lane: one broadcast (from memory where x is there). Not `vf{} + x`: under
+// -ffp-contract=off that is an add the compiler must keep (0 + -0 is +0) before the broadcast, an
+// extra instruction per x in the linears' inner loops.
+inline vf splat(float x) {
+#if defined(__AVX512F__)
+  return reinterpret_cast<vf>(_mm512_set1_ps(x));
+#elif defined(__AVX2__)
+  return reinterpret_cast<vf>(_mm256_set1_ps(x));
+#else
+  return vf{x, x, x, x};
+#endif
+}
 
 // a * b + c, rounded once where the ISA has FMA (every AVX2 / AVX-512 CPU), else twice.
 inline vf fmadd(vf a, vf b, vf c) {
