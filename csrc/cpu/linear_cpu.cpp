@@ -9,8 +9,8 @@
 // W is packed once (`pack_linear_weight`) into panels of kLanes output features, [panels, in, kLanes]
 // (the last panel zero-padded), so that vector lanes are outputs: y[m, panel] += x[m, i] * W[panel, i]
 // needs one broadcast of x and one contiguous load of W per FMA of kLanes outputs, and no horizontal
-// sum. Many rows: register tiles of 8 rows x 3 panels (24 accumulators, 11 loads per 24 FMAs) over
-// cache blocks of 96 rows x 3 panels (the block's panels, 3 x in x kLanes floats, stay in L2 while the
+// sum. Many rows: register tiles of 8 rows x 3 panels (24 accumulators, 11 loads per 24 FMAs; AVX2's
+// 16 registers take 4 x 3, linear_tiles.h) over cache blocks of 96 rows x 3 panels (the block's panels, 3 x in x kLanes floats, stay in L2 while the
 // rows stream past). Up to 16 rows (decode steps): W streamed from memory once, panel by panel. Work
 // runs on torch's threads in chunks taken from a shared counter (parallel.h). (Measured on the dev
 // machine's AVX-512 core: about 1.4x the throughput of the same chains over W read in place with
@@ -49,18 +49,19 @@ bool amx_for(int64_t in_features) {
 #endif
 }
 
-// One step of input: fp32 (Fp32, linear_tiles.h) takes one input feature (x a float, W's step kLanes
-// floats), bf16 a pair (x two bf16 in a uint32, W's step kLanes such pairs). Both a W step and a
-// broadcast x are one vf.
-// AVX2 widens each pair to fp32 (dot_pairs): two registers per weight step and per x, so smaller tiles
-// than fp32's (4 x 2: 8 accumulators, 4 weight halves, 2 x halves and the mask)
+// AVX2 widens each bf16 pair to fp32 (dot_pairs): two registers per weight step and per x, so smaller
+// tiles than fp32's (4 x 2: 8 accumulators, 4 weight halves, 2 x halves and the mask)
 #if defined(__AVX512F__)
 using Bf16TileShape = DefaultTileShape;
 #else
 struct Bf16TileShape {
-  static constexpr int kTileRows = 4, kTilePanels = 2, kBlockPanels = 2, kGluRows = 4, kGluPairs = 1;
+  static constexpr int kTileRows = 4, kTilePanels = 2, kGluRows = 4, kGluPairs = 1;
 };
 #endif
+
+// One step of input: fp32 (Fp32, linear_tiles.h) takes one input feature (x a float, W's step kLanes
+// floats), bf16 a pair (x two bf16 in a uint32, W's step kLanes such pairs). Both a W step and a
+// broadcast x are one vf.
 struct Bf16 : Bf16TileShape {
   static constexpr int64_t kMinMacsPerThread = Fp32::kMinMacsPerThread;
   using X = uint32_t;

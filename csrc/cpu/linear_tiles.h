@@ -9,7 +9,6 @@
 
 #include <algorithm>
 #include <cstdint>
-#include <type_traits>
 
 #include "parallel.h"
 #include "vec.h"
@@ -21,23 +20,22 @@ constexpr int64_t kFewRows = 16;
 
 // The register tile's shape: R rows x P panels of accumulators, held beside the P weight steps and a
 // broadcast x, and sized to the vector registers: AVX-512 has 32 (8 x 3: 24 accumulators), AVX2 16
-// (6 x 2: 12; an 8 x 3 tile there spills accumulators to the stack every step). A format that needs more
-// registers per step (bf16 pairs widened to fp32 without vdpbf16ps) sets smaller ones. The gated MLP's
-// tile takes gate panels each with its up panel: kGluRows x kGluPairs pairs. A block (run_blocks) is
-// kBlockPanels panels wide. AVX2, 1,800 rows of Qwen2.5-0.5B's four projections, fp32, one layer
-// (AMD EPYC Zen 3, 2026-12-02, with splat's broadcast): 8 x 3 588 ms, 6 x 2 428-443 ms, 4 x 3 406 ms.
-#if defined(__AVX512F__)
-constexpr int kVectorRegisters = 32;
-#else
-constexpr int kVectorRegisters = 16;
-#endif
+// (4 x 3: 12; an 8 x 3 tile there spills accumulators to the stack every step). A format that needs more
+// registers per step (bf16 pairs widened to fp32 without vdpbf16ps) sets smaller ones. A block
+// (run_blocks) is kTilePanels panels wide. The gated MLP's tile takes gate panels each with its up
+// panel: kGluRows x kGluPairs pairs. AVX2, 1,800 rows of Qwen2.5-0.5B's four projections, fp32, one
+// layer (AMD EPYC Zen 3, 2026-12-02, with splat's broadcast): 8 x 3 588 ms, 6 x 2 428-443 ms, 4 x 3 406 ms.
 struct TileShape32 {
-  static constexpr int kTileRows = 8, kTilePanels = 3, kBlockPanels = 3, kGluRows = 6, kGluPairs = 2;
+  static constexpr int kTileRows = 8, kTilePanels = 3, kGluRows = 6, kGluPairs = 2;
 };
 struct TileShape16 {
-  static constexpr int kTileRows = 4, kTilePanels = 3, kBlockPanels = 3, kGluRows = 6, kGluPairs = 1;
+  static constexpr int kTileRows = 4, kTilePanels = 3, kGluRows = 6, kGluPairs = 1;
 };
-using DefaultTileShape = std::conditional_t<kVectorRegisters == 32, TileShape32, TileShape16>;
+#if defined(__AVX512F__)
+using DefaultTileShape = TileShape32;
+#else
+using DefaultTileShape = TileShape16;
+#endif
 
 // fp32 x and y, one input feature a step; the weight formats that widen to fp32 lanes (NestedFP)
 // derive from it and replace W and load_w.
@@ -147,8 +145,8 @@ template <typename T, bool Glu = false>
 void run_blocks(const Shape<T>& s, int64_t rows, int64_t panels, int64_t in_features) {
   auto block_fn = [&](int64_t m0, int64_t m1, int64_t p0, int64_t p1) { block<T, Glu>(s, m0, m1, p0, p1); };
   // y's panels a block takes (Glu: T::kGluPairs gate panels, each with its up panel)
-  constexpr int64_t kPanels = Glu ? T::kGluPairs : T::kBlockPanels;
-  if (rows <= kFewRows) {  // bound by reading W: each panel once, three (Glu: four) at a time
+  constexpr int64_t kPanels = Glu ? T::kGluPairs : T::kTilePanels;
+  if (rows <= kFewRows) {  // bound by reading W: each panel once, a tile's panels at a time
     const int64_t groups = (panels + kPanels - 1) / kPanels;
     // a thread gets at least T::kMinMacsPerThread of work: waking a second thread for one decode-step
     // projection costs more than it saves (with the server's own threads on the same cores, far more)
