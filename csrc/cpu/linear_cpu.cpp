@@ -49,26 +49,17 @@ bool amx_for(int64_t in_features) {
 #endif
 }
 
-// AVX2 widens each bf16 pair to fp32 (dot_pairs): two registers per weight step and per x, so smaller
-// tiles than fp32's (4 x 2: 8 accumulators, 4 weight halves, 2 x halves and the mask)
-#if defined(__AVX512F__)
-using Bf16TileShape = DefaultTileShape;
-#else
-struct Bf16TileShape {
-  static constexpr int kTileRows = 4, kTilePanels = 2, kGluRows = 4, kGluPairs = 1;
-};
-#endif
-
 // One step of input: fp32 (Fp32, linear_tiles.h) takes one input feature (x a float, W's step kLanes
 // floats), bf16 a pair (x two bf16 in a uint32, W's step kLanes such pairs). Both a W step and a
 // broadcast x are one vf.
-struct Bf16 : Bf16TileShape {
+// AVX2 widens each bf16 pair to fp32 (dot_pairs): two registers per weight step and per x
+struct Bf16 : WideningTileShape {
   static constexpr int64_t kMinMacsPerThread = Fp32::kMinMacsPerThread;
   using X = uint32_t;
   using W = uint32_t;
   using Y = at::BFloat16;
   static vf broadcast(uint32_t x) { return splat_pair(x); }
-  static vf load_w(const uint32_t* w, int64_t) { return load_pairs(w); }
+  static vf load_w(const uint32_t* panel, int64_t i, int64_t) { return load_pairs(panel + i * kLanes); }
   // acc + x0 * w0 + x1 * w1 lane-wise (lane = output feature) for the pair in each 32-bit lane
   static vf step(vf acc, vf x, vf w) { return dot_pairs(acc, x, w); }
   // rounded as at::BFloat16(v) rounds
@@ -170,8 +161,13 @@ at::Tensor row_linear_bf16(const at::Tensor& x_in, const at::Tensor& packed, con
 // rows of Qwen2.5-0.5B that product is 35 MB, past this machine's 32 MB L3: the stored product ran the
 // lanes' gate|up at 718 GF/s where its halves ran at 955 (AMD EPYC, 2026-12-02). Each row's result
 // depends on that row alone: batch invariant.
+// linear_codes.cpp
+at::Tensor row_linear_glu_codes(const at::Tensor& x, const at::Tensor& packed, const c10::optional<at::Tensor>& bias,
+                                int64_t inter);
+
 at::Tensor row_linear_glu(const at::Tensor& x_in, const at::Tensor& packed, const c10::optional<at::Tensor>& bias,
                           int64_t inter) {
+  if (packed.scalar_type() == at::kByte) return row_linear_glu_codes(x_in, packed, bias, inter);  // GGUF codes
   TORCH_CHECK(inter > 0 && inter % 16 == 0 && packed.dim() == 3 && packed.size(0) * kLanes == 2 * inter,
               "row_linear_glu: packed must be gate's and up's packed weights of inter (a multiple of 16) outputs each");
   const bool bf16 = x_in.scalar_type() == at::kBFloat16;

@@ -1,7 +1,8 @@
 // The tiled schedule of the row-invariant CPU linears (linear_cpu.cpp: fp32, bf16; nested_linear.cpp:
 // NestedFP), generic over T, the weight format: T::X an input step of x, T::W the packed weight's
 // element, T::load_w a step of kLanes outputs' weights as fp32 lanes, T::step the multiply-add, T::store
-// the result. linear_cpu.cpp's header comment describes the schedule and why each output element is
+// the result. T::load_w(panel, i, plane) takes the panel's start and the step, so that a format whose
+// weights come with per-group factors (linear_codes.cpp) finds them. linear_cpu.cpp's header comment describes the schedule and why each output element is
 // one fixed chain whatever the rows, tiles and threads.
 #pragma once
 
@@ -36,6 +37,16 @@ using DefaultTileShape = TileShape32;
 #else
 using DefaultTileShape = TileShape16;
 #endif
+// Formats whose weight step takes a few registers more to widen (AVX2 bf16 pairs without vdpbf16ps:
+// two halves of w and of x and a mask; int8 codes: the codes, their group's scale and offset): smaller
+// tiles on AVX2 (4 x 2: 8 accumulators), the default ones on AVX-512's 32 registers.
+#if defined(__AVX512F__)
+using WideningTileShape = DefaultTileShape;
+#else
+struct WideningTileShape {
+  static constexpr int kTileRows = 4, kTilePanels = 2, kGluRows = 4, kGluPairs = 1;
+};
+#endif
 
 // fp32 x and y, one input feature a step; the weight formats that widen to fp32 lanes (NestedFP)
 // derive from it and replace W and load_w.
@@ -46,7 +57,7 @@ struct Fp32 : DefaultTileShape {
   // a thread gets at least this many multiply-adds of a few-row call (run_blocks)
   static constexpr int64_t kMinMacsPerThread = int64_t{1} << 21;
   static vf broadcast(float x) { return splat(x); }
-  static vf load_w(const float* w, int64_t) { return loadu(w); }
+  static vf load_w(const float* panel, int64_t i, int64_t) { return loadu(panel + i * kLanes); }
   // acc + x * w, one fused multiply-add
   static vf step(vf acc, vf x, vf w) { return fmadd(x, w, acc); }
   static void store(float* dst, vf v, int64_t n) {
@@ -72,22 +83,28 @@ struct Shape {
   // > 0: a gated MLP's gate|up (row_linear_glu): panel p < glu_half is the gate's and p + glu_half the
   // up's of the same outputs, and y [rows, out = glu_half * kLanes] takes T::store_glu of the two
   int64_t glu_half = 0;
+  int64_t panel_stride = 0;  // W from one panel's start to the next's; 0: steps * kLanes
+  int64_t y_stride = 0;      // Y from one row of y to the next; 0: out (a block of y's columns sets it)
+  int64_t stride() const { return panel_stride ? panel_stride : steps * kLanes; }
+  int64_t ldy() const { return y_stride ? y_stride : out; }
 };
 
 // y[m0 .. m0 + R, panels p0 .. p0 + P]: the register tile. Glu: P / 2 gate panels from p0 and the up
 // panels of the same outputs (p0 + glu_half on), stored as T::store_glu of each pair.
+// Never inlined: inlined into a caller's loop (linear_codes.cpp's widening blocks) GCC allocated the
+// registers of the whole function worse, and the gated MLP's tile ran at half the speed (AVX2, 2026-12-02).
 template <typename T, int R, int P, bool Glu = false>
-inline void tile(const Shape<T>& s, int64_t m0, int64_t p0) {
+__attribute__((noinline)) void tile(const Shape<T>& s, int64_t m0, int64_t p0) {
   constexpr int Q = Glu ? P / 2 : P;  // the panels of y this tile stores
   const typename T::X* x = s.x + m0 * s.steps;
   const typename T::W* w[P];
-  for (int p = 0; p < P; ++p) w[p] = s.wp + (p0 + (p < Q ? p : s.glu_half + p - Q)) * s.steps * kLanes;
+  for (int p = 0; p < P; ++p) w[p] = s.wp + (p0 + (p < Q ? p : s.glu_half + p - Q)) * s.stride();
   vf acc[R][P];
   for (int r = 0; r < R; ++r)
     for (int p = 0; p < P; ++p) acc[r][p] = vf{};
   for (int64_t i = 0; i < s.steps; ++i) {
     vf wv[P];
-    for (int p = 0; p < P; ++p) wv[p] = T::load_w(w[p] + i * kLanes, s.plane);
+    for (int p = 0; p < P; ++p) wv[p] = T::load_w(w[p], i, s.plane);
     for (int r = 0; r < R; ++r) {
       const vf xv = T::broadcast(x[r * s.steps + i]);
       for (int p = 0; p < P; ++p) acc[r][p] = T::step(acc[r][p], xv, wv[p]);
@@ -99,14 +116,14 @@ inline void tile(const Shape<T>& s, int64_t m0, int64_t p0) {
     if constexpr (Glu) {  // whole panels (row_linear_glu checks), no per-output scale
       const vf up_bias = s.b ? loadu(s.b + o0 + s.glu_half * kLanes) : vf{};
       for (int r = 0; r < R; ++r) {
-        T::store_glu(s.y + (m0 + r) * s.out + o0, s.b ? acc[r][p] + bias : acc[r][p],
+        T::store_glu(s.y + (m0 + r) * s.ldy() + o0, s.b ? acc[r][p] + bias : acc[r][p],
                      s.b ? acc[r][p + Q] + up_bias : acc[r][p + Q]);
       }
     } else {
       const vf scale = s.scale ? loadu(s.scale + o0) : vf{};
       for (int r = 0; r < R; ++r) {
         const vf v = s.scale ? acc[r][p] * scale : acc[r][p];
-        T::store(s.y + (m0 + r) * s.out + o0, s.b ? v + bias : v, n);
+        T::store(s.y + (m0 + r) * s.ldy() + o0, s.b ? v + bias : v, n);
       }
     }
   }

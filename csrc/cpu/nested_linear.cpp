@@ -80,7 +80,9 @@ struct NestedFp8 : Fp32 {
   using W = uint8_t;
   static constexpr int64_t kMinMacsPerThread = int64_t{1} << 18;
   // the sign-extended byte shifted by 7 has the sign at bits 15 and 14; clearing 14 leaves the FP16 of w
-  static vf load_w(const uint8_t* w, int64_t) { return fp16_to_fp32(fp8_to_fp16(widen16(w))); }
+  static vf load_w(const uint8_t* panel, int64_t i, int64_t) {
+    return fp16_to_fp32(fp8_to_fp16(widen16(panel + i * kLanes)));
+  }
 };
 
 #if defined(__AVX512BF16__) && defined(__AVX512BW__)
@@ -99,7 +101,8 @@ struct NestedFp8Pairs : DefaultTileShape {
   static vf step(vf acc, vf x, vf w) { return dot_pairs(acc, x, w); }
   static void store(float* dst, vf v, int64_t n) { Fp32::store(dst, v, n); }
 
-  static vf load_w(const uint16_t* w, int64_t) {
+  static vf load_w(const uint16_t* panel, int64_t i, int64_t) {
+    const uint16_t* w = panel + i * kLanes;
     // [input 2i: lanes 0..15 | input 2i + 1: lanes 0..15], sign-extended to 16 bits, then paired by lane
     const __m512i s = _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w)));
     const __m512i e = _mm512_permutexvar_epi16(interleave(), s);
@@ -128,7 +131,8 @@ struct NestedFp8Pairs : DefaultTileShape {
 
 struct NestedFp16 : NestedFp8 {
   // the residual moves the magnitude below the sign: no carry reaches bit 15 (m stays below 0x3F80: |w| < 1.875)
-  static vf load_w(const uint8_t* w, int64_t plane) {
+  static vf load_w(const uint8_t* panel, int64_t i, int64_t plane) {
+    const uint8_t* w = panel + i * kLanes;
     return fp16_to_fp32(add16(fp8_to_fp16(widen16(w)), widen16(w + plane)));
   }
 };
@@ -182,9 +186,9 @@ at::Tensor unpack_nested_weight(const at::Tensor& packed, const at::Tensor& scal
     for (int64_t p = first; p < last; ++p) {
       const vf s = loadu(scales + p * kLanes);
       for (int64_t i = 0; i < in; ++i) {
-        const int64_t at = (p * in + i) * kLanes;
-        const vf v = fp16 ? NestedFp16::load_w(src + at, plane) : NestedFp8::load_w(src + at, plane);
-        storeu(dst + at, v * s);  // the row's power of two: exact
+        const uint8_t* panel = src + p * in * kLanes;
+        const vf v = fp16 ? NestedFp16::load_w(panel, i, plane) : NestedFp8::load_w(panel, i, plane);
+        storeu(dst + (p * in + i) * kLanes, v * s);  // the row's power of two: exact
       }
     }
   });

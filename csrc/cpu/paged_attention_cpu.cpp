@@ -254,6 +254,12 @@ at::Tensor unpack_nested_weight(const at::Tensor& packed, const at::Tensor& scal
 at::Tensor nested_linear(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scale,
                          const c10::optional<at::Tensor>& bias, int64_t out_features, bool fp16);
 
+// csrc/cpu/linear_codes.cpp
+at::Tensor pack_linear_codes(const at::Tensor& codes, const at::Tensor& scale, const at::Tensor& offset);
+at::Tensor unpack_linear_codes(const at::Tensor& packed, int64_t in_features);
+at::Tensor row_linear_codes(const at::Tensor& x, const at::Tensor& packed, const c10::optional<at::Tensor>& bias,
+                            int64_t out_features);
+
 // csrc/cpu/layer_ops.cpp
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps);
 at::Tensor add_rms_norm_(at::Tensor& residual, const at::Tensor& x, const at::Tensor& weight, double eps);
@@ -276,6 +282,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("pack_nested_weight", &pack_nested_weight, "NestedFP hi, lo [out, in] -> the planes nested_linear reads");
   m.def("unpack_nested_weight", &unpack_nested_weight, "NestedFP planes -> row_linear's packed fp32 weight (scaled)");
   m.def("nested_linear", &nested_linear, "(x W^T) * scale (+ b) over NestedFP planes: FP8 mode reads hi, FP16 both");
+  m.def("pack_linear_codes", &pack_linear_codes, "GGUF codes int8 [out, in], scale and offset fp32 [out, groups] -> the panels row_linear_codes reads");
+  m.def("unpack_linear_codes", &unpack_linear_codes, "packed codes -> row_linear's packed fp32 weight (bitwise the dequantized weight)");
+  m.def("row_linear_codes", &row_linear_codes, "x W^T (+ b) in fp32 over packed GGUF codes: bitwise row_linear over the dequantized W");
   m.def("rms_norm", &rms_norm, "Llama RMSNorm of each row (fp32 sums; the modeling code's bf16 roundings)");
   m.def("add_rms_norm_", &add_rms_norm_, "residual += x in place, then rms_norm(residual)");
   m.def("kv_write_", &kv_write_, "rows of key and value into a dense pool's slots in place (slot < 0: skipped)");

@@ -234,10 +234,13 @@ def load_model(config: ServeConfig, device: torch.device, dtype: torch.dtype) ->
     elif device.type == "cpu" and dtype in (torch.float32, torch.bfloat16):
         from kvserve.kernels import cpu_ext
         from kvserve.models.cpu_linear import wrap_linears
+        from kvserve.models.gguf_codes import load_codes
 
         ext = cpu_ext.load_or_none()
         if ext is not None:
-            wrap_linears(model, ext)  # decode steps' few rows stream each weight once
+            # decode steps' few rows stream each weight once; fp32 from a GGUF: its codes (1.5 bytes a weight)
+            codes = load_codes(path) if dtype == torch.float32 else {}
+            wrap_linears(model, ext, codes)
     return model, path
 
 

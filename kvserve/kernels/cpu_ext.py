@@ -31,7 +31,13 @@ from kvserve.kvcache.kv_storage import LayerKV
 log = logging.getLogger(__name__)
 
 CSRC = Path(__file__).resolve().parents[2] / "csrc"
-SOURCES = ["cpu/paged_attention_cpu.cpp", "cpu/linear_cpu.cpp", "cpu/nested_linear.cpp", "cpu/layer_ops.cpp"]
+SOURCES = [
+    "cpu/paged_attention_cpu.cpp",
+    "cpu/linear_cpu.cpp",
+    "cpu/nested_linear.cpp",
+    "cpu/linear_codes.cpp",
+    "cpu/layer_ops.cpp",
+]
 HEADERS = [
     "cpu/vec.h",
     "cpu/kv_readers.h",

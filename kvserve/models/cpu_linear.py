@@ -14,34 +14,62 @@ here): a second copy of every wrapped weight, the price of a GEMM with no horizo
 to the embedding and the module stays an ordinary Linear to anything that reads `.weight`). In bf16 the
 copy is half that, and the kernel sums each output in fp32 over pairs of inputs (AVX-512 BF16's
 `vdpbf16ps` where the CPU has it), rounding once to bf16 at the end.
+
+An fp32 model converted from a GGUF keeps its weights' GGUF codes beside them (models/gguf_codes.py:
+int8 codes with a per-group scale and offset that give the converted fp32 weight bit for bit). Its
+linears then run `row_linear_codes` (csrc/cpu/linear_codes.cpp) over those: the same chains over the
+same fp32 weights, so the same outputs bitwise, from 1.5 bytes a weight instead of 4. A decode step
+reads the codes in place; a prefill widens each block of them to fp32 once. Nothing fp32 is packed
+then: the packed copy is the codes.
 """
 
 from __future__ import annotations
 
+import logging
 from types import ModuleType
 
 import torch
 from torch import nn
 
+from kvserve.models.gguf_codes import Codes, dequantize, regroup
+
+log = logging.getLogger("kvserve.models")
+
 
 class RowInvariantLinear(nn.Module):
     """Wraps an nn.Linear (same parameters; the weight packed once for the kernel). Pack again with
-    `repack()` after changing the weight in place."""
+    `repack()` after changing the weight in place (with codes: it raises unless they are still the weight).
+    `codes` must be the weight's bit for bit: wrap_linears checks."""
 
-    def __init__(self, linear: nn.Linear, ext: ModuleType):
+    def __init__(self, linear: nn.Linear, ext: ModuleType, codes: Codes | None = None):
         super().__init__()
         self.linear, self.ext = linear, ext
         self.in_features, self.out_features = linear.in_features, linear.out_features
-        self.packed = self.repack()
+        self.codes = codes  # an fp32 weight's GGUF codes, checked to be it bit for bit (wrap_linears)
+        self.packed = self._pack(check=False)
+
+    def repack(self) -> torch.Tensor:
+        return self._pack(check=True)
 
     @torch.no_grad()
-    def repack(self) -> torch.Tensor:
+    def _pack(self, check: bool) -> torch.Tensor:
         weight = self.linear.weight.detach()
         self.dtype = weight.dtype
+        if self.codes is not None:
+            if self.dtype != torch.float32 or (check and not same_bits(dequantize(self.codes), weight)):
+                raise ValueError(
+                    "the codes are not this fp32 weight (changed in place? wrap it without codes)"
+                )
+            c = self.codes
+            self.kernel = self.ext.row_linear_codes
+            self.packed = self.ext.pack_linear_codes(c.codes, c.scale, c.offset)  # uint8 [panels, bytes]
+            self.lanes = self.packed.shape[1] // (self.in_features + 8 * c.scale.shape[1])
+            return self.packed
         bf16 = self.dtype == torch.bfloat16
         pack = self.ext.pack_linear_weight_bf16 if bf16 else self.ext.pack_linear_weight
         self.kernel = self.ext.row_linear_bf16 if bf16 else self.ext.row_linear  # reads what pack wrote
         self.packed = pack(weight)  # fp32 [panels, in, lanes]; bf16 [panels, in / 2, lanes * 2]
+        self.lanes = self.packed.shape[-1] // (2 if bf16 else 1)  # output features per panel
         return self.packed
 
     @property
@@ -63,8 +91,15 @@ class RowInvariantLinear(nn.Module):
 WRAPPED_DTYPES = (torch.float32, torch.bfloat16)
 
 
-def wrap_linears(model: nn.Module, ext: ModuleType) -> int:
-    """Wraps every fp32 or bf16 CPU nn.Linear of `model` in place; returns how many."""
+def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.shape == b.shape and torch.equal(a.view(torch.int32), b.view(torch.int32))
+
+
+def wrap_linears(model: nn.Module, ext: ModuleType, codes: dict[str, Codes] | None = None) -> int:
+    """Wraps every fp32 or bf16 CPU nn.Linear of `model` in place; returns how many. `codes` (module
+    name -> GGUF codes, models/gguf_codes.py load_codes) puts fp32 linears on the codes kernel: every
+    decoder projection or none (the fused forward concatenates them), the LM head on its own, all in
+    one group size (the smallest), and only where the codes are the weight bit for bit."""
     targets = [
         (name, module)
         for name, module in model.named_modules()
@@ -72,8 +107,40 @@ def wrap_linears(model: nn.Module, ext: ModuleType) -> int:
         and module.weight.dtype in WRAPPED_DTYPES
         and module.weight.device.type == "cpu"
     ]
+    usable = _usable_codes(targets, codes or {})
     for name, linear in targets:
         parent_name, _, child = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
-        setattr(parent, child, RowInvariantLinear(linear, ext))
+        setattr(parent, child, RowInvariantLinear(linear, ext, usable.get(name)))
+    if usable:
+        log.info(
+            "GGUF codes: %d of %d linears read their codes (group %d)",
+            len(usable),
+            len(targets),
+            next(iter(usable.values())).group,
+        )
     return len(targets)
+
+
+def _usable_codes(targets: list[tuple[str, nn.Linear]], codes: dict[str, Codes]) -> dict[str, Codes]:
+    if not codes:
+        return {}
+    exact = {}
+    for name, linear in targets:
+        c = codes.get(name)
+        if c is not None and linear.weight.dtype == torch.float32 and same_bits(dequantize(c), linear.weight):
+            exact[name] = c
+    projections = [name for name, _ in targets if not name.endswith("lm_head")]
+    missing = [name for name in projections if name not in exact]
+    if missing:  # the fused forward needs one kernel for q|k|v and gate|up
+        log.warning(
+            "GGUF codes unused for the decoder's projections: none (or not the weight) for %d of "
+            "them, e.g. %s",
+            len(missing),
+            missing[0],
+        )
+        exact = {name: c for name, c in exact.items() if name.endswith("lm_head")}
+    if not exact:
+        return {}
+    group = min(c.group for c in exact.values())
+    return {name: regroup(c, group) for name, c in exact.items()}

@@ -56,7 +56,7 @@ class FusedLinear:
     packed: torch.Tensor
     bias: torch.Tensor | None
     out_features: int
-    kernel: Callable[..., torch.Tensor]  # ext.row_linear or ext.row_linear_bf16
+    kernel: Callable[..., torch.Tensor]  # ext.row_linear, row_linear_bf16 or row_linear_codes
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         return self.kernel(x, self.packed, self.bias, self.out_features)
@@ -136,14 +136,17 @@ def unsupported_reason(model: nn.Module, ext: ModuleType | None) -> str:
 
 
 def _dtype(linear: RowInvariantLinear | NestedLinear) -> torch.dtype:
-    return linear.dtype if isinstance(linear, RowInvariantLinear) else torch.uint8
+    """The packed weight's kind: projections fused into one call must share it."""
+    if isinstance(linear, NestedLinear):
+        return torch.uint8
+    return torch.int8 if linear.codes is not None else linear.dtype
 
 
 def panel_width(linear: RowInvariantLinear | NestedLinear) -> int:
     """Output features per panel of the kernel's packed weight (csrc/cpu/linear_cpu.cpp)."""
     if isinstance(linear, NestedLinear):
         return linear.panel_width
-    return linear.packed.shape[-1] // (2 if linear.dtype == torch.bfloat16 else 1)
+    return linear.lanes
 
 
 def fuse(linears: list[Any], ext: ModuleType) -> FusedLinear | NestedLinear:

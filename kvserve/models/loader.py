@@ -174,6 +174,7 @@ def _build_split(split: SplitGguf) -> Path:
     nor the conversion."""
     target = cache_dir() / "models" / f"{split.name}-{split.sha256[:12]}"
     if (target / "config.json").exists():
+        _ensure_codes(target, lambda: split_gguf(split.name))
         return target
     parts = _split_parts(split)
     target.parent.mkdir(parents=True, exist_ok=True)
@@ -314,8 +315,31 @@ def convert_gguf(gguf_path: Path, name: str | None = None) -> Path:
     ]
     target = cache_dir() / "models" / f"{name or gguf_path.stem}-{key}"
     if (target / "config.json").exists():
+        _ensure_codes(target, lambda: gguf_path)
         return target
     return _convert_gguf_into(gguf_path, target)
+
+
+def _ensure_codes(target: Path, gguf: Callable[[], Path]) -> None:
+    """A directory converted before kvserve kept GGUF codes (models/gguf_codes.py) gets them, once: the
+    fp32 linears then read 1.5 bytes a weight, with the same results. A GGUF with none leaves a marker."""
+    from kvserve.models.gguf_codes import CODES_FILE
+
+    none = target / NO_CODES_MARKER
+    if (target / CODES_FILE).exists() or none.exists():
+        return
+    _write_codes(gguf(), target)
+
+
+NO_CODES_MARKER = "gguf_codes.none"
+
+
+def _write_codes(gguf_path: Path, target: Path) -> None:
+    from kvserve.models.gguf_codes import write_codes
+
+    log.warning("keeping %s's GGUF codes beside its fp32 weights (once)", gguf_path.name)
+    if write_codes(gguf_path, target) is None:
+        (target / NO_CODES_MARKER).touch()
 
 
 def _convert_gguf_into(gguf_path: Path, target: Path) -> Path:
@@ -332,6 +356,7 @@ def _convert_gguf_into(gguf_path: Path, target: Path) -> Path:
             del model.config.quantization_config
         model.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
+        _write_codes(gguf_path, tmp)  # after the weights: it checks its codes against them
 
     return _save_atomically(target, write)
 
@@ -376,10 +401,14 @@ def model_fingerprint(path: Path) -> str:
     """Identifies the weights and config (not the location) for cache namespacing: every byte of
     every weight file counts, so a checkpoint changed in place (same name, same size) gets another
     namespace and never meets KV that its predecessor stored in a disk or Redis tier."""
+    from kvserve.models.gguf_codes import CODES_FILE
+
     h = hashlib.sha256((path / "config.json").read_bytes())
     for marker in sorted(path.glob("random_weights.json")):  # the seed of a random-weight model
         h.update(marker.read_bytes())
     for weights in sorted([*path.glob("*.safetensors"), *path.glob("*.bin")]):
+        if weights.name == CODES_FILE:  # derived from the weights, and changes no result
+            continue
         h.update(weights.name.encode() + b"\0" + _content_hash(weights).encode())
     return h.hexdigest()[:16]
 
