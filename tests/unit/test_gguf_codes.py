@@ -240,6 +240,8 @@ def test_write_codes_keeps_every_verified_linear_weight(written):
     path, model_dir, stored = written
     assert path == model_dir / CODES_FILE
     assert sorted(p.name for p in model_dir.iterdir()) == [CODES_FILE, "model.safetensors"]  # no temporaries
+    # loaders that take every *.safetensors of a directory (vLLM) see only the weights
+    assert [p.name for p in model_dir.glob("*.safetensors")] == ["model.safetensors"]
     codes = load_codes(model_dir)
     linear = {n[: -len(".weight")] for n in stored if gguf_codes._is_linear(n)}
     assert set(codes) == linear - {CORRUPTED[: -len(".weight")], UNQUANTIZED[: -len(".weight")]}
