@@ -352,6 +352,9 @@ def write_report(data: dict, docs: Path) -> None:
 
 
 def main() -> None:
+    from peers.launch import MODEL_ENV, exit_on_sigterm
+
+    exit_on_sigterm()
     p = argparse.ArgumentParser(description="Benchmark every system on every workload.")
     p.add_argument("--quick", action="store_true", help="tiny smoke-test sizes")
     p.add_argument("--systems", default=",".join(SYSTEMS))
@@ -376,8 +379,6 @@ def main() -> None:
         help="vllm suite: the docs section's peer (`--peer llamacpp --systems kvserve-auto,llamacpp`)",
     )
     args = p.parse_args()
-    from peers.launch import MODEL_ENV
-
     os.environ[MODEL_ENV] = args.model
     if args.model != "smollm2-135m" and args.suite != "vllm":
         p.error("--model other than smollm2-135m is for --suite vllm (the other docs tables are SmolLM2's)")

@@ -539,6 +539,9 @@ def print_table(result: dict) -> None:
 
 
 def main() -> None:
+    from peers.launch import exit_on_sigterm
+
+    exit_on_sigterm()
     p = argparse.ArgumentParser(description="Benchmark one server on one workload.")
     p.add_argument("--system", default="kvserve", help="a name from scripts/peers/launch.py")
     p.add_argument("--base-url", help="benchmark an already running server instead")

@@ -13,6 +13,7 @@ import dataclasses
 import importlib.util
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -239,8 +240,14 @@ def cpu_seconds(pid: int) -> float:
 def running(system: System, port: int, log_path: Path, ready_timeout_s: float = 900.0):
     """Starts the server in its own process group, waits for /v1/models, yields (pid, base_url).
 
-    The whole group is terminated on exit, whatever happened inside.
+    The whole group is terminated on exit, whatever happened inside (a SIGTERM included, once the
+    script has called `exit_on_sigterm`).
     """
+    if not _port_free(port):  # else the server there answers the readiness check and the requests
+        raise RuntimeError(
+            f"port {port} is taken, by a server an earlier run left behind? (`ss -ltnp | grep {port}` "
+            "names it): stop it and run again"
+        )
     places = {"model": model_dir(), "port": port}
     if any("{gguf}" in a for a in system.argv):
         places["gguf"] = gguf_path()
@@ -260,6 +267,22 @@ def running(system: System, port: int, log_path: Path, ready_timeout_s: float = 
         yield proc.pid, base_url
     finally:
         _stop(proc)
+
+
+def _port_free(port: int) -> bool:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # a closed server's TIME_WAIT is free
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
+
+
+def exit_on_sigterm() -> None:
+    """A SIGTERM (kill, pkill) ends the script through SystemExit, so that `running` stops the servers
+    it started; by default Python dies at once and they run on, holding their ports and memory."""
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
 
 
 def _wait_ready(proc: subprocess.Popen, base_url: str, timeout_s: float, log_path: Path) -> None:

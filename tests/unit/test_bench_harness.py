@@ -135,3 +135,60 @@ def test_settle_waits_until_a_busy_system_goes_quiet() -> None:
         idle.kill()
     assert waited_busy >= 0.4, waited_busy  # at least the rest of its spin
     assert waited_idle < 1.0, waited_idle  # one quiet window (0.2 s), with slack for a loaded machine
+
+
+def test_running_refuses_a_port_another_server_holds(tmp_path: Path) -> None:
+    """A server left behind on the port would answer the readiness check and every request in place of
+    the one being measured (seen: a killed run's kvserve served the next run's cold workload)."""
+    import socket
+
+    from peers.launch import System, running
+
+    never = System("never", (sys.executable, "-c", "raise SystemExit('started')"))
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        port = held.getsockname()[1]
+        with (
+            pytest.raises(RuntimeError, match=f"port {port} is taken"),
+            running(never, port, tmp_path / "log"),
+        ):
+            pass
+    assert not (tmp_path / "log").exists()  # nothing was started
+
+
+def test_a_terminated_script_stops_the_servers_it_started(tmp_path: Path) -> None:
+    """SIGTERM to a benchmark script (kill, pkill) stops its servers too: they run in their own process
+    groups, so without exit_on_sigterm they would outlive it, holding their ports."""
+    import os
+    import signal
+    import subprocess
+    import time
+
+    script = tmp_path / "script.py"
+    script.write_text(
+        "import sys, time, threading\n"
+        f"sys.path.insert(0, {str(Path(__file__).resolve().parents[2] / 'scripts')!r})\n"
+        "from peers import launch\n"
+        "launch._wait_ready = lambda *a: None\n"
+        "launch.model_dir = lambda: 'unused'\n"
+        "launch.exit_on_sigterm()\n"
+        "server = launch.System('sleeper', (sys.executable, '-c', 'import time; time.sleep(60)'))\n"
+        f"with launch.running(server, 0, __import__('pathlib').Path({str(tmp_path / 'log')!r})) as (pid, _):\n"
+        f"    open({str(tmp_path / 'pid')!r}, 'w').write(str(pid))\n"
+        "    time.sleep(60)\n"
+    )
+    proc = subprocess.Popen([sys.executable, str(script)])
+    pid_file = tmp_path / "pid"
+    deadline = time.monotonic() + 30
+    while not pid_file.exists() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    server = int(pid_file.read_text())
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=30) == 128 + signal.SIGTERM
+    try:
+        os.kill(server, 0)
+        alive = True
+    except ProcessLookupError:
+        alive = False
+    assert not alive
