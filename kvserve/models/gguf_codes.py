@@ -45,14 +45,16 @@ import shutil
 import struct
 import tempfile
 import time
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
+from gguf import GGML_QUANT_SIZES
 from gguf import GGMLQuantizationType as QT
+
+from kvserve.models.gguf_blocks import GROUPS, unpack
 
 log = logging.getLogger("kvserve.models")
 
@@ -63,7 +65,7 @@ FORMAT = "kvserve-gguf-codes-v1"
 # modules whose 2-D .weight is a linear layer's
 LINEAR_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "lm_head")
 
-_CHUNK = 1 << 22  # elements unpacked or verified at a time: bounds the temporaries
+_CHUNK = 1 << 22  # elements verified at a time: bounds the temporaries
 
 
 @dataclass(frozen=True)
@@ -111,155 +113,6 @@ def regroup(c: Codes, group: int) -> Codes:
         return c
     k = c.group // group
     return Codes(c.codes, c.scale.repeat_interleave(k, dim=1), c.offset.repeat_interleave(k, dim=1))
-
-
-# ---- unpacking GGUF blocks: gguf/quants.py's dequantize_blocks, stopped before the multiply --------
-
-_Unpacked = tuple[np.ndarray, np.ndarray, np.ndarray]  # codes [n, block] int8, scale, offset [n, groups]
-_NIBBLES = np.array([0, 4], dtype=np.uint8).reshape((1, 1, 2, 1))
-
-
-def _f16(b: np.ndarray) -> np.ndarray:
-    return b.view(np.float16).astype(np.float32)
-
-
-def _neg_zero(like: np.ndarray) -> np.ndarray:
-    return np.full(like.shape, -0.0, dtype=np.float32)
-
-
-def _q8_0(blocks: np.ndarray) -> _Unpacked:
-    d, x = np.split(blocks, [2], axis=1)
-    d = _f16(d)
-    return x.view(np.int8).copy(), d, _neg_zero(d)
-
-
-def _q4_0(blocks: np.ndarray) -> _Unpacked:
-    n = blocks.shape[0]
-    d, qs = np.hsplit(blocks, [2])
-    d = _f16(d)
-    qs = qs.reshape((n, -1, 1, 16)) >> _NIBBLES
-    q = (qs & np.uint8(0x0F)).reshape((n, -1)).astype(np.int8) - np.int8(8)
-    return q, d, _neg_zero(d)
-
-
-def _q4_1(blocks: np.ndarray) -> _Unpacked:
-    n = blocks.shape[0]
-    d, rest = np.hsplit(blocks, [2])
-    m, qs = np.hsplit(rest, [2])
-    qs = qs.reshape((n, -1, 1, 16)) >> _NIBBLES
-    q = (qs & np.uint8(0x0F)).reshape((n, -1)).astype(np.int8)
-    return q, _f16(d), _f16(m)
-
-
-def _q5_low_high(qh: np.ndarray, qs: np.ndarray) -> np.ndarray:
-    """Q5_0 / Q5_1: 32 five-bit values from a little-endian uint32 of high bits and 16 bytes of nibbles."""
-    n = qs.shape[0]
-    qh = qh.view(np.uint32).reshape((n, 1)) >> np.arange(32, dtype=np.uint32).reshape((1, 32))
-    ql = qs.reshape((n, -1, 1, 16)) >> _NIBBLES
-    qh = (qh & np.uint32(0x01)).astype(np.uint8)
-    ql = (ql & np.uint8(0x0F)).reshape((n, -1))
-    return ql | (qh << np.uint8(4))
-
-
-def _q5_0(blocks: np.ndarray) -> _Unpacked:
-    d, rest = np.hsplit(blocks, [2])
-    qh, qs = np.hsplit(rest, [4])
-    d = _f16(d)
-    return _q5_low_high(qh, qs).astype(np.int8) - np.int8(16), d, _neg_zero(d)
-
-
-def _q5_1(blocks: np.ndarray) -> _Unpacked:
-    d, rest = np.hsplit(blocks, [2])
-    m, rest = np.hsplit(rest, [2])
-    qh, qs = np.hsplit(rest, [4])
-    return _q5_low_high(qh, qs).astype(np.int8), _f16(d), _f16(m)
-
-
-def _k_scales(blocks: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Q4_K / Q5_K: (d*sc, -(dmin*m)) [n, 8] and the rest of the block."""
-    from gguf.quants import Q4_K
-
-    d, rest = np.hsplit(blocks, [2])
-    dmin, rest = np.hsplit(rest, [2])
-    scales, rest = np.hsplit(rest, [Q4_K.K_SCALE_SIZE])
-    d = _f16(d)
-    dmin = _f16(dmin)
-    sc, m = Q4_K.get_scale_min(scales)
-    return d * sc.astype(np.float32), -(dmin * m.astype(np.float32)), rest
-
-
-def _q4_k(blocks: np.ndarray) -> _Unpacked:
-    n = blocks.shape[0]
-    a, o, qs = _k_scales(blocks)
-    qs = qs.reshape((n, -1, 1, 32)) >> _NIBBLES
-    q = (qs & np.uint8(0x0F)).reshape((n, -1)).astype(np.int8)
-    return q, a, o
-
-
-def _q5_k(blocks: np.ndarray) -> _Unpacked:
-    n = blocks.shape[0]
-    a, o, rest = _k_scales(blocks)
-    qh, qs = np.hsplit(rest, [256 // 8])
-    ql = qs.reshape((n, -1, 1, 32)) >> _NIBBLES
-    qh = qh.reshape((n, -1, 1, 32)) >> np.arange(8, dtype=np.uint8).reshape((1, 1, 8, 1))
-    ql = (ql & np.uint8(0x0F)).reshape((n, -1, 32))
-    qh = (qh & np.uint8(0x01)).reshape((n, -1, 32))
-    q = (ql | (qh << np.uint8(4))).reshape((n, -1)).astype(np.int8)
-    return q, a, o
-
-
-def _q6_k(blocks: np.ndarray) -> _Unpacked:
-    n = blocks.shape[0]
-    ql, rest = np.hsplit(blocks, [256 // 2])
-    qh, rest = np.hsplit(rest, [256 // 4])
-    scales, d = np.hsplit(rest, [256 // 16])
-    a = _f16(d) * scales.view(np.int8).astype(np.float32)  # [n, 16]
-    ql = ql.reshape((n, -1, 1, 64)) >> _NIBBLES
-    ql = (ql & np.uint8(0x0F)).reshape((n, -1, 32))
-    qh = qh.reshape((n, -1, 1, 32)) >> np.array([0, 2, 4, 6], dtype=np.uint8).reshape((1, 1, 4, 1))
-    qh = (qh & np.uint8(0x03)).reshape((n, -1, 32))
-    q = (ql | (qh << np.uint8(4))).astype(np.int8) - np.int8(32)
-    return q.reshape((n, -1)), a, _neg_zero(a)
-
-
-# type -> (elements per block, bytes per block, group, unpack)
-_FORMATS: dict[QT, tuple[int, int, int, Callable[[np.ndarray], _Unpacked]]] = {
-    QT.Q8_0: (32, 34, 32, _q8_0),
-    QT.Q4_0: (32, 18, 32, _q4_0),
-    QT.Q4_1: (32, 20, 32, _q4_1),
-    QT.Q5_0: (32, 22, 32, _q5_0),
-    QT.Q5_1: (32, 24, 32, _q5_1),
-    QT.Q4_K: (256, 144, 32, _q4_k),
-    QT.Q5_K: (256, 176, 32, _q5_k),
-    QT.Q6_K: (256, 210, 16, _q6_k),
-}
-GROUPS: dict[QT, int] = {t: g for t, (_, _, g, _) in _FORMATS.items()}  # the types with codes
-
-
-def unpack(data: np.ndarray, qtype: QT | int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """A GGUF tensor's raw bytes, [rows, bytes per row] uint8 as gguf.GGUFReader gives them, as numpy
-    (codes int8 [rows, in], scale float32 [rows, in / g], offset float32 [rows, in / g]). Raises
-    ValueError for a type without codes (see GROUPS)."""
-    qtype = QT(qtype)
-    if qtype not in _FORMATS:
-        raise ValueError(
-            f"GGUF type {qtype.name} has no codes (codes exist for {', '.join(t.name for t in _FORMATS)})"
-        )
-    block, size, group, fn = _FORMATS[qtype]
-    if data.dtype != np.uint8 or data.ndim != 2 or data.shape[1] % size:
-        raise ValueError(f"{qtype.name} data must be [rows, k * {size}] uint8, got {data.dtype} {data.shape}")
-    rows, n_in = data.shape[0], data.shape[1] // size * block
-    codes = np.empty((rows, n_in), dtype=np.int8)
-    scale = np.empty((rows, n_in // group), dtype=np.float32)
-    offset = np.empty_like(scale)
-    step = max(1, _CHUNK // max(n_in, 1))
-    for r0 in range(0, rows, step):
-        r1 = min(rows, r0 + step)
-        q, a, o = fn(np.ascontiguousarray(data[r0:r1]).reshape((-1, size)))
-        codes[r0:r1] = q.reshape((r1 - r0, n_in))
-        scale[r0:r1] = a.reshape((r1 - r0, -1))
-        offset[r0:r1] = o.reshape((r1 - r0, -1))
-    return codes, scale, offset
 
 
 def codes_from_gguf(data: np.ndarray, qtype: QT | int) -> Codes:
@@ -356,7 +209,7 @@ def _verified(name: str, weights: Any, tensor: Any, n_head: int | None) -> Codes
     n_head, reverse-permuted as transformers does llama's q/k), or None, logged, when neither
     reproduces the stored weight bit for bit."""
     qtype = QT(tensor.tensor_type)
-    block, size = _FORMATS[qtype][:2]
+    block, size = GGML_QUANT_SIZES[qtype]
     stored = weights.get_slice(name)
     out, n_in = stored.get_shape()
     data = tensor.data
@@ -438,7 +291,7 @@ def write_codes(gguf_path: Path, model_dir: Path) -> Path | None:
                 module = name[: -len(".weight")]
                 gguf_base = name_map.get_name(module)
                 tensor = tensors.get(f"{gguf_base}.weight") if gguf_base is not None else None
-                if tensor is None or QT(tensor.tensor_type) not in _FORMATS:
+                if tensor is None or QT(tensor.tensor_type) not in GROUPS:
                     no_codes += 1  # F32/F16/BF16 and the like, or not in the GGUF
                     continue
                 n_head = n_heads.get(module.rsplit(".", 1)[-1])

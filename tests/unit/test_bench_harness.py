@@ -167,7 +167,7 @@ def test_a_terminated_script_stops_the_servers_it_started(tmp_path: Path) -> Non
 
     script = tmp_path / "script.py"
     script.write_text(
-        "import sys, time, threading\n"
+        "import sys, time\n"
         f"sys.path.insert(0, {str(Path(__file__).resolve().parents[2] / 'scripts')!r})\n"
         "from peers import launch\n"
         "launch._wait_ready = lambda *a: None\n"

@@ -17,17 +17,16 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from kvserve.models import gguf_codes
+from kvserve.models.gguf_blocks import GROUPS, unpack
 from kvserve.models.gguf_codes import (
     CODES_FILE,
     FORMAT,
-    GROUPS,
     Codes,
     codes_from_gguf,
     dequantize,
     llama_row_permutation,
     load_codes,
     regroup,
-    unpack,
     write_codes,
 )
 
