@@ -8,6 +8,9 @@ eos ids, chosen backend) live in `engine.RuntimeInfo`, never here.
 from __future__ import annotations
 
 import dataclasses
+import math
+import types
+import typing
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
@@ -232,6 +235,14 @@ class ServeConfig:
             "there (teacher-forced): greedy agreement and the mean KL"
         },
     )
+    audit_requests_per_minute: int = field(
+        default=30,
+        metadata={
+            "help": "the server's budget for audits requests ask for with audit: true: at most this many "
+            "are granted in any 60 s; past it a request is served without one and its usage.kvserve.audit "
+            "says so (0 = none granted; --audit-rate samples are not counted)"
+        },
+    )
     pieces: str = field(
         default="content",
         metadata={
@@ -262,14 +273,54 @@ class ServeConfig:
         default=0.0,
         metadata={"help": "hold new requests this long so requests sharing a prefix are admitted together"},
     )
+    prefix_group_window_ms: float = field(
+        default=1000.0,
+        metadata={
+            "help": "a waiting request may be admitted before an older one, to sit next to requests sharing "
+            "its prefix, only if it arrived at most this long after it (0: first come, first served)"
+        },
+    )
     # --- server ------------------------------------------------------------------------------
     host: str = field(default="127.0.0.1", metadata={"help": "address to listen on"})
     port: int = field(default=8000, metadata={"help": "port to listen on"})
     max_queue_size: int = field(
         default=256, metadata={"help": "requests waiting or running before new ones get 503"}
     )
+    max_queue_share: float = field(
+        default=0.5,
+        metadata={
+            "help": "most of max_queue_size one request may take (its n x prompts, at least 1 slot); a "
+            "request asking for more is a 400, so that no single request fills the queue (1 = it may)"
+        },
+    )
     request_timeout_s: float = field(default=600.0, metadata={"help": "abort requests older than this (504)"})
     api_key: str = field(default="", metadata={"help": "require 'Authorization: Bearer KEY' (empty = open)"})
+    admin_api_key: str = field(
+        default="",
+        metadata={
+            "help": "a key that also sees /v1/stats' per-chunk rows (cache.top_chunks) and is accepted "
+            "wherever api_key is; with it set, other callers get the rows withheld (empty = the rows are "
+            "shown until a request uses cache_salt, then withheld from everyone)"
+        },
+    )
+    max_connections: int = field(
+        default=1024,
+        metadata={
+            "help": "open HTTP connections (or requests in progress) at which a new request gets 503 "
+            "(uvicorn's limit_concurrency); keep it above max_queue_size so /health answers at a full queue"
+        },
+    )
+    keep_alive_timeout_s: int = field(
+        default=5, metadata={"help": "close a kept-alive connection idle this long between requests"}
+    )
+    request_read_timeout_s: float = field(
+        default=30.0,
+        metadata={
+            "help": "close a connection whose request (line, headers and body) has not fully arrived this "
+            "long after it began, or after the connection opened: slow senders cannot hold connections; "
+            "never cuts a response in progress"
+        },
+    )
     warm: tuple[str, ...] = field(
         default=(), metadata={"help": "text to pre-warm and pin at start-up (repeatable)"}
     )
@@ -298,8 +349,81 @@ _CHOICES: dict[str, tuple[str, ...]] = {
 }
 
 
+def check_types(config: Any) -> None:
+    """Raise ConfigError for a field of the dataclass `config` whose value is not of its declared
+    type, or a float that is not finite. YAML and keyword arguments arrive unconverted
+    (`api_key: 12345` is an int): bool takes only true / false, int no bool, float no bool and
+    no nan or inf, str only a string, `X | None` also null, Literal only its values."""
+    hints = typing.get_type_hints(type(config))
+    for f in fields(config):
+        value, expected = getattr(config, f.name), hints[f.name]
+        if not _is_a(value, expected):
+            quote = (
+                f'; quote it in YAML: {f.name}: "{value}"' if expected is str and _is_scalar(value) else ""
+            )
+            raise ConfigError(
+                f"{f.name} must be {_describe(expected)} (got {value!r}, {_kind(value)}){quote}",
+                param=f.name,
+            )
+        if isinstance(value, float) and not math.isfinite(value):
+            raise ConfigError(f"{f.name} must be a finite number (got {value})", param=f.name)
+
+
+def _is_a(value: Any, tp: Any) -> bool:
+    origin, args = typing.get_origin(tp), typing.get_args(tp)
+    if tp is Any:
+        return True
+    if tp is None or tp is type(None):
+        return value is None
+    if origin in (typing.Union, types.UnionType):
+        return any(_is_a(value, a) for a in args)
+    if origin is typing.Literal:
+        return any(type(value) is type(a) and value == a for a in args)
+    if tp is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    if tp is float:
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    if origin is tuple and len(args) == 2 and args[1] is Ellipsis:
+        return isinstance(value, tuple) and all(_is_a(v, args[0]) for v in value)
+    if origin is tuple:
+        return isinstance(value, tuple) and len(value) == len(args) and all(map(_is_a, value, args))
+    if origin in (list, set, frozenset):
+        return isinstance(value, origin) and all(_is_a(v, args[0]) for v in value)
+    if origin is dict:
+        return isinstance(value, dict) and all(
+            _is_a(k, args[0]) and _is_a(v, args[1]) for k, v in value.items()
+        )
+    return isinstance(value, origin or tp)
+
+
+_NAMES = {bool: "true or false", int: "an integer", float: "a number", str: "a string"}
+
+
+def _describe(tp: Any) -> str:
+    origin, args = typing.get_origin(tp), typing.get_args(tp)
+    if tp is None or tp is type(None):
+        return "null"
+    if origin in (typing.Union, types.UnionType):
+        return " or ".join(_describe(a) for a in args)
+    if origin is typing.Literal:
+        return "one of " + ", ".join(repr(a) for a in args)
+    if origin in (tuple, list, set, frozenset) and args:
+        return f"a list of {_describe(args[0]).removeprefix('a ').removeprefix('an ')}s"
+    return _NAMES.get(tp, f"a {getattr(origin or tp, '__name__', tp)}")
+
+
+def _kind(value: Any) -> str:
+    name = type(value).__name__
+    return "null" if value is None else f"{'an' if name[0] in 'aeiou' else 'a'} {name}"
+
+
+def _is_scalar(value: Any) -> bool:
+    return isinstance(value, (bool, int, float))
+
+
 def validate(cfg: ServeConfig) -> None:
     """Raise ConfigError naming the field and the fix."""
+    check_types(cfg)
     for name, choices in _CHOICES.items():
         value = getattr(cfg, name)
         if value not in choices:
@@ -348,6 +472,10 @@ def validate(cfg: ServeConfig) -> None:
         raise ConfigError(f"audit_max_kl must be positive (got {cfg.audit_max_kl})")
     if cfg.audit_tokens < 1:
         raise ConfigError(f"audit_tokens must be at least 1 (got {cfg.audit_tokens})")
+    if cfg.audit_requests_per_minute < 0:
+        raise ConfigError(
+            f"audit_requests_per_minute must be 0 (none) or more (got {cfg.audit_requests_per_minute})"
+        )
     if not 0.0 <= cfg.recompute_ratio <= 1.0:
         raise ConfigError(f"recompute_ratio must be in [0, 1] (got {cfg.recompute_ratio})")
     if not 0 < cfg.piece_min_tokens <= cfg.piece_max_tokens:
@@ -372,6 +500,8 @@ def validate(cfg: ServeConfig) -> None:
         )
     if cfg.max_model_len < 0:
         raise ConfigError(f"max_model_len must be >= 0 (got {cfg.max_model_len})")
+    if cfg.prefix_group_window_ms < 0:
+        raise ConfigError(f"prefix_group_window_ms must be >= 0 (got {cfg.prefix_group_window_ms})")
     if cfg.batch_window_ms < 0 or cfg.request_timeout_s <= 0:
         raise ConfigError("batch_window_ms must be >= 0 and request_timeout_s > 0")
     if cfg.slo_ttft_ms < 0 or cfg.fp8_queue_depth < 1 or cfg.precision_hold_s < 0:
@@ -388,6 +518,13 @@ def validate(cfg: ServeConfig) -> None:
         )
     if not 0 < cfg.port < 65536:
         raise ConfigError(f"port must be in 1..65535 (got {cfg.port})")
+    if not 0.0 < cfg.max_queue_share <= 1.0:
+        raise ConfigError(f"max_queue_share must be in (0, 1] (got {cfg.max_queue_share})")
+    for name in ("max_connections", "keep_alive_timeout_s", "request_read_timeout_s"):
+        if getattr(cfg, name) <= 0:
+            raise ConfigError(f"{name} must be positive (got {getattr(cfg, name)})")
+    if cfg.admin_api_key and cfg.admin_api_key == cfg.api_key:
+        raise ConfigError("admin_api_key must differ from api_key (else every caller is the admin)")
 
 
 def field_names() -> list[str]:
@@ -397,26 +534,46 @@ def field_names() -> list[str]:
 def from_dict(values: dict[str, Any]) -> ServeConfig:
     """Build a config from a mapping; unknown keys are errors."""
     known = set(field_names())
-    unknown = sorted(set(values) - known)
+    unknown = sorted(str(key) for key in set(values) - known)  # YAML keys may be numbers
     if unknown:
         raise ConfigError(
             f"unknown config key(s): {', '.join(unknown)}; known keys: {', '.join(sorted(known))}"
         )
     values = dict(values)
-    if "warm" in values:
-        warm = values["warm"]
-        values["warm"] = (warm,) if isinstance(warm, str) else tuple(warm or ())
+    warm = values.get("warm")
+    if isinstance(warm, str):
+        values["warm"] = (warm,)
+    elif warm is None or isinstance(warm, list):  # anything else is left for check_types to name
+        values["warm"] = tuple(warm or ())
     return ServeConfig(**values)
 
 
 def load_yaml(path: str | Path) -> dict[str, Any]:
+    """The mapping in the YAML file `path`. A file that is missing, unreadable or not YAML is a
+    one-line ConfigError naming it (and, for a syntax error, the line and column)."""
     import yaml
 
-    text = Path(path).read_text()
-    data = yaml.safe_load(text) or {}
+    try:
+        text = Path(path).read_text()
+    except FileNotFoundError:
+        raise ConfigError(f"config file {path} not found") from None
+    except (OSError, UnicodeDecodeError) as e:
+        reason = e.strerror if isinstance(e, OSError) and e.strerror else str(e)
+        raise ConfigError(f"config file {path} cannot be read ({reason})") from None
+    try:
+        data = yaml.safe_load(text) or {}
+    except yaml.YAMLError as e:
+        raise ConfigError(f"config file {path} is not valid YAML: {_yaml_problem(e)}") from None
     if not isinstance(data, dict):
         raise ConfigError(f"{path}: a config file must be a mapping of field: value")
     return data
+
+
+def _yaml_problem(error: Exception) -> str:
+    mark = getattr(error, "problem_mark", None)
+    problem = getattr(error, "problem", None) or str(error)
+    where = f"line {mark.line + 1}, column {mark.column + 1}: " if mark is not None else ""
+    return where + " ".join(str(problem).split())
 
 
 def make_config(config_file: str | Path | None = None, **overrides: Any) -> ServeConfig:

@@ -21,7 +21,7 @@ from starlette.routing import Match
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from kvserve.api.protocol import FIELD_NAMES, FORMS, SURROGATE_FREE, no_surrogates
-from kvserve.errors import KVServeError
+from kvserve.errors import InvalidRequestError, KVServeError
 from kvserve.request import RANGES
 
 M = TypeVar("M", bound=BaseModel)
@@ -146,8 +146,10 @@ class BodyValidationError(RequestValidationError):
 def parse_body(raw: bytes, content_type: str | None, model: type[M]) -> M:
     """`model` from a request body as FastAPI makes a declared body: JSON when the content type is a
     JSON one, else the bytes themselves (which a model refuses); an empty body is missing.
-    Errors are FastAPI's, located under "body", so they become the same 400s. The server runs it off
-    the event loop for bodies that can be large (ServerState.body)."""
+    Errors are FastAPI's, located under "body", so they become the same 400s; a body nested too
+    deeply for Python's recursion limit (while parsed or validated) is a 400 that says so (FastAPI
+    answers "There was an error parsing the body"). The server runs it off the event loop for
+    bodies that can be large (ServerState.body)."""
     expects = str(getattr(model, "expects", "a JSON object"))
     data: Any = raw
     if not raw:
@@ -161,6 +163,8 @@ def parse_body(raw: bytes, content_type: str | None, model: type[M]) -> M:
             pos = getattr(exc, "pos", getattr(exc, "start", 0))
             error = {"type": "json_invalid", "loc": ("body", pos), "msg": "JSON decode error", "input": {}}
             raise BodyValidationError([error], expects) from None
+        except RecursionError:
+            raise _too_deep() from None
     # a body that cannot hold a lone surrogate skips the validators' walk for one (4 ms for 400 KB)
     context = {SURROGATE_FREE: True} if data is not raw and no_surrogates(raw) else None
     try:
@@ -168,6 +172,14 @@ def parse_body(raw: bytes, content_type: str | None, model: type[M]) -> M:
     except ValidationError as exc:
         errors = [{**e, "loc": ("body", *e["loc"])} for e in exc.errors()]
         raise BodyValidationError(errors, expects) from None
+    except RecursionError:  # a validator walking a deep list that json.loads could still read
+        raise _too_deep() from None
+
+
+def _too_deep() -> InvalidRequestError:
+    return InvalidRequestError(
+        "the request body is nested too deeply (JSON arrays or objects inside each other)"
+    )
 
 
 def _json_content(content_type: str | None) -> bool:

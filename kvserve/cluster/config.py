@@ -7,7 +7,7 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
-from kvserve.config import load_yaml
+from kvserve.config import check_types, load_yaml
 from kvserve.errors import ConfigError
 
 
@@ -44,6 +44,7 @@ ROUTING = ("prefix-affinity", "round-robin")
 
 
 def validate(c: ClusterConfig) -> None:
+    check_types(c)
     if c.routing not in ROUTING:
         raise ConfigError(f"routing must be one of {', '.join(ROUTING)} (got {c.routing!r})")
     if c.replicas < 1:
@@ -59,12 +60,12 @@ def validate(c: ClusterConfig) -> None:
 def make_cluster_config(config_file: str | Path | None = None, **overrides: Any) -> ClusterConfig:
     """defaults < the YAML preset's `cluster:` mapping < overrides."""
     preset = load_yaml(config_file).get("cluster") if config_file else None
-    values: dict[str, Any] = dict(preset or {})
     if not isinstance(preset or {}, dict):
         raise ConfigError(f"{config_file}: `cluster:` must be a mapping of field: value")
+    values: dict[str, Any] = dict(preset or {})
     values.update({k: v for k, v in overrides.items() if v is not None})
     known = {f.name for f in fields(ClusterConfig)}
-    unknown = sorted(set(values) - known)
+    unknown = sorted(str(key) for key in set(values) - known)  # YAML keys may be numbers
     if unknown:
         raise ConfigError(
             f"unknown cluster key(s): {', '.join(unknown)}; known keys: {', '.join(sorted(known))}"

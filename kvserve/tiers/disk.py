@@ -125,13 +125,15 @@ class DiskTier:
         self._corruptions: Counter[str] = Counter()
         self._load_seconds_total = 0.0
         self._load_seconds_max = 0.0
+        self._logged_faults: set[tuple[str, str, int | None]] = set()  # (operation, type, errno)
         self._scan()
 
     # ----------------------------------------------------------------------------- public
     def put(self, key: TierKey, token_ids_hash: bytes, payload: bytes) -> bool:
         """Store `payload` under `key` unless an entry of that name is already indexed. Returns
-        whether a file was written. I/O errors are counted and logged, never raised: a tier that
-        cannot write only costs recomputation."""
+        whether a file was written. I/O errors are counted (`write_errors`) and logged the first time
+        of each kind (_log_fault), never raised: a tier that cannot write costs that entry alone,
+        recomputed later."""
         name = key.name
         size = entry_bytes(len(payload))
         with self._lock:
@@ -160,10 +162,13 @@ class DiskTier:
                 self._counts["writes"] += 1
             self._fsync_directory()
         except OSError as e:
-            log.warning("disk tier: writing %s failed (%s); the chunk stays uncached on disk", name, e)
+            self._log_fault("writing", name, e, "the chunk stays uncached on disk")
             with self._lock:
                 self._counts["write_errors"] += 1
-            temp.unlink(missing_ok=True)
+            try:
+                temp.unlink(missing_ok=True)
+            except OSError:
+                pass  # the directory is gone or replaced (ENOTDIR): a temp file left is removed at the next start
             return False
         return True
 
@@ -186,7 +191,7 @@ class DiskTier:
                 self._counts["misses"] += 1
             return None
         except OSError as e:
-            log.warning("disk tier: reading %s failed (%s); recomputing the chunk", name, e)
+            self._log_fault("reading", name, e, "recomputing the chunk")
             with self._lock:
                 self._counts["read_errors"] += 1
                 self._counts["misses"] += 1
@@ -338,6 +343,18 @@ class DiskTier:
             # else: a good entry was renamed over the damaged one since it was read: keep it
             self._corruptions[error.reason.value] += 1
             self._counts["misses"] += 1
+
+    def _log_fault(self, operation: str, name: str, error: OSError, outcome: str) -> None:
+        """A warning for the first fault of its kind (operation, exception type, errno), debug for
+        the rest: a disk that fails every write logs once, not once per chunk; the counters in
+        `stats` (and /metrics) count every one."""
+        kind = (operation, type(error).__name__, error.errno)
+        with self._lock:
+            first = kind not in self._logged_faults
+            self._logged_faults.add(kind)
+        level = logging.WARNING if first else logging.DEBUG
+        later = "; later failures like it are counted, not logged" if first else ""
+        log.log(level, "disk tier: %s %s failed (%s); %s%s", operation, name, error, outcome, later)
 
     def _fsync_directory(self) -> None:
         fd = os.open(self.directory, os.O_RDONLY)

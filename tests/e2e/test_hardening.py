@@ -169,6 +169,24 @@ def test_lone_surrogates_are_400s_naming_the_field(tiny_server: Server) -> None:
         assert h.post("/v1/completions", json=_body("/v1/completions")).status_code == 200
 
 
+def test_a_body_nested_50000_deep_is_a_400_on_every_json_route(tiny_server: Server) -> None:
+    """Issue 62.4: json.loads' RecursionError escaped parse_body (the generation routes) as a 500."""
+    nested = "[" * 50_000 + "]" * 50_000
+    cases = [
+        ("/v1/completions", '{"prompt": "x", "stop": %s}'),
+        ("/v1/chat/completions", '{"messages": %s}'),
+        ("/tokenize", '{"prompt": %s}'),
+        ("/v1/warm", '{"text": %s}'),
+    ]
+    with tiny_server.http() as h:
+        first = h.post("/v1/completions", json=_body("/v1/completions"))
+        assert first.status_code == 200
+        for route, body in cases:
+            _param_of_400(_post_raw(h, route, body % nested))
+        good = h.post("/v1/completions", json=_body("/v1/completions"))
+        assert good.status_code == 200 and _local_port(good) == _local_port(first)
+
+
 def test_a_tiny_positive_temperature_samples_and_hurts_nobody(tiny_server: Server) -> None:
     """vLLM's rule: a positive temperature below 0.01 is raised to 0.01 (logits / 1e-45 overflow)."""
     with _Stream(tiny_server) as stream, tiny_server.http() as h:

@@ -4,6 +4,7 @@ truncated and foreign entries are detected, counted, removed and recomputed."""
 
 from __future__ import annotations
 
+import logging
 import time
 from pathlib import Path
 
@@ -124,6 +125,30 @@ def test_damaged_truncated_and_foreign_entries_are_counted_removed_and_recompute
         assert disk is not None
         assert disk.stats().corruptions == ({reason: 1} if reason else {})
         llm.engine.close()
+
+
+def test_a_disk_fault_costs_each_write_its_entry_and_logs_once(tmp_path, reference, caplog):
+    """Issue 62.4: with the directory replaced by a file, DiskTier.put raised (its cleanup unlink
+    too), so the tier writer dropped the rest of each batch with a traceback. Now every chunk's write
+    is tried and counted, one warning is logged, and writes resume when the directory is back."""
+    directory = tmp_path / "kv"
+    llm = make(directory, kv_disk_write="all")
+    directory.rmdir()
+    directory.write_bytes(b"a file where the directory was")
+    prompt = corpus_token_ids(reference, 5 * CHUNK + 1, seed=43)
+    with caplog.at_level(logging.DEBUG, logger="kvserve.tiers"):
+        assert run(llm, prompt)[0] == run(reference, prompt)[0]
+        assert llm.engine.flush_tiers()
+    assert tier(llm, "disk").write_errors == 5
+    assert not any(r.exc_info for r in caplog.records), [r.getMessage() for r in caplog.records]
+    warnings = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+    assert len(warnings) == 1 and "disk tier: writing" in warnings[0], warnings
+    directory.unlink()
+    directory.mkdir()
+    run(llm, corpus_token_ids(reference, 2 * CHUNK + 1, seed=44))
+    assert llm.engine.flush_tiers()
+    assert len(list(directory.glob("*.kv"))) == 2 and tier(llm, "disk").write_errors == 5
+    llm.engine.close()
 
 
 def _key(llm: LLM, prompt: list[int], depth: int) -> TierKey:

@@ -63,3 +63,22 @@ def test_dtype_auto_is_decided_once_for_every_replica(monkeypatch: pytest.Monkey
     assert chosen.dtype == "bfloat16" and calls == ["auto"]
     assert replica_config(ServeConfig(device="cpu", dtype="float32")).dtype == "float32"
     assert calls == ["auto"]  # an explicit dtype is left alone
+
+
+def test_the_cluster_mappings_values_are_typed_and_finite(tmp_path: Path) -> None:
+    """Issue 62.4: the `cluster:` mapping shares load_yaml and had the same unchecked values."""
+    cases = [
+        ('cluster:\n  replicas: "two"\n', "replicas must be an integer (got 'two', a str)"),
+        ("cluster:\n  load_factor: .nan\n", "load_factor must be a finite number (got nan)"),
+        ("cluster:\n  routing: 1\n", "routing must be a string (got 1, an int)"),
+        ("cluster: 5\n", "`cluster:` must be a mapping of field: value"),
+    ]
+    preset = tmp_path / "c.yaml"
+    for text, message in cases:
+        preset.write_text(text)
+        with pytest.raises(ConfigError) as info:
+            make_cluster_config(preset)
+        assert message in info.value.message, (text, info.value.message)
+    args = build_parser().parse_args(["cluster", "--replica-cpus", "nan"])
+    with pytest.raises(ConfigError, match=r"replica_cpus must be a finite number \(got nan\)"):
+        cluster_config_from_args(args)

@@ -100,3 +100,54 @@ def test_main_reports_a_bad_config_and_exits_2(capsys: pytest.CaptureFixture[str
 
     assert main(["--block-size", "12"]) == 2
     assert "block_size must be a positive power of two" in capsys.readouterr().err
+
+
+FLOAT_FIELDS = [f.name for f in dataclasses.fields(ServeConfig) if f.type in ("float", float)]
+
+
+@pytest.mark.parametrize("name", FLOAT_FIELDS)
+def test_every_float_flag_must_be_finite(name: str) -> None:
+    """Issue 62.4: `--request-timeout-s nan` was taken and turned every timeout off (`nan <= 0` is
+    false), and so for every range check of a float field."""
+    flag = "--" + name.replace("_", "-")
+    for text in ("nan", "inf", "-inf"):
+        with pytest.raises(ConfigError, match=rf"^{name} must be a finite number \(got {text}\)$"):
+            _config(f"{flag}={text}")
+    with pytest.raises(ConfigError, match=f"{name} must be a finite number"):
+        ServeConfig(**{name: float("nan")})
+
+
+@pytest.mark.parametrize(
+    "yaml_text,message",
+    [
+        (
+            "api_key: 12345\n",
+            'kvserve: error: api_key must be a string (got 12345, an int); quote it in YAML: api_key: "12345"',
+        ),
+        ('max_queue_size: "lots"\n', "kvserve: error: max_queue_size must be an integer (got 'lots', a str)"),
+        (
+            "model: [\n",
+            "kvserve: error: config file {path} is not valid YAML: line 2, column 1: expected the node content",
+        ),
+        (None, "kvserve: error: config file {path} not found"),
+    ],
+)
+def test_main_reports_a_bad_config_file_in_one_line(
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+    yaml_text: str | None,
+    message: str,
+) -> None:
+    from kvserve import cli
+
+    def serve(config: ServeConfig, log_level: str) -> None:
+        raise AssertionError(f"a bad config was served: {config}")
+
+    monkeypatch.setattr(cli, "serve", serve)
+    path = tmp_path / "preset.yaml"
+    if yaml_text is not None:
+        path.write_text(yaml_text)
+    assert cli.main(["--config", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(message.format(path=path)) and err.count("\n") == 1, err

@@ -64,3 +64,58 @@ def test_optional_extras_pull_only_what_their_feature_needs():
     for name in ("redis", "cluster", "triton", "bench"):
         assert not any(dep.startswith("selenium") for dep in extras[name]), name
     assert any(dep.startswith("selenium") for dep in extras["test"])
+
+
+# Issue 62.4: YAML values reached ServeConfig unchecked. `api_key: 12345` made every request with a
+# key a 500; `max_queue_size: "lots"` was a traceback from a comparison deep in validate.
+@pytest.mark.parametrize(
+    "text,message",
+    [
+        (
+            "api_key: 12345",
+            'api_key must be a string (got 12345, an int); quote it in YAML: api_key: "12345"',
+        ),
+        ('max_queue_size: "lots"', "max_queue_size must be an integer (got 'lots', a str)"),
+        ("max_queue_size: 2.5", "max_queue_size must be an integer (got 2.5, a float)"),
+        ("max_queue_size: true", "max_queue_size must be an integer (got True, a bool)"),
+        ("enable_prefix_caching: 1", "enable_prefix_caching must be true or false (got 1, an int)"),
+        ('enable_prefix_caching: "no"', "enable_prefix_caching must be true or false (got 'no', a str)"),
+        ("request_timeout_s: true", "request_timeout_s must be a number (got True, a bool)"),
+        ("request_timeout_s: .nan", "request_timeout_s must be a finite number (got nan)"),
+        ("audit_rate: .inf", "audit_rate must be a finite number (got inf)"),
+        ("model: null", "model must be a string (got None, null)"),
+        ("model: [a]", "model must be a string (got ['a'], a list)"),
+        ("warm: 5", "warm must be a list of strings (got 5, an int)"),
+        ("warm: [a, 3]", "warm must be a list of strings"),
+    ],
+)
+def test_yaml_values_must_have_the_fields_type(tmp_path: Path, text: str, message: str) -> None:
+    path = tmp_path / "typed.yaml"
+    path.write_text(text + "\n")
+    with pytest.raises(ConfigError) as info:
+        make_config(path)
+    assert info.value.message.startswith(message), info.value.message
+    assert info.value.param == text.split(":")[0]
+
+
+def test_yaml_values_of_the_right_type_are_taken_as_they_are(tmp_path: Path) -> None:
+    path = tmp_path / "ok.yaml"
+    path.write_text('api_key: "12345"\nrequest_timeout_s: 30\nenable_prefix_caching: off\nwarm: one\n')
+    cfg = make_config(path)
+    assert (cfg.api_key, cfg.request_timeout_s, cfg.enable_prefix_caching) == ("12345", 30, False)
+    assert cfg.warm == ("one",)
+
+
+def test_a_missing_unreadable_or_broken_file_is_one_line_naming_it(tmp_path: Path) -> None:
+    broken = tmp_path / "broken.yaml"
+    broken.write_text("model: tiny-random-llama\nport: [8000\nhost: x\n")
+    cases = [
+        (tmp_path / "missing.yaml", f"config file {tmp_path / 'missing.yaml'} not found"),
+        (tmp_path, f"config file {tmp_path} cannot be read (Is a directory)"),
+        (broken, f"config file {broken} is not valid YAML: line 3, column 5:"),
+    ]
+    for path, message in cases:
+        with pytest.raises(ConfigError) as info:
+            make_config(path)
+        assert info.value.message.startswith(message), info.value.message
+        assert "\n" not in info.value.message

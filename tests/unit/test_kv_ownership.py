@@ -37,3 +37,11 @@ def test_the_check_sees_a_call_elsewhere(tmp_path):
         "def f(self, pool, other):\n    self.kv.pool.allocate(2)\n    pool.retain([1])\n    other.retain([1])\n"
     )
     assert pool_ref_calls(stray, tmp_path) == ["stray.py:2 self.kv.pool.allocate", "stray.py:3 pool.retain"]
+
+
+def test_the_managers_docstring_names_this_check():
+    """Issue 62.6: the manager's docstring sent readers to tests/unit/test_import_layers.py, which
+    checks import order, not pool refs."""
+    text = " ".join(OWNER.read_text().split())
+    assert "`allocate` and `retain` (tests/unit/test_kv_ownership.py checks that)" in text
+    assert "test_import_layers.py" not in text

@@ -1,6 +1,7 @@
 """parse_body (kvserve/api/errors.py), which the generation routes run off the event loop, answers
 every body exactly as FastAPI's own parsing of a declared body does: the same status and the same
-OpenAI error, for good bodies, bad JSON, wrong content types, missing bodies and bad fields."""
+OpenAI error, for good bodies, bad JSON, wrong content types, missing bodies and bad fields; and a
+body nested too deeply to parse is a 400 that says so."""
 
 import asyncio
 import json
@@ -128,3 +129,58 @@ def test_no_surrogates_is_exact_where_it_says_true():
         if no_surrogates(raw):
             assert _first_surrogate(json.loads(raw)) is None, raw
     assert no_surrogates(b'{"a": "x"}') and not no_surrogates(b'{"a": "\\ud800"}')
+
+
+@pytest.mark.parametrize("model", [CompletionRequest, ChatCompletionRequest])
+def test_a_body_nested_too_deeply_is_a_400(model):
+    """Issue 62.4: 50,000 nested lists made json.loads raise RecursionError, which escaped parse_body
+    as a 500; a body json.loads can still read (990 deep) can recurse in the surrogate validator. Both
+    are a 400 in the OpenAI shape. FastAPI's declared bodies (/v1/warm, /tokenize) answer 400 too."""
+    declared, parsed = _apps(model)
+    field = b'"prompt": "x", "stop": ' if model is CompletionRequest else b'"messages": '
+    bodies = [b"[" * 50_000 + b"]" * 50_000, b"[" * 990 + b'"\\ud800"' + b"]" * 990]
+    for nested in bodies:
+        raw = b"{" + field + nested + b"}"
+        r = parsed.post("/x", content=raw, headers={"content-type": "application/json"})
+        assert r.status_code == 400, (len(raw), r.status_code, r.text[:200])
+        error = r.json()["error"]
+        assert error["type"] == "invalid_request_error" and set(error) == {"message", "type", "param", "code"}
+        assert "nested too deeply" in error["message"]
+    r = declared.post(
+        "/x", content=b"{" + field + bodies[0] + b"}", headers={"content-type": "application/json"}
+    )
+    assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error"
+
+
+def test_a_body_json_reads_but_validation_recurses_on_is_a_400():
+    """Just under json.loads' depth limit, a body with a surrogate escape recursed in the surrogate
+    validator (it json.dumps the value): that RecursionError escaped too. Run on a fresh thread, as
+    ServerState.body runs parse_body; each depth ends in a 400's error, never a RecursionError."""
+    from kvserve.api.errors import BodyValidationError
+    from kvserve.errors import InvalidRequestError
+
+    outcomes: dict[int, tuple[bool, str]] = {}
+
+    def run() -> None:
+        for depth in range(900, 1001, 2):
+            raw = b'{"prompt": "x", "stop": ' + b"[" * depth + b'"\\ud800"' + b"]" * depth + b"}"
+            try:
+                json.loads(raw)
+                readable = True
+            except RecursionError:
+                readable = False
+            try:
+                parse_body(raw, "application/json", CompletionRequest)
+                outcomes[depth] = (readable, "parsed")
+            except InvalidRequestError:
+                outcomes[depth] = (readable, "too deep")
+            except BodyValidationError:
+                outcomes[depth] = (readable, "invalid")
+            except RecursionError:
+                outcomes[depth] = (readable, "RecursionError")
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    thread.join()
+    assert len(outcomes) == 51 and "RecursionError" not in {o for _, o in outcomes.values()}, outcomes
+    assert (True, "too deep") in outcomes.values(), outcomes  # json.loads read it; validation recursed

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import logging
 import os
 import random
 import signal
@@ -294,6 +295,33 @@ def test_bad_settings_say_what_to_do(tmp_path):
     (tmp_path / "file").write_bytes(b"")
     with pytest.raises(ConfigError, match="pass a writable directory"):
         DiskTier(tmp_path / "file" / "sub", max_bytes=100)
+
+
+def test_a_directory_replaced_by_a_file_costs_each_write_its_entry_and_logs_once(tmp_path, caplog):
+    """Issue 62.4: with the directory replaced by a file, put's cleanup unlink raised too
+    (NotADirectoryError) and escaped put, so the tier writer lost the rest of its batch, with a
+    warning and a traceback for every write."""
+    directory = tmp_path / "kv"
+    tier = DiskTier(directory, max_bytes=1 << 20)
+    assert tier.put(make_key(0), ids_hash(0), payload_of(0))
+    for p in directory.iterdir():
+        p.unlink()
+    directory.rmdir()
+    directory.write_bytes(b"not a directory")
+    with caplog.at_level(logging.DEBUG, logger="kvserve.tiers"):
+        assert [tier.put(make_key(i), ids_hash(i), payload_of(i)) for i in range(1, 6)] == [False] * 5
+        assert [tier.get(make_key(i), ids_hash(i)) for i in range(3)] == [None] * 3
+    s = tier.stats()
+    assert (s.writes, s.write_errors, s.read_errors) == (1, 5, 3)
+    warnings = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+    assert len(warnings) == 2, warnings  # the first failed write and the first failed read
+    assert "writing" in warnings[0] and "later failures like it are counted" in warnings[0]
+    assert "reading" in warnings[1]
+    assert not any(r.exc_info for r in caplog.records)
+    directory.unlink()  # the directory is back: writes work again
+    directory.mkdir()
+    assert tier.put(make_key(6), ids_hash(6), payload_of(6))
+    assert tier.get(make_key(6), ids_hash(6)) == payload_of(6)
 
 
 def test_two_instances_share_a_directory(tmp_path):
