@@ -4,7 +4,8 @@ Order: (chat) one role chunk per choice, per-token deltas (RequestOutput.new_tex
 a UTF-8 character and holds back possible stop-string prefixes; with tool calling, content and
 `tool_calls` deltas from kvserve.api.tools.ToolCallStream), each choice's finish chunk, a
 usage chunk when stream_options.include_usage is set, then `data: [DONE]`. A failure after the
-stream began is sent as an OpenAI error event, then [DONE]. A client that goes away aborts its
+stream began (a request's failure, or the stream's own: a cluster replica that died) is sent as an
+OpenAI error event, then [DONE]. A client that goes away aborts its
 requests (the generator is cancelled; `finally` posts the abort before the next engine step).
 """
 
@@ -69,6 +70,9 @@ async def stream_events(
                 yield R.delta_chunk(job, tok, out, prefix)
         if include_usage:
             yield R.usage_chunk(job, finals)
+        yield DONE
+    except KVServeError as e:  # the stream itself broke (a cluster's replica died mid-stream)
+        yield kvserve_error_body(e)
         yield DONE
     finally:
         if not stream.finished:

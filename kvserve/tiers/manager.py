@@ -250,7 +250,7 @@ class KVTiers:
             return None
         job = LoadJob(owner, items)
         if now:
-            self._fetch(job, self._import)
+            self._fetch_or_log(job, self._import)
             return None
         self._jobs.put(job)
         return job
@@ -260,11 +260,16 @@ class KVTiers:
             job = self._jobs.get()
             if job is None:
                 return
-            try:
-                self._fetch(job, self._done.put)
-            except Exception:  # a tier bug: the sequence computes what was not fetched
-                log.exception("loading %d chunks from the KV tiers failed", len(job.items))
+            self._fetch_or_log(job, self._done.put)
             self._done.put(_Loaded(job))
+
+    def _fetch_or_log(self, job: LoadJob, deliver: Callable[[_Loaded], None]) -> None:
+        """`_fetch`, where a fault (a tier bug, a disk that fails its reads) costs only the chunks not
+        fetched yet: the sequence computes them (inline, the fault would have failed the whole step)."""
+        try:
+            self._fetch(job, deliver)
+        except Exception:
+            log.exception("loading %d chunks from the KV tiers failed", len(job.items))
 
     def _fetch(self, job: LoadJob, deliver: Callable[[_Loaded], None]) -> None:
         """Each item from the first tier that holds it, decoded or parsed, handed to `deliver` one

@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
+import time
 from collections.abc import Iterator
 
 import httpx
@@ -108,6 +109,57 @@ def test_a_prefix_warmed_on_one_replica_is_a_redis_hit_on_the_other(cluster: Ser
     assert redis_loads >= warm.json()["num_new_chunks"]
 
 
+def test_the_ingress_under_a_burst_answers_every_request_cleanly(cluster: Server) -> None:
+    """40 requests at once (more than the replicas' slots): each a 200 or a 503 in the OpenAI error shape;
+    the cluster serves normally afterwards."""
+    import concurrent.futures
+
+    def one(i: int) -> httpx.Response:
+        with cluster.http() as h:
+            body = {"messages": [{"role": "user", "content": f"burst {i}"}], "max_tokens": 4}
+            return h.post("/v1/chat/completions", json=body)
+
+    with concurrent.futures.ThreadPoolExecutor(40) as pool:
+        answers = list(pool.map(one, range(40)))
+    assert {r.status_code for r in answers} <= {200, 503}, [
+        r.text for r in answers if r.status_code not in (200, 503)
+    ]
+    assert any(r.status_code == 200 for r in answers)
+    for r in answers:
+        if r.status_code == 503:
+            assert r.json()["error"]["message"]
+    with cluster.http() as h:
+        assert chat(h, SYSTEMS[0], "after the burst").status_code == 200
+
+
+def test_a_redis_restart_under_the_cluster_costs_no_request(cluster: Server, redis: RedisServer) -> None:
+    """Redis killed (its data gone) and started again on the same port: requests are answered throughout,
+    and warms are shared through Redis again once it is back."""
+    with cluster.http() as h:
+        redis.kill()
+        for i in range(4):
+            assert chat(h, SYSTEMS[i], f"while Redis is down {i}").status_code == 200
+        redis.start()
+        document = "After the restart: " + "the replicas share the handbook again. " * 12
+
+        def shared() -> bool:
+            warm = h.post("/v1/warm", json={"text": document})
+            assert warm.status_code == 200, warm.text
+            other = next(r for r in h.get("/v1/stats").json()["replicas"] if r != warm.headers[REPLICA])
+            r = h.post(
+                "/v1/completions",
+                json={"prompt": document + " Question: shared?", "max_tokens": 2},
+                headers={REPLICA: other},
+            )
+            assert r.status_code == 200, r.text
+            return (
+                r.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
+                >= warm.json()["num_cacheable_tokens"]
+            )
+
+        assert wait_until(shared, timeout_s=60, interval_s=2)
+
+
 def test_requests_survive_a_replica_being_killed(cluster: Server) -> None:
     with cluster.http() as h:
         victim = chat(h, SYSTEMS[1], "before").headers[REPLICA]
@@ -144,3 +196,29 @@ def test_the_openai_client_streams_and_a_client_that_leaves_aborts_on_the_replic
             return queue["in_system"] == 0 and queue["aborted"] >= 1
 
         assert wait_until(aborted, timeout_s=30, interval_s=0.5)
+
+
+def test_a_stream_whose_replica_is_killed_ends_with_an_error_and_the_cluster_serves_on(
+    cluster: Server,
+) -> None:
+    """The replica serving a stream is killed mid-stream: the stream ends (an error event, not a hang),
+    and the next requests are answered by the replica left and then by its replacement."""
+    with cluster.http() as h:
+        wait_until(lambda: len(h.get("/v1/stats").json()["replicas"]) == 2, timeout_s=120, interval_s=1)
+        body = {"prompt": SYSTEMS[0] + " stream on", "max_tokens": 4000, "stream": True, "ignore_eos": True}
+        t0 = time.monotonic()
+        with h.stream("POST", "/v1/completions", json=body) as r:
+            assert r.status_code == 200
+            replica = r.headers[REPLICA]
+            lines = r.iter_lines()
+            assert next(lines).startswith("data: ")
+            os.kill(h.get("/v1/stats").json()["replicas"][replica]["pid"], signal.SIGKILL)
+            rest = list(lines)  # must end: the ingress sees the replica die
+        assert time.monotonic() - t0 < 60
+        events = [line for line in rest if line.startswith("data: ")]
+        assert any('"error"' in e for e in events), rest[-3:]  # a clear error, not a silent cut
+        assert events[-1] == "data: [DONE]", rest[-3:]
+        assert chat(h, SYSTEMS[1], "after the kill").status_code == 200
+        assert wait_until(
+            lambda: len(h.get("/v1/stats").json()["replicas"]) == 2, timeout_s=120, interval_s=1
+        )
