@@ -462,4 +462,5 @@ def build_scheduler(
         granularity=1 if per_token else config.block_size,
         cost=cost,
         decode_slowdown_limit=config.decode_slowdown_limit,
+        group_window_s=config.prefix_group_window_ms / 1000.0,
     )

@@ -59,6 +59,7 @@ class Scheduler:
         granularity: int | None = None,
         cost: CostModel | None = None,
         decode_slowdown_limit: float = 0.0,
+        group_window_s: float = float("inf"),
     ):
         self.kv = kv
         self.block_size = kv.block_size
@@ -66,7 +67,7 @@ class Scheduler:
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.enable_prefix_caching = enable_prefix_caching
-        self.waiting = AdmissionQueue(batch_window_s)
+        self.waiting = AdmissionQueue(batch_window_s, group_window_s)
         # background sequences (audits, Request.background): admitted and run only in idle steps
         self.background: deque[Sequence] = deque()
         self.running: list[Sequence] = []
@@ -265,8 +266,8 @@ class Scheduler:
         seq.error = error
 
     def preempt(self, seq: Sequence) -> None:
-        """Give up the sequence's blocks; it waits at the front of the queue and is recomputed (prompt
-        and generated tokens) when re-admitted."""
+        """Give up the sequence's blocks; it waits at its place by arrival (before every request that
+        came later) and is recomputed (prompt and generated tokens) when re-admitted."""
         self.running.remove(seq)
         self._release(seq)
         self.num_preemptions += 1
@@ -274,7 +275,7 @@ class Scheduler:
         if seq.request.background:
             self.background.appendleft(seq)
         else:
-            self.waiting.add(seq, front=True)
+            self.waiting.add(seq)  # at its place by arrival (queue.py)
 
     def _dequeue(self, seq: Sequence) -> None:
         if seq.request.background:
