@@ -104,6 +104,7 @@ UVICORN_GRACEFUL_S = 5
 def serve(config: ServeConfig, log_level: str) -> None:
     import uvicorn
 
+    from kvserve.api.read_deadline import deadline_protocol
     from kvserve.api.server import create_app
     from kvserve.engine.builder import resolve_device
     from kvserve.kernels.host_allocator import keep_freed_memory
@@ -130,6 +131,10 @@ def serve(config: ServeConfig, log_level: str) -> None:
         port=config.port,
         log_level=log_level,
         timeout_graceful_shutdown=UVICORN_GRACEFUL_S,
+        # slow senders and idle connections (docs/server.md, "Load and errors")
+        http=deadline_protocol(config.request_read_timeout_s),
+        limit_concurrency=config.max_connections,
+        timeout_keep_alive=config.keep_alive_timeout_s,
     )
     Server(uv_config).run()
 

@@ -1,5 +1,5 @@
 """Secrets out of everything kvserve reports: /v1/stats (and so the dashboard and cluster stats), logs,
-error messages. One place decides what is a secret: the API key, and the credentials of any URL."""
+error messages. One place decides what is a secret: the API keys, and the credentials of any URL."""
 
 from __future__ import annotations
 
@@ -24,12 +24,13 @@ def redact_url(url: str) -> str:
 
 
 def public_config(config: Any) -> dict[str, Any]:
-    """A ServeConfig as it may be shown: the API key masked, every string that holds a URL (any
+    """A ServeConfig as it may be shown: the API keys masked, every string that holds a URL (any
     `scheme://`, e.g. kv_redis_url) redacted, warm prompts replaced by their length."""
     snapshot = dataclasses.asdict(config)
     for name, value in snapshot.items():
         if isinstance(value, str) and "://" in value:
             snapshot[name] = redact_url(value)
-    snapshot["api_key"] = "***" if config.api_key else ""
+    for key in ("api_key", "admin_api_key"):
+        snapshot[key] = "***" if getattr(config, key) else ""
     snapshot["warm"] = [f"<{len(t)} chars>" for t in config.warm]  # prompts are not echoed
     return snapshot

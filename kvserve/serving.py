@@ -68,7 +68,9 @@ def start_backend(config: ServeConfig, banner: str = "") -> LocalBackend:
     print(f"{banner}{describe(config, engine.info)}", flush=True)
     warm_up(engine, config.warm)
     metrics = Metrics(config.served_model_name or config.model, engine.info.max_model_len)
-    async_engine = AsyncEngine(engine, config.max_queue_size, observer=metrics.observe)
+    async_engine = AsyncEngine(
+        engine, config.max_queue_size, observer=metrics.observe, max_queue_share=config.max_queue_share
+    )
     async_engine.start()
     return LocalBackend(async_engine, metrics, config)
 

@@ -75,6 +75,9 @@ KINDS: dict[str, Kind] = {
     "cut_stream": Kind(5, GOOD | {"disconnected"}),
     "cut_nonstream": Kind(4, GOOD | {"cut"}),
     "burst": Kind(2, GOOD),
+    # --flood-clients loop it without pause: one hot system prompt whose group of the admission queue
+    # never empties (issue 62's starvation); every other class must still be answered in time
+    "hot_flood": Kind(0, GOOD),
     "bad_json": Kind(1, frozenset({"400"})),
     "bad_unknown_field": Kind(1, frozenset({"400"})),
     "bad_logit_bias": Kind(1, frozenset({"400", "503"})),  # out-of-vocabulary token id
@@ -384,6 +387,12 @@ async def bad_input(ctx: Ctx, rng: random.Random, kind: str) -> None:
                       prompt=msg[0]["content"], max_tokens=10**9)  # fmt: skip
 
 
+async def hot_flood(ctx: Ctx, rng: random.Random) -> None:
+    prompt = f"{ctx.texts.systems[0]}\n\nQ: {rng.choice(ctx.texts.questions)}\nA:"
+    await _openai(ctx, "hot_flood", ctx.client.completions.create, 1, prompt=prompt, max_tokens=24,
+                  temperature=0.0)  # fmt: skip
+
+
 ACTIONS: dict[str, Any] = {
     "chat": chat,
     "chat_stream": chat_stream,
@@ -395,6 +404,7 @@ ACTIONS: dict[str, Any] = {
     "cut_stream": cut_stream,
     "cut_nonstream": cut_nonstream,
     "burst": burst,
+    "hot_flood": hot_flood,
 }
 
 
@@ -500,6 +510,11 @@ async def worker(ctx: Ctx, rng: random.Random, stop_at: float, think_s: float) -
         await asyncio.sleep(rng.uniform(0.0, think_s))
 
 
+async def flood(ctx: Ctx, rng: random.Random, stop_at: float) -> None:
+    while time.monotonic() < stop_at:
+        await send(ctx, rng, "hot_flood")
+
+
 async def soak(args: argparse.Namespace, base_url: str, pid: int | None) -> dict:
     import httpx
     from openai import AsyncOpenAI
@@ -525,6 +540,8 @@ async def soak(args: argparse.Namespace, base_url: str, pid: int | None) -> dict
     sampling = asyncio.create_task(sampler(ctx, stop, args.sample_s))
     rngs = [random.Random(args.seed * 1009 + w) for w in range(args.workers)]
     tasks = [asyncio.create_task(worker(ctx, r, stop_at, args.think_s)) for r in rngs]
+    floods = [random.Random(args.seed * 2003 + w) for w in range(args.flood_clients)]
+    tasks += [asyncio.create_task(flood(ctx, r, stop_at)) for r in floods]
     _, late = await asyncio.wait(tasks, timeout=args.minutes * 60 + args.request_timeout_s + 60)
     for t in late:  # cancelling closes their connections: the server sees clients going away
         t.cancel()
@@ -621,9 +638,10 @@ def markdown(result: dict, image: str | None = None) -> str:
     j, m, run = result["judged"], result["meta"], result["run"]
     start, idle, end, r, h = run["start"], run["idle"], run["end"], j["rss"], j["health_s"]
     cuts = j["client_cuts"]
+    flood = f" and {m['flood_clients']} flood clients" if m.get("flood_clients") else ""
     lines = [
         f"Run {m['started']}, {run['load_s'] / 60:.1f} minutes of load, {j['requests']} requests, "
-        f"{m['workers']} workers; machine: {m['cpu']}, {m['cores']} cores. Command: `{m['command']}`. "
+        f"{m['workers']} workers{flood}; machine: {m['cpu']}, {m['cores']} cores. Command: `{m['command']}`. "
         f"Server: `{m['server']}`.",
         "",
         "| target | value | goal | met |",
@@ -814,6 +832,8 @@ def parse_args() -> argparse.Namespace:
                    "so a small pool must preempt")  # fmt: skip
     p.add_argument("--server-timeout-s", type=float, default=300.0)
     p.add_argument("--workers", type=int, default=3)
+    p.add_argument("--flood-clients", type=int, default=0,
+                   help="clients looping requests over one hot system prompt, without pause")  # fmt: skip
     p.add_argument("--think-s", type=float, default=0.5, help="most idle time between a worker's requests")
     p.add_argument("--request-timeout-s", type=float, default=180.0)
     p.add_argument("--idle-timeout-s", type=float, default=90.0)
@@ -853,7 +873,7 @@ def run_soak(args: argparse.Namespace) -> dict | None:
             return None
     mach, errors = machine(), log_errors(log_path)
     meta = {"started": started, "command": " ".join(["python", *sys.argv]), "server": server,
-            "workers": args.workers, "cpu": mach["cpu"], "cores": mach["cores"], "machine": mach,
+            "workers": args.workers, "flood_clients": args.flood_clients, "cpu": mach["cpu"], "cores": mach["cores"], "machine": mach,
             "server_log_error_lines": len(errors), "server_log_errors": errors[:50]}  # fmt: skip
     return {"meta": meta, "run": run, "judged": judge(run)}
 

@@ -42,6 +42,11 @@ class Backend(Protocol):
 
     async def unpin(self, token_ids: list[int], cache_salt: str | None) -> int: ...
 
+    def recovering(self) -> str | None:
+        """Why requests are refused (503) while the engine recovers from a step that raised; None
+        while it serves. /health answers 503 with it."""
+        ...
+
     async def flush_tiers(self) -> bool:
         """Wait until the chunks computed so far are written to the KV tiers (a warmed text is in
         the shared tier when /v1/warm answers)."""
@@ -82,6 +87,9 @@ class LocalBackend:
 
     async def unpin(self, token_ids: list[int], cache_salt: str | None) -> int:
         return await self.engine.unpin(token_ids, cache_salt)
+
+    def recovering(self) -> str | None:
+        return self.engine.recovering
 
     async def flush_tiers(self) -> bool:
         return await asyncio.to_thread(self.engine.engine.flush_tiers)

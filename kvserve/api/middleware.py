@@ -34,11 +34,15 @@ async def _send_error(
 
 class EdgeMiddleware:
     """Rejects bodies over `max_body_bytes` (by Content-Length, or while reading a chunked body)
-    and, when `api_key` is set, requests without `Authorization: Bearer <api_key>` (except OPEN_PATHS)."""
+    and, when `api_key` is set, requests without `Authorization: Bearer <api_key>` or the
+    `admin_api_key` (except OPEN_PATHS)."""
 
-    def __init__(self, app: ASGIApp, api_key: str = "", max_body_bytes: int = MAX_BODY_BYTES):
+    def __init__(
+        self, app: ASGIApp, api_key: str = "", max_body_bytes: int = MAX_BODY_BYTES, admin_api_key: str = ""
+    ):
         self.app = app
         self.api_key = api_key
+        self.admin_api_key = admin_api_key
         self.max_body_bytes = max_body_bytes
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -68,10 +72,7 @@ class EdgeMiddleware:
 
     def _authorized(self, headers: dict[str, str]) -> bool:
         auth = headers.get("authorization", "")
-        scheme, _, token = auth.partition(" ")
-        return scheme.lower() == "bearer" and hmac.compare_digest(
-            token.strip().encode(), self.api_key.encode()
-        )
+        return bearer_is(auth, self.api_key) or bearer_is(auth, self.admin_api_key)
 
     async def _too_large(self, send: Send) -> None:
         await _send_error(send, 413, f"request body too large (limit {self.max_body_bytes} bytes)")
@@ -90,6 +91,15 @@ class EdgeMiddleware:
             parts.append(chunk)
             if not message.get("more_body", False):
                 return b"".join(parts)
+
+
+def bearer_is(authorization: str, key: str) -> bool:
+    """Whether an Authorization header value is `Bearer <key>` (never for an empty key), in
+    constant time."""
+    scheme, _, token = authorization.partition(" ")
+    return (
+        bool(key) and scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode(), key.encode())
+    )
 
 
 def _open(path: str) -> bool:

@@ -156,7 +156,8 @@ _WHEN = {
     404: "Unknown model.",
     413: "Request body over the size limit.",
     500: "Internal error (details in the server log).",
-    503: "Too many requests in the system, or the server is shutting down (Retry-After).",
+    503: "Too many requests in the system, the server is shutting down, or its engine is recovering from an "
+    "internal error (Retry-After).",
     504: "The request ran past request_timeout_s.",
 }
 

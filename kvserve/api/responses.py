@@ -91,6 +91,13 @@ def usage(job: Job, finals: dict[str, RequestOutput]) -> dict[str, Any]:
             "recomputed_tokens": sum(o.num_recomputed_tokens for o in first_of_prompt.values()),
             # prompts with content matches, by the cost-aware decision: "taken" or "declined: <why>"
             "reuse_plans": dict(Counter(o.reuse_plan for o in first_of_prompt.values() if o.reuse_plan)),
+            # choices that asked for an audit (audit: true), by what became of it: "queued" or
+            # "skipped: <why>" (past the server's budget, nothing approximate to audit, too many pending)
+            **(
+                {"audit": dict(Counter(o.audit for o in finals.values() if o.audit))}
+                if any(o.audit for o in finals.values())
+                else {}
+            ),
             # NestedFP weights: choices by the weight precision they were computed at (fp16, fp8)
             **(
                 {"weight_precision": dict(Counter(o.weight_precision for o in finals.values()))}

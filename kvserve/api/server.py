@@ -29,7 +29,7 @@ import kvserve
 from kvserve.api import responses as R
 from kvserve.api.backend import Backend, OutputStream
 from kvserve.api.errors import ErrorEnvelopeMiddleware, install_error_handlers, parse_body
-from kvserve.api.middleware import MAX_BODY_BYTES, EdgeMiddleware
+from kvserve.api.middleware import MAX_BODY_BYTES, EdgeMiddleware, bearer_is
 from kvserve.api.openapi import (
     ChatCompletionResponse,
     CompletionResponse,
@@ -54,10 +54,11 @@ from kvserve.api.protocol import (
     Tool,
     WarmRequest,
 )
+from kvserve.api.stats import chunk_rows_withheld, with_chunk_rows
 from kvserve.api.streaming import sse_response, stream_events
 from kvserve.api.tools import ToolCalling, check_messages, tool_calling
 from kvserve.config import ServeConfig
-from kvserve.errors import ModelNotFoundError
+from kvserve.errors import ModelNotFoundError, OverloadedError
 from kvserve.request import (
     Request,
     RequestOutput,
@@ -91,6 +92,7 @@ class ServerState:
     body_thread: ThreadPoolExecutor = field(
         default_factory=lambda: ThreadPoolExecutor(1, thread_name_prefix="kvserve-body")
     )
+    salted: bool = False  # a request used cache_salt: /v1/stats may withhold per-chunk rows (api/stats.py)
 
     @property
     def tokenizer(self) -> Any:
@@ -139,6 +141,7 @@ class ServerState:
         )
 
     async def submit(self, requests: list[Request]) -> OutputStream:
+        self.salted = self.salted or any(r.cache_salt is not None for r in requests)
         return await self.backend.submit(requests)
 
 
@@ -156,7 +159,12 @@ def create_app(config: ServeConfig, backend: Backend, max_body_bytes: int = MAX_
     app = FastAPI(title="kvserve", version=kvserve.__version__, lifespan=lifespan)
     app.state.kvserve = state
     install_error_handlers(app)
-    app.add_middleware(EdgeMiddleware, api_key=config.api_key, max_body_bytes=max_body_bytes)
+    app.add_middleware(
+        EdgeMiddleware,
+        api_key=config.api_key,
+        max_body_bytes=max_body_bytes,
+        admin_api_key=config.admin_api_key,
+    )
     app.add_middleware(ErrorEnvelopeMiddleware)
     _info_routes(app, state)
     _generation_routes(app, state)
@@ -167,8 +175,11 @@ def create_app(config: ServeConfig, backend: Backend, max_body_bytes: int = MAX_
 
 
 def _info_routes(app: FastAPI, state: ServerState) -> None:
-    @app.get("/health", response_model=None, responses=responses(Health, path="/health"))
+    @app.get("/health", response_model=None, responses=responses(Health, 503, path="/health"))
     async def health() -> dict[str, str]:
+        recovering = state.backend.recovering()
+        if recovering is not None:  # the engine rebuilds its state after a step that raised
+            raise OverloadedError(recovering, code="recovering")
         return {"status": "ok"}
 
     @app.get("/version", response_model=None, responses=responses(Version))
@@ -378,8 +389,10 @@ def _stats_routes(app: FastAPI, state: ServerState) -> None:
         return JSONResponse(declared_fields())
 
     @app.get("/v1/stats", response_model=None, responses=responses(Stats))
-    async def stats() -> JSONResponse:
-        return JSONResponse(await state.backend.stats())
+    async def stats(http: HTTPRequest) -> JSONResponse:
+        is_admin = bearer_is(http.headers.get("authorization", ""), state.config.admin_api_key)
+        withheld = chunk_rows_withheld(is_admin, bool(state.config.admin_api_key), state.salted)
+        return JSONResponse(with_chunk_rows(await state.backend.stats(), withheld))
 
     @app.get(
         "/metrics",

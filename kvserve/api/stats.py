@@ -61,6 +61,31 @@ def stats_body(
     }
 
 
+def chunk_rows_withheld(is_admin: bool, admin_key_set: bool, salted: bool) -> str | None:
+    """Why /v1/stats withholds its per-chunk rows (`cache.top_chunks`: prompt lengths, hit counts and
+    idle times of every tenant's chunks) from this caller, or None when it shows them. The admin
+    key sees them; with no admin key configured, every caller does until a request uses cache_salt
+    (tenants who must not see each other's traffic)."""
+    if is_admin:
+        return None
+    if admin_key_set:
+        return "the per-chunk rows need the admin key (--admin-api-key)"
+    if salted:
+        return "withheld since requests use cache_salt; start the server with --admin-api-key to see them"
+    return None
+
+
+def with_chunk_rows(body: dict[str, Any], withheld: str | None) -> dict[str, Any]:
+    """A /v1/stats body (a server's, or the cluster's with each replica's under `replicas`) with
+    `cache.top_chunks_withheld` set, and every `top_chunks` emptied when it is not None."""
+    caches = [body["cache"], *(r["cache"] for r in body.get("replicas", {}).values())]
+    for cache in caches:
+        if withheld is not None:
+            cache["top_chunks"] = []
+        cache["top_chunks_withheld"] = withheld
+    return body
+
+
 def process_stats() -> dict[str, Any]:
     """This process's garbage collector: the start-up heap frozen out of its reach
     (kvserve.serving.freeze_startup_heap) and the collections per generation 0, 1, 2."""

@@ -198,6 +198,11 @@ class ClusterBackend:
     async def unpin(self, token_ids: list[int], cache_salt: str | None) -> int:
         return sum(await self._everywhere("unpin", token_ids, cache_salt))
 
+    def recovering(self) -> str | None:
+        """None: a replica recovering from a failed step refuses the submissions routed to it (503)
+        itself; the ingress stays healthy."""
+        return None
+
     async def flush_tiers(self) -> bool:
         return all(await self._everywhere("flush_tiers"))
 

@@ -3,7 +3,9 @@
 Every engine call happens on the worker thread: the asyncio side posts commands to a thread-safe
 queue and receives outputs through per-submission asyncio queues fed with call_soon_threadsafe.
 A submitted request always ends with a finished output (invariant 5): on engine errors, on
-shutdown and when its client goes away.
+shutdown and when its client goes away. A step that raises (a bug) fails every request in flight;
+new submissions are refused (503, and /health answers 503) until the engine has checked its books and,
+where they disagree, rebuilt its state (Engine.recover).
 
 Readers of engine facts (/v1/stats, /metrics) never wait for a step: the worker publishes an
 EngineStats snapshot after steps and commands, at most once per PUBLISH_EVERY_COST times the cost
@@ -15,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import queue
 import threading
 import time
@@ -32,6 +35,11 @@ from kvserve.structured import GrammarWorker
 log = logging.getLogger("kvserve.async_engine")
 
 SHUTTING_DOWN = "server shutting down"  # RequestOutput.error of requests failed by drain()
+INTERNAL_ERROR = "internal error"  # RequestOutput.error of requests failed by a step that raised
+# why requests are refused (503, /health too) while the engine recovers from a step that raised, and
+# after a recovery that failed
+RECOVERING = "the engine is recovering from an internal error; retry shortly"
+BROKEN = "the engine could not recover from an internal error; the server must be restarted"
 PUBLISH_EVERY_COST = 20  # a busy worker spends at most 1/20 of its time publishing stats
 # structured outputs' grammars compile on GrammarWorker's threads; past this many distinct grammars
 # waiting, a request with a new one is refused (503 grammar_queue_full)
@@ -87,9 +95,19 @@ class QueueCounters:
 
 
 class AsyncEngine:
-    def __init__(self, engine: Engine, max_queue_size: int, observer: OutputObserver | None = None):
+    def __init__(
+        self,
+        engine: Engine,
+        max_queue_size: int,
+        observer: OutputObserver | None = None,
+        max_queue_share: float = 1.0,
+    ):
         self.engine = engine
         self.max_queue_size = max_queue_size
+        self.max_queue_share = max_queue_share
+        # the most queue slots one submission (its n x prompts requests) may take; never below 1, so
+        # that a request of one choice is never refused by it (1e-9: 0.29 x 100 is 28.999...)
+        self.max_request_slots = max(1, math.floor(max_queue_size * max_queue_share + 1e-9))
         self.counters = QueueCounters()
         self._observer = observer
         self._commands: queue.SimpleQueue[tuple[Command, Callable[[Any, BaseException | None], None]]] = (
@@ -101,6 +119,8 @@ class AsyncEngine:
         self._routes: dict[str, RequestStream] = {}  # worker thread only
         self._stopping = False
         self._draining = False
+        # why submissions are refused after a step raised (RECOVERING, BROKEN); None: the engine serves
+        self.recovering: str | None = None
         self._thread: threading.Thread | None = None
         # replaced (never mutated) by the worker; built here while no worker runs
         self.snapshot = EngineStats.of(engine)
@@ -120,8 +140,10 @@ class AsyncEngine:
         self.grammars.shutdown()
         if self._thread is not None:
             self._thread.join(timeout_s)
-        # the shutdown write reads the pool: only once no step can change it
-        self.engine.close(write_hot=self._thread is None or not self._thread.is_alive())
+        # the shutdown write reads the pool: only once no step can change it, and never a pool whose
+        # books a failed recovery left disagreeing (what goes to disk must be exact)
+        stopped = self._thread is None or not self._thread.is_alive()
+        self.engine.close(write_hot=stopped and self.recovering != BROKEN)
 
     async def drain(self, grace_s: float) -> None:
         """Refuse new requests (503), give the ones in flight `grace_s` to finish, then finish the
@@ -198,12 +220,17 @@ class AsyncEngine:
                 await _settled(compiled, loop)
 
     def _reserve(self, n: int) -> None:
-        if n > self.max_queue_size:  # could never be admitted: not an overload
+        if n > self.max_request_slots:  # never admitted, however empty the queue: not an overload
             raise InvalidRequestError(
-                f"n x prompts = {n} requests exceeds the server's max_queue_size ({self.max_queue_size})",
+                f"n x prompts = {n} requests exceeds the {self.max_request_slots} queue slots one request "
+                f"may take (max_queue_share {self.max_queue_share} of max_queue_size {self.max_queue_size}); "
+                "ask for fewer choices or prompts, or raise --max-queue-share",
                 param="n",
             )
         with self._lock:
+            if self.recovering is not None:
+                self.counters.rejected += 1
+                raise OverloadedError(self.recovering, code="recovering")
             if self._stopping or self._draining:
                 self.counters.rejected += 1
                 raise OverloadedError(
@@ -244,18 +271,19 @@ class AsyncEngine:
         while not self._stopping:
             self._wake.clear()
             ran = self._run_commands()
-            if not self.engine.has_unfinished_requests():
+            broken = self.recovering == BROKEN  # it steps no more: what was queued before fails
+            if broken and self._routes:
+                self._fail_all(BROKEN)
+            if broken or not self.engine.has_unfinished_requests():
                 if ran:
                     self._publish(force=True)
-                if not self._wake.wait(self.engine.idle_wakeup_s):
+                if not self._wake.wait(self.engine.idle_wakeup_s) and not broken:
                     self._housekeeping()
                 continue
             try:
                 outputs = self.engine.step()
-            except Exception:  # the engine catches model errors; this is a bug: fail loudly, drop nothing
-                log.exception("engine step failed; failing every request in flight")
-                self._fail_all("internal error")
-                self._publish(force=True)
+            except Exception as e:  # the engine catches model errors: a bug (fail loudly, drop nothing)
+                self._recover(e)
                 continue
             self._publish(force=not self.engine.has_unfinished_requests())  # before clients hear
             self._dispatch(outputs)
@@ -263,6 +291,22 @@ class AsyncEngine:
                 self._wake.wait(0.001)
         self._run_commands()
         self._fail_all(SHUTTING_DOWN)
+
+    def _recover(self, exc: Exception) -> None:
+        """A step raised. Submissions are refused (503, /health too) while every request in flight is
+        failed (its client hears at once) and the engine checks its books, rebuilding its state where
+        they disagree (Engine.recover); for good if the recovery itself fails (BROKEN)."""
+        log.error("engine step failed; failing every request in flight", exc_info=exc)
+        self.recovering = RECOVERING
+        try:
+            self.engine.fail_all(INTERNAL_ERROR)  # failed, not aborted: none of their KV is cached
+            self._fail_all(INTERNAL_ERROR)  # the clients hear before a rebuild, not after
+            self.engine.recover(exc)
+            self.recovering = None
+        except Exception:
+            log.exception("the engine could not recover; refusing every request until a restart")
+            self.recovering = BROKEN
+        self._publish(force=True)
 
     def _housekeeping(self) -> None:
         try:

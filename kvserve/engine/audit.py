@@ -1,8 +1,8 @@
 """Online audit of approximate reuse: how far the served answers are from a full prefill.
 
-A fraction of the prompts served with content reuse (`--audit-rate`, and every request that asks with
-`audit: true`) keep the logits each of their first K tokens was sampled from (`--audit-tokens`, 16),
-and the tokens. When the request has K tokens, or ends with fewer, it gets a background sequence: the
+A fraction of the prompts served with content reuse (`--audit-rate`, and the requests that ask with
+`audit: true`, within a budget) keep the logits each of their first K tokens was sampled from
+(`--audit-tokens`, 16), and the tokens. When the request has K tokens, or ends with fewer, it gets a background sequence: the
 same prompt, exact prefix reuse only (exact reuse gives the cache-off logits, invariant 1), fed the
 served tokens one by one (teacher forcing) instead of sampling. The scheduler runs background
 sequences only while no request is running or waiting (scheduler.py: `background`), so an audit never
@@ -14,9 +14,16 @@ served position; the audit records, per repair strategy:
 A document (content key) whose audited mean KL exceeds `--audit-max-kl` is guarded: content matching
 skips it from then on (ContentMatcher.guarded).
 
-At most MAX_PENDING audits wait, each holding up to K vocabulary-sized float32 rows (K = 16 and a
-49,152-token vocabulary: 3 MB); more are dropped and counted. A waiting audit has no timeout (no client
-waits on it): under steady load it waits for the first idle moment however long that takes.
+Any client can ask for an audit, so what requests ask is budgeted for the whole server: at most
+`--audit-requests-per-minute` requests asking with `audit: true` are granted one in any 60 s; past it
+a request that asks is sampled at `--audit-rate` like any other. A request that asked is told what
+became of it (`Sequence.audit`, `usage.kvserve.audit`): "queued", or "skipped: <why>". Sampled audits
+are the server's own and not counted. At most MAX_PENDING audits wait, each holding up to K
+vocabulary-sized float32 rows (K = 16 and a 49,152-token vocabulary: 3 MB); more are dropped and
+counted. A waiting audit has no timeout (no client waits on it): under steady load it waits for the
+first idle moment however long that takes. The scheduler gives all background sequences together at
+most BACKGROUND_ROWS rows a step (scheduler.py), so a request that arrives waits for at most one such
+step however many audits are queued.
 """
 
 from __future__ import annotations
@@ -34,6 +41,11 @@ from kvserve.scheduler.sequence import Sequence
 
 MAX_PENDING = 64
 HISTORY = 4096  # audited results kept per strategy for the quantiles
+BUDGET_WINDOW_S = 60.0  # the requested-audit budget counts the audits granted in this window
+
+# what became of the audit a request asked for (usage.kvserve.audit)
+QUEUED = "queued"
+SKIPPED_NO_REUSE = "skipped: no approximate reuse to audit"
 
 
 @dataclass
@@ -102,10 +114,21 @@ def _quantiles(values: deque[float]) -> tuple[float, float, float]:
 
 
 class Auditor:
-    def __init__(self, rate: float, max_kl: float, seed: int | None, num_tokens: int = 16):
+    def __init__(
+        self,
+        rate: float,
+        max_kl: float,
+        seed: int | None,
+        num_tokens: int = 16,
+        requests_per_minute: int = 30,
+    ):
         self.rate = rate
         self.max_kl = max_kl
         self.num_tokens = num_tokens
+        self.requests_per_minute = requests_per_minute  # audits granted to `audit: true` per window
+        self._granted: deque[float] = deque()  # when each requested audit of the window was granted
+        self.num_requested = 0  # requests that asked for an audit and were served with content reuse
+        self.num_over_budget = 0  # of those, served without one: past the budget and not sampled
         self._rng = random.Random(seed)
         self.tracing: dict[str, Trace] = {}  # served request id -> its trace, until submitted
         self.pending: dict[str, AuditJob] = {}  # background request id -> job
@@ -115,11 +138,39 @@ class Auditor:
         self.num_guard_fired = 0  # audits whose KL put their documents under the guard
         self.results: list[AuditResult] = []  # the latest HISTORY audits: tests, benches
 
-    def wants(self, seq: Sequence) -> bool:
-        """Whether to audit this request (its prompt was served with content reuse)."""
+    def wants(self, seq: Sequence, now: float) -> bool:
+        """Whether to audit this request, at its first token: one served with approximate reuse that
+        asks (`audit: true`) while the budget lasts, else the `rate` sample (past the budget, one that
+        asked is sampled as if it had not). A request that asked gets the outcome in `seq.audit`."""
         opts = seq.request.reuse
         asked = opts is not None and bool(opts.audit)
-        return asked or (self.rate > 0 and self._rng.random() < self.rate)
+        if seq.report is None or seq.report.strategy is None:  # served exactly: nothing to measure
+            if asked:
+                seq.audit = SKIPPED_NO_REUSE
+            return False
+        if asked:
+            self.num_requested += 1
+            if self._grant(now):
+                seq.audit = QUEUED
+                return True
+        sampled = self.rate > 0 and self._rng.random() < self.rate
+        if asked and not sampled:
+            self.num_over_budget += 1
+            seq.audit = (
+                f"skipped: over the server's budget of {self.requests_per_minute} requested audits a minute"
+            )
+        elif asked:
+            seq.audit = QUEUED
+        return sampled
+
+    def _grant(self, now: float) -> bool:
+        """Count one requested audit against the budget of the last BUDGET_WINDOW_S (False: spent)."""
+        while self._granted and now - self._granted[0] >= BUDGET_WINDOW_S:
+            self._granted.popleft()
+        if len(self._granted) >= self.requests_per_minute:
+            return False
+        self._granted.append(now)
+        return True
 
     def start(self, seq: Sequence) -> None:
         """Trace `seq` from its first token on."""
@@ -155,6 +206,8 @@ class Auditor:
         trace = self.tracing.pop(seq.request_id)
         if len(self.pending) >= MAX_PENDING:
             self.num_dropped += 1
+            if seq.audit is not None:  # it asked
+                seq.audit = f"skipped: {MAX_PENDING} audits already wait"
             return None
         # numbered: a client may reuse a request id while the audit of its first use still waits
         request_id = f"audit:{next(self._ids)}:{seq.request_id}"
@@ -216,6 +269,12 @@ class Auditor:
         """The background request ended before its last step (aborted, timed out, failed)."""
         if self.pending.pop(request_id, None) is not None:
             self.num_dropped += 1
+
+    def forget(self, request_id: str) -> None:
+        """The request is gone without ending here (the engine's rebuild): its trace, or its audit
+        (counted as dropped)."""
+        self.tracing.pop(request_id, None)
+        self.drop(request_id)
 
     def summary(self) -> dict[str, AuditSummary]:
         out = {}

@@ -25,6 +25,7 @@ from kvserve.engine.builder import build_parts, build_scheduler
 from kvserve.engine.content_reuse import build_content_reuse
 from kvserve.engine.execute import StepExecute
 from kvserve.engine.intake import Intake
+from kvserve.engine.integrity import Books, IntegrityError
 from kvserve.engine.model_runner import ModelRunner
 from kvserve.engine.output import OutputProcessor
 from kvserve.engine.pins import WarmPins
@@ -33,7 +34,7 @@ from kvserve.engine.stats import EngineStats
 from kvserve.engine.update import StepUpdate
 from kvserve.errors import InvalidRequestError
 from kvserve.kvcache.manager import KVCacheManager
-from kvserve.request import FinishReason, Request, RequestOutput
+from kvserve.request import FinishReason, Request, RequestOutput, warm_request
 from kvserve.scheduler.batch import ScheduledBatch
 from kvserve.scheduler.cost import CostModel
 from kvserve.scheduler.sequence import Sequence
@@ -84,11 +85,20 @@ class Engine:
             self.pins,
         )
         self._seqs: dict[str, Sequence] = {}
-        self.auditor = Auditor(config.audit_rate, config.audit_max_kl, config.seed, config.audit_tokens)
+        self.auditor = Auditor(
+            config.audit_rate,
+            config.audit_max_kl,
+            config.seed,
+            config.audit_tokens,
+            config.audit_requests_per_minute,
+        )
         self._background: dict[str, Sequence] = {}  # audits' full recomputes (no client sees them)
         self._pending: list[RequestOutput] = []
         self.num_steps = 0
         self.check_integrity_each_step = False  # tests: verify pool ownership after every step
+        self.num_step_failures = 0  # steps that raised (recover)
+        self.num_restarts = 0  # rebuilds of the KV state after a failed step left the books disagreeing
+        self.last_restart_reason = ""
         self.execute = StepExecute(
             self,
             self.runner,
@@ -162,6 +172,18 @@ class Engine:
         seqs = list(self._seqs.values())
         for seq in seqs + list(self._background.values()):
             self.finish(seq, FinishReason.ABORT, error=reason)
+        return len(seqs)
+
+    def fail_all(self, error: str) -> int:
+        """Finish every request and background sequence with `error`: as failed, not aborted, so no
+        request's KV is cached on its way out (a failed step may have left it half written). Returns how
+        many requests; a finish that raises leaves its request behind (`recover` rebuilds then)."""
+        seqs = list(self._seqs.values())
+        for seq in seqs + list(self._background.values()):
+            try:
+                self.finish(seq, FinishReason.ERROR, error=error)
+            except Exception:
+                log.exception("failing request %s raised", seq.request_id)
         return len(seqs)
 
     def has_unfinished_requests(self) -> bool:
@@ -275,6 +297,8 @@ class Engine:
             self.add_background(audit)
         self.scheduler.finish(seq, reason, error)  # a no-op for one the scheduler finished (refused)
         self.pins.release(seq)
+        if self.tiers is not None:
+            self.tiers.forget(rid)
         seq.request.metrics.finished_time = time.monotonic()
         del self._seqs[rid]
         self._pending.append(self.outputs.final(seq, self.precision.served_at(seq)))
@@ -290,16 +314,91 @@ class Engine:
             if now - seq.request.metrics.arrival_time > timeout:
                 self.finish(seq, FinishReason.ABORT, error="timeout")
 
+    # --- after a failed step -----------------------------------------------------------------------
+    def recover(self, exc: Exception) -> bool:
+        """`step` raised `exc` (a bug: model and per-request faults are caught inside it). Every
+        request still in flight is failed, then the books are checked: whole, the engine carries on
+        (False); not, it rebuilds its state (True), the reason naming what disagreed."""
+        self.num_step_failures += 1
+        self.fail_all("internal error")
+        left = set(self._seqs) | set(self._background)
+        try:
+            self.check_integrity()
+            if not left:
+                return False
+            problems = [f"requests that could not be failed ({', '.join(sorted(left)[:3])})"]
+        except IntegrityError as e:
+            problems = e.problems
+        self.rebuild(f"{type(exc).__name__} in a step; " + "; ".join(problems))
+        return True
+
+    def rebuild(self, reason: str) -> None:
+        """Start the engine's state over (`reason`: what disagreed): every request forgotten, every
+        block freed, every cached chunk dropped (the KV tiers keep what they hold on disk and in
+        Redis), then the pinned texts warmed and pinned again (from a KV tier where one holds them).
+        Raises IntegrityError if the books still disagree after that."""
+        log.error("rebuilding the engine's state: %s", reason)
+        self.num_restarts += 1
+        self.last_restart_reason = reason
+        texts = self.pins.texts()
+        self._start_over()
+        try:
+            for i, text in enumerate(texts):
+                rid = f"rewarm-{self.num_restarts}-{i}"
+                request = warm_request(rid, text.token_ids, pin=True, cache_salt=text.cache_salt)
+                request.weight_precision = text.weight_precision
+                self.add_request(request)
+            while self.has_unfinished_requests():
+                for out in self.step():
+                    if out.error is not None:
+                        log.warning("a pinned text was not pinned again: %s", out.error)
+        except Exception:
+            log.exception("warming the pinned texts again failed: they are no longer pinned")
+            self._start_over()
+        self.check_integrity()
+
+    def _start_over(self) -> None:
+        """Every owner forgets every request (nothing is released one by one: the counts are what
+        failed); the KV cache manager starts over with every block free."""
+        self.scheduler.reset()
+        for rid in self.content.request_ids():
+            self.content.forget(rid)
+        for rid in self.precision.request_ids():
+            self.precision.forget(rid)
+        for rid in self.outputs.request_ids():
+            self.outputs.forget(rid)
+        for rid in [*self.auditor.tracing, *self.auditor.pending]:
+            self.auditor.forget(rid)
+        if self.tiers is not None:
+            self.tiers.reset()
+        self._seqs.clear()
+        self._background.clear()
+        self._pending.clear()
+        self.kv.reset()
+        self.pins.reset()
+
     # --- facts -------------------------------------------------------------------------------------
     def check_integrity(self) -> None:
-        """The owners' books agree: blocks and chunks, pin bookings, and no state kept by request id
-        for a request that is gone."""
-        self.scheduler.check_integrity()
-        self.pins.check_integrity()
-        live = set(self._seqs) | set(self._background)
-        assert self.outputs.request_ids() == set(self._seqs), "outputs kept for requests that are gone"
-        assert self.content.request_ids() <= live, "content pieces kept for requests that are gone"
-        assert self.precision.request_ids() <= live, "step precisions kept for requests that are gone"
+        """The owners' books agree: blocks and chunks, pin bookings and pinned texts, and every table
+        kept by request id holds only requests in flight. Raises one IntegrityError naming each owner
+        or table that disagrees."""
+        books = Books()
+        books.check("scheduler and KV cache", self.scheduler.check_integrity)
+        books.check("warm pins", self.pins.check_integrity)
+        seqs, background = set(self._seqs), set(self._background)
+        s = self.scheduler
+        queued = [*s.running, *s.waiting, *s.background]
+        books.same("scheduler's sequences", (seq.request_id for seq in queued), seqs | background)
+        books.same("outputs", self.outputs.request_ids(), seqs)
+        books.within("content pieces", self.content.request_ids(), seqs | background)
+        books.within("step precisions", self.precision.request_ids(), seqs | background)
+        books.within("repairs", s.repairs.request_ids(), {seq.request_id for seq in s.running})
+        books.within("warm pins' bookings", self.pins.request_ids(), seqs)
+        books.within("audit traces", self.auditor.tracing, seqs)
+        books.same("audit jobs", self.auditor.pending, background)
+        if self.tiers is not None:
+            books.within("tier loads", self.tiers.request_ids(), {seq.request_id for seq in s.waiting})
+        books.close()
 
     def stats(self) -> EngineStats:
         return EngineStats.of(self)

@@ -17,7 +17,7 @@ import torch
 from kvserve.config import ServeConfig
 from kvserve.engine.builder import RuntimeInfo
 from kvserve.engine.content_reuse import check_reuse_request
-from kvserve.engine.pins import WarmPins
+from kvserve.engine.pins import PinnedText, WarmPins
 from kvserve.engine.precision import PRECISIONS, PrecisionPolicy
 from kvserve.errors import InvalidRequestError
 from kvserve.kvcache.hashing import root_hash
@@ -133,7 +133,8 @@ class Intake:
         )
         root = self.root(request.cache_salt, precision)
         # a pinning warm's owner names the text as sent (DELETE /v1/warm sends it again)
-        owner = WarmPins.owner(root, request.prompt_token_ids) if request.warm_only and request.pin else None
+        pinning = request.warm_only and request.pin
+        pinned = PinnedText(request.prompt_token_ids, request.cache_salt, precision) if pinning else None
         if request.warm_only and not self.content.enabled:  # only whole chunks can be prefix-matched
             usable = len(request.prompt_token_ids) // self.config.chunk_size * self.config.chunk_size
             request.prompt_token_ids = request.prompt_token_ids[:usable]
@@ -144,8 +145,8 @@ class Intake:
         if params.structured is not None and not request.warm_only:
             seq.grammar = self.grammars.matcher(params.structured)
         self.check_capacity(seq)
-        if owner is not None:
-            self.pins.reserve(seq, owner)  # the last check: a 400 past the pin cap
+        if pinned is not None:
+            self.pins.reserve(seq, pinned)  # the last check: a 400 past the pin cap
         return seq
 
     def background(self, request: Request) -> Sequence:

@@ -44,6 +44,10 @@ class OutputProcessor:
     def request_ids(self) -> set[str]:
         return set(self._streams)
 
+    def forget(self, request_id: str) -> None:
+        """The request is gone without a final output (the engine's rebuild: its client heard already)."""
+        self._streams.pop(request_id, None)
+
     def text(self, seq: Sequence) -> str:
         return self._streams[seq.request_id].text
 
@@ -143,6 +147,7 @@ class OutputProcessor:
             num_recomputed_tokens=reuse.num_recomputed_tokens,
             compute_fraction=reuse.compute_fraction,
             reuse_plan=reuse.plan_reason,
+            audit=seq.audit,
             estimated_saving=reuse.estimated_saving,
             logprobs=list(out.logprobs) if wants_logprobs and finished else None,
             prompt_logprobs=self._prompt_logprobs(seq, out, finished),

@@ -4,10 +4,13 @@ A warm with pin=true books room in the store's pin budget when it is accepted (a
 memory would pass --max-pinned-fraction), pins its cached chunks under its owner (the text as sent
 plus its cache salt) when it finishes, and gives the booking back whatever happens. Unpinning a text
 releases that owner's pins only: chunks other texts still pin stay pinned. A pinning warm's owner and
-booking are kept here, by request id, from `reserve` until `release`.
+booking are kept here, by request id, from `reserve` until `release`; each text pinned now is kept
+by its owner (`texts`: what the engine's rebuild warms and pins again).
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 from kvserve.errors import InvalidRequestError
 from kvserve.kvcache.chunk_store import ChunkStore
@@ -15,13 +18,24 @@ from kvserve.kvcache.hashing import owner_hash, prompt_chunk_hashes
 from kvserve.scheduler.sequence import Sequence
 
 
+@dataclass(frozen=True)
+class PinnedText:
+    """A pinning warm's text as sent (its owner and DELETE /v1/warm name it by these tokens) and what
+    its chunks' hashes depend on besides: the cache salt and the weight precision it was computed at."""
+
+    token_ids: list[int]
+    cache_salt: str | None
+    weight_precision: str | None
+
+
 class WarmPins:
     def __init__(self, store: ChunkStore, chunk_size: int, block_size: int, max_pinned_fraction: float):
         self.store = store
         self.chunk_size, self.block_size = chunk_size, block_size
         self.max_pinned_fraction = max_pinned_fraction
-        self._owners: dict[str, bytes] = {}  # request id -> the owner a pinning warm pins under
+        self._owners: dict[str, tuple[bytes, PinnedText]] = {}  # request id -> what a pinning warm pins
         self._booked: dict[str, int] = {}  # request id -> blocks booked in the store's pin budget
+        self._pinned: dict[bytes, PinnedText] = {}  # owner -> its text, while the store has its pins
 
     @staticmethod
     def owner(root: bytes, token_ids: list[int]) -> bytes:
@@ -47,14 +61,14 @@ class WarmPins:
             param="pin",
         )
 
-    def reserve(self, seq: Sequence, owner: bytes) -> None:
-        """Book the blocks pinning this warm would add, to pin them under `owner` when it finishes;
-        InvalidRequestError past the cap (nothing is kept then)."""
+    def reserve(self, seq: Sequence, text: PinnedText) -> None:
+        """Book the blocks pinning this warm would add, to pin them under its text's owner when it
+        finishes; InvalidRequestError past the cap (nothing is kept then)."""
         hashes, blocks = self._keys(seq)
         new = self.store.unpinned_blocks(hashes, blocks)
         if not self.store.reserve_pins(new):
             raise self._error(new)
-        self._owners[seq.request_id] = owner
+        self._owners[seq.request_id] = (self.owner(seq.cache.root_hash, text.token_ids), text)
         self._booked[seq.request_id] = new
 
     def pins(self, seq: Sequence) -> bool:
@@ -73,7 +87,7 @@ class WarmPins:
 
     def pin(self, seq: Sequence) -> str | None:
         """Pin a finished warm's cached chunks under its owner; the error if that would pass the cap."""
-        owner = self._owners[seq.request_id]
+        owner, text = self._owners[seq.request_id]
         self._unbook(seq.request_id)
         hashes, _ = self._keys(seq)
         chunks = [c for c in map(self.store.get, hashes) if c is not None]
@@ -81,14 +95,32 @@ class WarmPins:
         if not self.store.reserve_pins(new):  # pins changed while it ran
             return self._error(new).message
         self.store.release_pin_reservation(new)
-        self.store.pin(owner, [c.prefix_hash for c in chunks])
+        if self.store.pin(owner, [c.prefix_hash for c in chunks]):
+            self._pinned[owner] = text
         return None
+
+    def request_ids(self) -> set[str]:
+        return set(self._owners) | set(self._booked)
+
+    def texts(self) -> list[PinnedText]:
+        """The texts pinned now, in the order they were first pinned."""
+        return list(self._pinned.values())
+
+    def reset(self) -> None:
+        """Forget every warm and pinned text: the store dropped its chunks, pins and bookings
+        (ChunkStore.reset, the engine's rebuild)."""
+        self._owners.clear()
+        self._booked.clear()
+        self._pinned.clear()
 
     def check_integrity(self) -> None:
         assert sum(self._booked.values()) == self.store.num_reserved_pin_blocks, (
             "pin reservations do not match the warms"
         )
+        assert set(self._pinned) == set(self.store.pin_owners()), "pinned texts do not match the pin owners"
 
     def unpin(self, root: bytes, token_ids: list[int]) -> int:
         """Release the pins a warm of this text holds; returns how many chunks it pinned (0: none)."""
-        return self.store.unpin(self.owner(root, token_ids))
+        owner = self.owner(root, token_ids)
+        self._pinned.pop(owner, None)
+        return self.store.unpin(owner)

@@ -33,6 +33,8 @@ class ContentReuseStats:
     audit: dict[str, AuditSummary]  # per repair strategy: mean and first-token KL quantiles, agreement
     num_audits_pending: int
     num_audits_dropped: int  # not run: too many waited, or the recompute ended without logits
+    num_audits_requested: int  # requests served with approximate reuse that asked for one (audit: true)
+    num_audits_over_budget: int  # of those, served without one: past --audit-requests-per-minute, not sampled
     num_guard_fired: int  # audits whose mean KL is over --audit-max-kl (documents no longer matched)
     num_guarded_documents: int
     num_guard_skips: int  # matches skipped because their document is guarded
@@ -67,7 +69,7 @@ class EngineStats:
     num_query_tokens: int  # prompt tokens looked up in the prefix cache
     num_hit_tokens: int  # of those, found
     num_preemptions: int
-    num_running: int
+    num_running: int  # client requests only; background sequences (audits) are counted apart
     num_waiting: int
     num_prompt_tokens_computed: int
     num_generated_tokens: int
@@ -79,6 +81,14 @@ class EngineStats:
     decoded_bytes: int = 0
     num_decoded_blocks: int = 0
     num_decoded_reused: int = 0
+    # background sequences (audits' full recomputes): running (admitted in idle steps) and waiting
+    num_background_running: int = 0
+    num_background_waiting: int = 0
+    # steps that raised (a bug: every request in flight failed), and rebuilds of the engine's state
+    # after one left its books disagreeing, with what disagreed the last time (Engine.recover)
+    num_step_failures: int = 0
+    num_engine_restarts: int = 0
+    last_restart_reason: str = ""
 
     @property
     def hit_rate(self) -> float:
@@ -119,7 +129,7 @@ class EngineStats:
             num_query_tokens=s.admissions.prefix.num_query_tokens,
             num_hit_tokens=s.admissions.prefix.num_hit_tokens,
             num_preemptions=s.num_preemptions,
-            num_running=len(s.running),
+            num_running=sum(not seq.request.background for seq in s.running),
             num_waiting=len(s.waiting),
             num_prompt_tokens_computed=s.chunks.num_prompt_tokens_computed,
             num_generated_tokens=engine.outputs.num_generated_tokens,
@@ -127,6 +137,11 @@ class EngineStats:
             weights=_weights(engine),
             tiers=_tiers(engine, store),
             **_decoded(engine),
+            num_background_running=sum(seq.request.background for seq in s.running),
+            num_background_waiting=len(s.background),
+            num_step_failures=engine.num_step_failures,
+            num_engine_restarts=engine.num_restarts,
+            last_restart_reason=engine.last_restart_reason,
         )
 
 
@@ -174,6 +189,8 @@ def _content_reuse(engine: Engine) -> ContentReuseStats:
         audit=engine.auditor.summary(),
         num_audits_pending=len(engine.auditor.pending),
         num_audits_dropped=engine.auditor.num_dropped,
+        num_audits_requested=engine.auditor.num_requested,
+        num_audits_over_budget=engine.auditor.num_over_budget,
         num_guard_fired=engine.auditor.num_guard_fired,
         num_guarded_documents=len(content.guarded),
         num_guard_skips=content.num_guard_skips,

@@ -121,12 +121,7 @@ class StepUpdate:
         if seq.request.background:
             self._audit_step(seq, logits)
             return
-        if (
-            seq.report is not None
-            and seq.report.strategy is not None
-            and seq.num_output_tokens == 0
-            and self.auditor.wants(seq)
-        ):
+        if seq.num_output_tokens == 0 and self.auditor.wants(seq, time.monotonic()):
             self.auditor.start(seq)
         params = seq.request.sampling_params
         stage = "sampling"

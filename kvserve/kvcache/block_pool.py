@@ -54,6 +54,18 @@ class BlockPool:
                 for hook in self.on_free:
                     hook(b)
 
+    def reset(self) -> None:
+        """Every block free, whatever its count (the engine's rebuild after a failed step: the counts
+        that would release blocks one by one are what cannot be trusted); the `on_free` hooks hear of
+        each block that was not free."""
+        was_free = set(self._free)
+        held = [b for b in range(self.num_blocks) if self.ref_counts[b] != 0 or b not in was_free]
+        self.ref_counts[:] = [0] * self.num_blocks
+        self._free = deque(range(self.num_blocks))
+        for b in held:
+            for hook in self.on_free:
+                hook(b)
+
     def check_integrity(self) -> None:
         free = set(self._free)
         assert len(free) == len(self._free), "a block is on the free list twice"

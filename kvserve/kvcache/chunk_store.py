@@ -369,6 +369,23 @@ class ChunkStore:
             if holders[b] <= 0:
                 del holders[b]
 
+    def reset(self) -> None:
+        """Drop every chunk, pinned or not, every pin and every pin booking, releasing no block (the
+        engine's rebuild after a failed step: BlockPool.reset frees them all). The `on_drop` hooks hear
+        of each chunk (the content index forgets its pieces); the `on_evict` hooks do not: nothing of a
+        pool whose books failed goes to a KV tier. The counters stay."""
+        dropped = list(self._chunks)
+        self._chunks.clear()
+        self._pins.clear()
+        self._by_blocks.clear()
+        self._holders.clear()
+        self._pinned_holders.clear()
+        self.num_reserved_pin_blocks = 0
+        self.policy = type(self.policy)()
+        for prefix_hash in dropped:
+            for hook in self.on_drop:
+                hook(prefix_hash)
+
     # --- facts -----------------------------------------------------------------------------------
     @property
     def num_cached_blocks(self) -> int:

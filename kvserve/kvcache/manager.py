@@ -18,7 +18,7 @@ of one length; a sliding group's entries before its window are -1 (given back by
 count of blocks the scheduler sees (`num_new_blocks`, `grow`'s) is per group; the pool gives
 num_groups times as many.
 
-It is the only caller of the pool's `allocate` and `retain` (tests/unit/test_import_layers.py checks
+It is the only caller of the pool's `allocate` and `retain` (tests/unit/test_kv_ownership.py checks
 that); the chunk store releases the blocks of the chunks it drops. Per-request state (`Holding`) is
 keyed by request id, so a `Sequence` holds only what the request is and where it stands.
 
@@ -459,6 +459,15 @@ class KVCacheManager:
         self.pool.release(b for t in held.tables for b in t if b >= 0)
         for h in list(held.in_flight):
             self._landed(held, h)
+
+    def reset(self) -> None:
+        """Start over: no holding, nothing in flight, no cached chunk or pin, every block free. For the
+        engine's rebuild after a failed step left books that disagree, so nothing is released one by
+        one (ChunkStore.reset, BlockPool.reset)."""
+        self._held.clear()
+        self.in_flight.clear()
+        self.store.reset()
+        self.pool.reset()
 
     # --- import ------------------------------------------------------------------------------------
     def import_chunk(

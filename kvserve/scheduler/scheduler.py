@@ -9,7 +9,7 @@ in. A prompt whose content matches were taken runs as a Repair (repair.py): slic
 explicit positions, scheduled like prefill slices. With `decode_slowdown_limit`, prefill and repair
 slices beside decoding sequences get only the rows that keep the step's estimated time (cost.py)
 within that multiple of the decodes' own (slowdown.py). Background sequences (the audit's recomputes) are
-admitted and stepped only while nothing else runs or waits.
+admitted and stepped only while nothing else runs or waits, BACKGROUND_ROWS rows a step for all of them.
 
 Admission is match (what the cache already holds, no side effects) -> reserve (hold the matched
 chunks, find blocks: free, then evicted) -> start (admission.py, the KVCacheManager, then `_start`).
@@ -42,8 +42,9 @@ from kvserve.scheduler.repair import Repair, Repairs
 from kvserve.scheduler.sequence import SeqStatus, Sequence
 from kvserve.scheduler.slowdown import SlowdownLimit, is_decoding
 
-# rows a background sequence computes per step: a request that arrives meanwhile waits for at most
-# one such step (about 0.1 s for SmolLM2 on 2 cores) before it is scheduled
+# rows of background work one step computes, for every background sequence together (running ones
+# and admissions): a request that arrives meanwhile waits for at most one such step, however many
+# audits are queued (about 0.1 s for SmolLM2 on 2 cores) before it is scheduled
 BACKGROUND_ROWS = 128
 
 
@@ -126,17 +127,18 @@ class Scheduler:
         ]
         longest = max((s.num_tokens for s in [*self.running, *self.waiting]), default=0)
         prefill = self.slowdown.rows(decoding, longest)  # for prefill and repair slices beside decodes
+        background_rows = BACKGROUND_ROWS if idle else 0  # left for all background sequences together
         for seq in list(self.running):
             if budget == 0:
                 break
             if seq.status != SeqStatus.RUNNING:  # preempted or refused earlier in this loop
                 continue
-            if seq.request.background and not idle:
+            if seq.request.background and background_rows == 0:
                 continue
             decode = is_decoding(seq, self.repairs)
             room = budget if decode else min(budget, prefill)
             if seq.request.background:
-                room = min(room, BACKGROUND_ROWS)
+                room = min(room, background_rows)
             item: ScheduledSeq | None
             if (repair := self.repairs.get(seq.request_id)) is not None:  # blocks allocated at admission
                 item = self._repair_slice(seq, repair, room)
@@ -150,10 +152,11 @@ class Scheduler:
                 batch.items.append(item)
                 budget -= item.num_new_tokens
                 prefill -= 0 if decode else item.num_new_tokens
+                background_rows -= item.num_new_tokens if seq.request.background else 0
         room = min(budget, prefill)
         room = self._admit(self.waiting.candidates(now, self.admissions.deferred), room, batch)
-        if idle:
-            self._admit(iter(list(self.background)), min(room, BACKGROUND_ROWS), batch)
+        if background_rows:
+            self._admit(iter(list(self.background)), min(room, background_rows), batch)
         return batch
 
     def _admit(self, candidates: Iterator[Sequence], budget: int, batch: ScheduledBatch) -> int:
@@ -282,6 +285,18 @@ class Scheduler:
             self.background.remove(seq)
         else:
             self.waiting.remove(seq)
+
+    def reset(self) -> None:
+        """Forget every sequence and repair without giving back what they hold: for the engine's
+        rebuild after a failed step, which starts the KVCacheManager over (KVCacheManager.reset)."""
+        for seq in [*self.running, *self.waiting, *self.background]:
+            seq.status = SeqStatus.FINISHED
+        for seq in list(self.waiting):
+            self.waiting.remove(seq)
+        self.running.clear()
+        self.background.clear()
+        for request_id in self.repairs.request_ids():
+            self.repairs.drop(request_id)
 
     # --- invariants --------------------------------------------------------------------------------
     def check_integrity(self) -> None:

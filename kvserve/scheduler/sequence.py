@@ -74,6 +74,8 @@ class Sequence:
     # NestedFP weights: the precision it was admitted at ("fp16" or "fp8"; its root hash names it, so it
     # reuses and caches only KV of that precision); None with dense weights
     precision: str | None = None
+    # asked for an audit (audit: true): what became of it, "queued" or "skipped: <why>" (the Auditor's)
+    audit: str | None = None
 
     def __post_init__(self) -> None:
         if not self.token_ids:

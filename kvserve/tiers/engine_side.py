@@ -102,6 +102,19 @@ class EngineTiers:
             self._swept_at = now
             self.tiers.demote_idle(now - self.demote_after_s)
 
+    def request_ids(self) -> set[str]:
+        """The sequences waiting for a load."""
+        return set(self._loading)
+
+    def forget(self, request_id: str) -> None:
+        """The request finished: it waits for nothing (a load still running is imported all the same)."""
+        self._loading.pop(request_id, None)
+
+    def reset(self) -> None:
+        """Forget every sequence (the engine's rebuild); loads still running are imported when they end."""
+        self._loading.clear()
+        self._arrived.clear()
+
     def _only_loads_left(self) -> bool:
         s = self.scheduler
         return not s.running and bool(s.waiting) and all(seq.request_id in self._loading for seq in s.waiting)

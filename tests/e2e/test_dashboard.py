@@ -288,3 +288,24 @@ def test_static_files_are_open_and_data_is_not(server: Server) -> None:
         .read_text()
         .startswith("The MIT License")
     )
+
+
+def test_the_page_says_when_the_chunk_rows_are_withheld(server: Server, browser: Any) -> None:
+    """Issue 62.5: once a request uses cache_salt (tenants), /v1/stats withholds the per-chunk rows
+    (no --admin-api-key here) and the table says so instead of "nothing cached yet". Last in the
+    module: the server withholds them from then on."""
+    browser.get(server.base_url + "/dashboard")
+    browser.execute_script("sessionStorage.setItem('kvserve-api-key', arguments[0])", KEY)
+    browser.refresh()
+    server.client().completions.create(
+        model=TINY, prompt=_doc(7), max_tokens=1, extra_body={"cache_salt": "t1"}
+    )
+    withheld = server.stats()["cache"]["top_chunks_withheld"]
+    assert withheld and "cache_salt" in withheld
+
+    def first_row() -> str:
+        return str(
+            browser.execute_script("return document.querySelector('#top-chunks tbody tr').textContent")
+        )
+
+    assert wait_until(lambda: first_row() == f"hidden: {withheld}", 10), first_row()

@@ -141,6 +141,9 @@ def test_500_is_an_envelope_and_the_connection_survives(tmp_path: object) -> Non
         def shutdown(self) -> None:
             pass
 
+        def recovering(self) -> None:
+            return None
+
     app = create_app(ServeConfig(model=TINY), Idle())  # type: ignore[arg-type]
 
     @app.get("/boom")

@@ -4,11 +4,13 @@ ClusterStream over its generator, and the stats aggregation over two replicas' b
 from __future__ import annotations
 
 import asyncio
+import copy
 import os
 from typing import Any
 
 import pytest
 
+from kvserve.api.stats import with_chunk_rows
 from kvserve.cluster.config import ClusterConfig
 from kvserve.cluster.ingress import ClusterStream
 from kvserve.cluster.replica import Accepted, EngineReplica
@@ -18,7 +20,10 @@ from kvserve.errors import InvalidRequestError, OverloadedError
 from kvserve.metrics import Metrics
 from kvserve.request import FinishReason, Request, SamplingParams
 
-TINY = ServeConfig(model="tiny-random-llama", max_cache_bytes=16 << 20, chunk_size=16, max_queue_size=2)
+# max_queue_share 1: one submission of 2 may fill the queue (the tests below fill it on purpose)
+TINY = ServeConfig(
+    model="tiny-random-llama", max_cache_bytes=16 << 20, chunk_size=16, max_queue_size=2, max_queue_share=1.0
+)
 
 
 @pytest.fixture(scope="module")
@@ -75,6 +80,15 @@ def test_a_full_replica_refuses_before_admitting(replica: EngineReplica) -> None
 
 
 def test_stats_sum_the_replicas_and_metrics_carry_their_label(replica: EngineReplica) -> None:
+    """Serves its own request first: run alone, the replica had served nothing and the sums were 0
+    (issue 62.6: it passed only after the module's other tests)."""
+
+    async def serve() -> list[Any]:
+        outputs = [out async for out in replica.generate(_requests(1, list(range(100, 140)), "stats"))]
+        assert isinstance(outputs[0], Accepted) and outputs[-1].finished
+        return outputs
+
+    asyncio.run(serve())
     body = asyncio.run(replica.stats())
     assert body["replica"] == "local" and body["pid"] == os.getpid()
     other = {**body, "replica": "other", "pid": 0}
@@ -96,6 +110,29 @@ def test_stats_sum_the_replicas_and_metrics_carry_their_label(replica: EngineRep
     for label in ('replica="local"', 'replica="other"'):
         assert label in exposition
     assert exposition.count("# TYPE kvserve:request_success_total counter") == 1
+
+
+def test_the_ingress_withholds_every_replicas_chunk_rows(replica: EngineReplica) -> None:
+    """Issue 62.5: what /v1/stats withholds from a caller (kvserve.api.stats.with_chunk_rows, run by
+    the route the ingress serves too) goes from the merged table and from each replica's own body."""
+
+    async def serve() -> None:  # chunks to list, whichever tests ran before
+        outputs = [out async for out in replica.generate(_requests(1, list(range(200, 240)), "rows"))]
+        assert outputs[-1].finished
+
+    asyncio.run(serve())
+    body = asyncio.run(replica.stats())
+    other = copy.deepcopy({**body, "replica": "other"})
+    merged = cluster_stats([body, other], Metrics("m"), ClusterConfig())
+    assert merged["cache"]["top_chunks"] and all(
+        r["cache"]["top_chunks"] for r in merged["replicas"].values()
+    )
+    hidden = with_chunk_rows(merged, "the per-chunk rows need the admin key")
+    for cache in [hidden["cache"], *(r["cache"] for r in hidden["replicas"].values())]:
+        assert (
+            cache["top_chunks"] == []
+            and cache["top_chunks_withheld"] == "the per-chunk rows need the admin key"
+        )
 
 
 def test_an_aborted_stream_leaves_nothing_in_the_ingress_metrics(replica: EngineReplica) -> None:

@@ -125,3 +125,32 @@ def test_occupancy_by_state_and_the_top_chunks(llm: LLM) -> None:
         engine.step()
     assert llm.unpin(pinned_doc) == 2
     engine.check_integrity()
+
+
+def test_background_sequences_are_counted_apart_from_requests() -> None:
+    """Issue 62.2: queue.running (kvserve:num_requests_running) counted the audits' full recomputes as
+    requests; they are their own numbers, running (admitted in idle steps) and waiting."""
+    from kvserve.request import Request
+    from kvserve.stat_table import stat_sections
+    from tests.integration.test_repair_in_batch import NONE, PARAMS3, make, rag_prompt, warmed
+
+    llm = make(audit_rate=1.0)
+    engine = llm.engine
+    docs = warmed(llm)
+    for seed, order in enumerate(([2, 0, 1], [1, 2, 0])):  # served from content hits: two audits wait
+        llm.generate([rag_prompt(llm, docs, order, seed=seed)], PARAMS3, reuse=NONE)
+    s = llm.stats()
+    assert (s.num_running, s.num_waiting, s.num_background_running, s.num_background_waiting) == (0, 0, 0, 2)
+    engine.step()  # idle: the first audit is admitted
+    s = llm.stats()
+    assert (s.num_running, s.num_background_running, s.num_background_waiting) == (0, 1, 1)
+    engine.add_request(Request("user", _ids(9000, 40), PARAMS3))
+    engine.step()
+    queue = stat_sections(llm.stats())["queue"]
+    assert queue["running"] == 1 and queue["waiting"] == 0
+    assert queue["background_running"] == 1 and queue["background_waiting"] == 1
+    while engine.has_unfinished_requests():
+        engine.step()
+    s = llm.stats()
+    assert (s.num_running, s.num_background_running, s.num_background_waiting) == (0, 0, 0)
+    engine.check_integrity()

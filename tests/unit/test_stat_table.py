@@ -18,7 +18,13 @@ from kvserve.stat_table import FAMILIES, OBSERVED, STATS, stat_sections
 
 DASHBOARD_JS = Path(__file__).resolve().parents[2] / "kvserve" / "api" / "dashboard" / "dashboard.js"
 # the cache section's structured parts (not numbers): built beside the declared ones (api/stats.py)
-STRUCTURED = {"cache.occupancy_blocks", "cache.reuse", "cache.tiers", "cache.top_chunks"}
+STRUCTURED = {
+    "cache.occupancy_blocks",
+    "cache.reuse",
+    "cache.tiers",
+    "cache.top_chunks",
+    "cache.top_chunks_withheld",
+}
 
 
 @pytest.fixture(scope="module")

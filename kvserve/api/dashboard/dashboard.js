@@ -187,7 +187,8 @@ function drawNumbers(stats) {
     "<code>" + escapeText(r.chunk_hash) + "</code>", fmtInt(r.prefix_tokens), fmtInt(r.num_tokens),
     fmtInt(r.num_hits), r.pinned ? "yes" : "no",
     escapeText(r.tier) + (r.origin === "computed" ? "" : " (from " + escapeText(r.origin) + ")"), fmtAgo(r.idle_s)]));
-  if (!c.top_chunks.length) fillRows($("top-chunks").tBodies[0], [["nothing cached yet", "", "", "", "", "", ""]]);
+  if (c.top_chunks_withheld) fillRows($("top-chunks").tBodies[0], [["hidden: " + escapeText(c.top_chunks_withheld), "", "", "", "", "", ""]]);
+  else if (!c.top_chunks.length) fillRows($("top-chunks").tBodies[0], [["nothing cached yet", "", "", "", "", "", ""]]);
 
   const audit = Object.entries(c.reuse.audit || {});
   fillRows($("audit").tBodies[0], audit.length ? audit.map(([name, a]) => [escapeText(name), fmtInt(a.num_audited),
