@@ -7,7 +7,8 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
-from kvserve.config import check_types, load_yaml
+from kvserve.config import load_yaml
+from kvserve.config_types import check_types
 from kvserve.errors import ConfigError
 
 

@@ -30,6 +30,7 @@ LAYERS = [
     ["kvcache"],
     ["quant"],
     ["config", "request", "tokenizer"],
+    ["config_types"],
     ["errors", "redact"],
 ]
 LEVEL = {unit: level for level, units in enumerate(LAYERS) for unit in units}
