@@ -95,13 +95,14 @@ class Admissions:
             num_chunks = min(num_chunks, len(seq.prompt_logprobs) // self.chunk_size)
         return num_chunks
 
-    def match(self, seq: Sequence, budget: int, granularity: int) -> Admission:
+    def match(self, seq: Sequence, budget: int, granularity: int, content: bool = True) -> Admission:
+        """What admitting `seq` takes; without `content`, its exact prefix hits only (no repair)."""
         matched: list[CachedChunk] = []
         if self.enable_prefix_caching:
             matched = self.kv.match(seq.cache.prefix_hashes[: self.max_match_chunks(seq)])
         num_cached = len(matched) * self.chunk_size
         choice = None
-        if self.content is not None and self.content.wants(seq):
+        if content and self.content is not None and self.content.wants(seq):
             choice = self.content.consider(seq, num_cached)
         hits = choice.plan.hits if choice is not None and choice.plan is not None else []
         partial = None
