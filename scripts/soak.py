@@ -70,11 +70,14 @@ KINDS: dict[str, Kind] = {
     "completion_stream": Kind(8, GOOD),
     "rag_any": Kind(10, GOOD),
     "rag_repeat": Kind(6, GOOD),  # a RAG prompt in a new order, then the same one again at once
-    "warm_pin": Kind(4, GOOD),
+    # 400: pinning it would take pins past --max-pinned-fraction of the pool (the workers pin under three
+    # salts at once: on a small pool their pins together can pass it; the server says so and pins nothing)
+    "warm_pin": Kind(4, GOOD | {"400"}),
     "unwarm": Kind(0, frozenset({"200"})),  # sent by warm_pin after holding its pin
     "cut_stream": Kind(5, GOOD | {"disconnected"}),
     "cut_nonstream": Kind(4, GOOD | {"cut"}),
     "burst": Kind(2, GOOD),
+    "structured": Kind(3, GOOD),  # a chat whose answer must follow a JSON schema (a grammar per request)
     # --flood-clients loop it without pause: one hot system prompt whose group of the admission queue
     # never empties (issue 62's starvation); every other class must still be answered in time
     "hot_flood": Kind(0, GOOD),
@@ -387,6 +390,22 @@ async def bad_input(ctx: Ctx, rng: random.Random, kind: str) -> None:
                       prompt=msg[0]["content"], max_tokens=10**9)  # fmt: skip
 
 
+SCHEMA = {
+    "type": "object",
+    "properties": {"answer": {"type": "string"}, "confidence": {"type": "integer", "minimum": 0}},
+    "required": ["answer"],
+}
+
+
+async def structured(ctx: Ctx, rng: random.Random) -> None:
+    system, question = rng.choice(ctx.texts.systems), rng.choice(ctx.texts.questions)
+    kw = _sampling(rng, 8, 32)
+    kw["response_format"] = {"type": "json_schema", "json_schema": {"name": "answer", "schema": SCHEMA}}
+    messages = [{"role": "system", "content": system}, {"role": "user", "content": question}]
+    await _openai(ctx, "structured", ctx.client.chat.completions.create, 1, messages=messages,
+                  stream=rng.random() < 0.5, **kw)  # fmt: skip
+
+
 async def hot_flood(ctx: Ctx, rng: random.Random) -> None:
     prompt = f"{ctx.texts.systems[0]}\n\nQ: {rng.choice(ctx.texts.questions)}\nA:"
     await _openai(ctx, "hot_flood", ctx.client.completions.create, 1, prompt=prompt, max_tokens=24,
@@ -405,6 +424,7 @@ ACTIONS: dict[str, Any] = {
     "cut_nonstream": cut_nonstream,
     "burst": burst,
     "hot_flood": hot_flood,
+    "structured": structured,
 }
 
 

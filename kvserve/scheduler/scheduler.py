@@ -171,32 +171,20 @@ class Scheduler:
             if admission.num_new_tokens == 0 and admission.num_cached_tokens < seq.num_tokens:
                 break  # the budget left ends before the next block boundary: next step
             if not self._reserve(seq, admission, batch):
-                exact = self._exact_instead(seq, admission, budget, batch)
-                if exact is None:
+                if admission.hits:  # a repair's memory is not there: the sequence computed exactly instead
+                    admission = self.admissions.match(seq, budget, self.granularity, content=False)
+                    if admission.num_new_tokens == 0 and admission.num_cached_tokens < seq.num_tokens:
+                        break
+                if not self._reserve(seq, admission, batch):
                     if self.admissions.can_ever_fit(admission) and (self.running or batch.items):
                         break  # wait for memory: admit nothing younger either (FCFS)
                     self._refuse(seq, batch)  # never fits, or nothing runs that could free a block
                     continue
-                admission = exact
             item = self._start(seq, admission, budget)
             if item is not None and item.num_new_tokens:
                 batch.items.append(item)
                 budget -= item.num_new_tokens
         return budget
-
-    def _exact_instead(
-        self, seq: Sequence, admission: Admission, budget: int, batch: ScheduledBatch
-    ) -> Admission | None:
-        """A content-reuse admission whose memory is not there (a repair allocates every block of the
-        prompt at once and holds its hits' sources, whose ancestors cannot be evicted either): the
-        same sequence computed exactly (a prefill slice needs one step's blocks), reserved; None if
-        that does not fit either, or there were no content hits."""
-        if not admission.hits:
-            return None
-        exact = self.admissions.match(seq, budget, self.granularity, content=False)
-        if exact.num_new_tokens == 0 and exact.num_cached_tokens < seq.num_tokens:
-            return None
-        return exact if self._reserve(seq, exact, batch) else None
 
     def _reserve(self, seq: Sequence, admission: Admission, batch: ScheduledBatch) -> bool:
         """Reserve the admission's memory; a request (not background work) preempts running
