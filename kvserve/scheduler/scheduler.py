@@ -17,8 +17,11 @@ The scheduler decides; the KVCacheManager (kvcache/manager.py) keeps every block
 sequence holds. Blocks for running sequences come from the free list, then from evicting unused
 cached chunks, then by preempting a running sequence (background ones first, then the newest; its
 KV is recomputed later, mostly from the cache since its completed chunks stay registered). What
-computed KV adds to the cache is registration.py's. A sequence that could never
-get its blocks because pinned chunks hold the rest of the pool is refused (the engine fails it with
+computed KV adds to the cache is registration.py's. A content-reuse repair takes every block of its
+prompt at admission and holds its hits' sources (whose ancestors eviction cannot take either): when
+that memory is not there, the sequence is admitted computed exactly (prefill slices need one step's
+blocks). A sequence that could never get its blocks because pinned chunks hold the rest of the pool,
+or that cannot be admitted while nothing runs to free a block, is refused (the engine fails it with
 the reason), never left waiting.
 
 Ownership (invariant 3) is the manager's to keep; `check_integrity` verifies it after every step in tests.
