@@ -316,11 +316,11 @@ class Engine:
 
     # --- after a failed step -----------------------------------------------------------------------
     def recover(self, exc: Exception) -> bool:
-        """`step` raised `exc` (a bug: model and per-request faults are caught inside it). Every
-        request still in flight is failed, then the books are checked: whole, the engine carries on
-        (False); not, it rebuilds its state (True), the reason naming what disagreed."""
+        """`step` raised `exc` (a bug: model and per-request faults are caught inside it), and the
+        caller failed every request in flight (`fail_all`, so their clients hear before a rebuild).
+        The books are checked: whole, the engine carries on (False); not, or a request could not be
+        failed, it rebuilds its state (True), the reason naming what disagreed."""
         self.num_step_failures += 1
-        self.fail_all("internal error")
         left = set(self._seqs) | set(self._background)
         try:
             self.check_integrity()

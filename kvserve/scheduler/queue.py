@@ -64,8 +64,9 @@ class AdmissionQueue:
         return True
 
     def __iter__(self) -> Iterator[Sequence]:
-        """Every waiting sequence in admission order."""
-        return iter(self._ordered(list(self._groups.values())))
+        """Every waiting sequence, group by group (`candidates` gives the admission order)."""
+        for group in list(self._groups.values()):
+            yield from list(group)
 
     def _ordered(self, groups: list[list[Sequence]]) -> list[Sequence]:
         """Sequences of `groups` (each in arrival order) by the order key of the module docstring."""
