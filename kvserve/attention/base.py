@@ -13,12 +13,13 @@ Layout conventions (one packed batch per step):
 
 from __future__ import annotations
 
+import itertools
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 
 import torch
 
-from kvserve.kvcache.block_pool import slot_mapping
+from kvserve.kvcache.block_pool import batch_slot_mapping
 from kvserve.kvcache.kv_storage import LayerKV
 
 
@@ -58,29 +59,33 @@ class AttentionMetadata:
         write: bool = True,  # False: slot_mapping all -1 (the KV is in the pool already)
         explicit_positions: bool = False,  # True: set query_positions (rows need not end their sequence)
     ) -> AttentionMetadata:
-        """The one place query offsets, block tables and slot mappings are made."""
+        """The one place query offsets, block tables and slot mappings are made: a few tensor ops over
+        the whole batch (no tensor per sequence), so a step's cost does not grow with Python per row."""
+        n = len(seqs)
         q_lens = [len(s.positions) for s in seqs]
         seq_lens = [s.seq_len for s in seqs]
-        block_tables = torch.zeros(
-            (len(seqs), max((len(s.block_ids) for s in seqs), default=0)), dtype=torch.int32
-        )
-        for i, s in enumerate(seqs):
-            block_tables[i, : len(s.block_ids)] = torch.tensor(s.block_ids, dtype=torch.int32)
-        query_start_loc = torch.zeros(len(seqs) + 1, dtype=torch.int32)
-        query_start_loc[1:] = torch.cumsum(torch.tensor(q_lens, dtype=torch.int32), 0)
+        num_blocks = [len(s.block_ids) for s in seqs]
+        width = max(num_blocks, default=0)
+        padded = [
+            s.block_ids if k == width else s.block_ids + [0] * (width - k) for s, k in zip(seqs, num_blocks)
+        ]
+        block_tables = torch.tensor(padded, dtype=torch.int32).reshape(n, width)
+        query_start_loc = torch.tensor([0, *itertools.accumulate(q_lens)], dtype=torch.int32)
         positions = (
-            torch.cat([s.positions.to("cpu", torch.int64) for s in seqs])
+            torch.cat([s.positions for s in seqs]).to("cpu", torch.int64)
             if seqs
             else torch.zeros(0, dtype=torch.int64)
         )
         if write:
-            slots = [
-                slot_mapping(block_tables[i, : len(s.block_ids)], s.positions.cpu(), block_size)
-                for i, s in enumerate(seqs)
-            ]
-            slot_tensor = torch.cat(slots) if slots else torch.zeros(0, dtype=torch.int64)
+            lengths = torch.tensor(q_lens, dtype=torch.int64)
+            seq_index = (
+                torch.arange(n) if q_lens.count(1) == n else torch.repeat_interleave(torch.arange(n), lengths)
+            )
+            slot_tensor = batch_slot_mapping(
+                block_tables, torch.tensor(num_blocks), seq_index, positions, block_size
+            )
         else:
-            slot_tensor = torch.full((sum(q_lens),), -1, dtype=torch.int64)
+            slot_tensor = torch.full((len(positions),), -1, dtype=torch.int64)
         return cls(
             query_start_loc=query_start_loc.to(device),
             seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=device),

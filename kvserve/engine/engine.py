@@ -251,10 +251,10 @@ class Engine:
 
     def _end_prompt_only(self) -> None:
         """Warms and max_tokens=0 requests end when their prompt is computed."""
-        for seq in list(self.scheduler.running):
-            if seq.request.warm_only and seq.num_computed_tokens >= seq.num_tokens:
+        for seq in [s for s in self.scheduler.running if s.num_computed_tokens >= len(s.token_ids)]:
+            if seq.request.warm_only:
                 self._finish_warm(seq)
-            elif not seq.generates and seq.num_computed_tokens >= seq.num_tokens:
+            elif not seq.generates:
                 self.finish(seq, FinishReason.LENGTH)  # max_tokens=0: only the prompt was asked for
 
     def _emit(self, touched: list[Sequence]) -> list[RequestOutput]:

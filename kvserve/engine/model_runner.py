@@ -146,7 +146,7 @@ class ModelRunner:
             if item.precision is not None:
                 row_precisions += [item.precision] * len(ids)
             num_layers = item.num_layers or layers
-            work.add_rows(float(r.positions.sum()), len(ids), num_layers)
+            work.add_rows(_position_sum(item, r), len(ids), num_layers)
             if item.sample:
                 assert num_layers == layers, "a row that stops early is never sampled"
                 logits_indices.append(len(input_ids) - 1)
@@ -305,7 +305,16 @@ class ModelRunner:
         return self.decoder.norm(hidden)[0]
 
 
+def _position_sum(item: ScheduledSeq, rows: SeqRows) -> float:
+    """The sum of the rows' positions (the cost model's attention work), without a tensor op per item:
+    a slice that is not a repair's is the range [seq_len - n, seq_len)."""
+    if item.positions is not None:
+        return float(sum(item.positions))
+    n = len(rows.positions)
+    return float((2 * rows.seq_len - n - 1) * n // 2)
+
+
 def _readable(table: list[int]) -> list[int]:
     """A block table as kernels read it: a block that left a sliding window (-1) becomes block 0,
     whose values the window masks (every kernel skips or masks positions before a row's window)."""
-    return [max(b, 0) for b in table]
+    return table if not table or min(table) >= 0 else [max(b, 0) for b in table]

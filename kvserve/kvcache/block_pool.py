@@ -19,6 +19,21 @@ def slot_mapping(block_ids: torch.Tensor, positions: torch.Tensor, block_size: i
     return block_ids[positions // block_size] * block_size + positions % block_size
 
 
+def batch_slot_mapping(
+    block_tables: torch.Tensor,  # [num_seqs, width] the sequences' blocks, padded
+    num_blocks: torch.Tensor,  # [num_seqs] how many of each row are the sequence's
+    seq_index: torch.Tensor,  # [num_rows] int64: the sequence of each row
+    positions: torch.Tensor,  # [num_rows] int64
+    block_size: int,
+) -> torch.Tensor:
+    """`slot_mapping` of every row of a batch at once; a position past its sequence's blocks raises
+    (as slot_mapping's index would) instead of reading the padding."""
+    index = positions // block_size
+    if len(index) and not bool((index < num_blocks[seq_index]).all()):
+        raise IndexError("a position past its sequence's blocks")
+    return block_tables.to(torch.int64)[seq_index, index] * block_size + positions % block_size
+
+
 class BlockPool:
     def __init__(self, num_blocks: int, block_size: int):
         assert num_blocks > 0 and block_size > 0

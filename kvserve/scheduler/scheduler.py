@@ -125,11 +125,7 @@ class Scheduler:
         batch = ScheduledBatch()
         budget = self.max_num_batched_tokens
         idle = self.idle
-        decoding = [
-            s for s in self.running if is_decoding(s, self.repairs) and (idle or not s.request.background)
-        ]
-        longest = max((s.num_tokens for s in [*self.running, *self.waiting]), default=0)
-        prefill = self.slowdown.rows(decoding, longest)  # for prefill and repair slices beside decodes
+        prefill = self._prefill_rows(idle)  # for prefill and repair slices beside decodes
         background_rows = BACKGROUND_ROWS if idle else 0  # left for all background sequences together
         for seq in list(self.running):
             if budget == 0:
@@ -161,6 +157,17 @@ class Scheduler:
         if background_rows:
             self._admit(iter(list(self.background)), min(room, background_rows), batch)
         return batch
+
+    def _prefill_rows(self, idle: bool) -> int:
+        """The rows prefill and repair slices may take this step (SlowdownLimit; the whole budget when
+        the limit is off, without a walk over the running sequences)."""
+        if not self.slowdown.active:
+            return self.max_num_batched_tokens
+        decoding = [
+            s for s in self.running if is_decoding(s, self.repairs) and (idle or not s.request.background)
+        ]
+        longest = max((s.num_tokens for s in [*self.running, *self.waiting]), default=0)
+        return self.slowdown.rows(decoding, longest)
 
     def _admit(self, candidates: Iterator[Sequence], budget: int, batch: ScheduledBatch) -> int:
         """Admit from `candidates` in order while budget, sequence slots and memory last; returns

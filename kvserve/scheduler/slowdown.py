@@ -30,6 +30,10 @@ class SlowdownLimit:
         self.granularity = granularity
         self.budget = budget
 
+    @property
+    def active(self) -> bool:
+        return self.limit > 0 and self.cost is not None
+
     def rows(self, decoding: list[Sequence], longest: int) -> int:
         """Rows for prefill and repair slices this step, beside `decoding`; `longest` is the longest
         sequence that may take them (its rows are priced at its end)."""

@@ -1,0 +1,69 @@
+"""AttentionMetadata.build makes the whole batch's tables and slots in a few tensor ops: it must equal
+the per-sequence reference (slot_mapping of each sequence's blocks and positions) for every mix of
+decode rows, prefill slices, rows at chosen positions and ragged block tables."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from kvserve.attention.base import AttentionMetadata, SeqRows
+from kvserve.kvcache.block_pool import slot_mapping
+
+BLOCK = 16
+
+
+def _random_rows(rng: random.Random, n: int) -> list[SeqRows]:
+    rows = []
+    for _ in range(n):
+        seq_len = rng.randint(1, 200)
+        blocks = rng.sample(range(1000), -(-seq_len // BLOCK) + rng.randint(0, 2))  # some spare blocks
+        kind = rng.choice(["decode", "prefill", "chosen"])
+        if kind == "decode":
+            positions = torch.tensor([seq_len - 1])
+        elif kind == "prefill":
+            q = rng.randint(1, seq_len)
+            positions = torch.arange(seq_len - q, seq_len)
+        else:
+            positions = torch.tensor(sorted(rng.sample(range(seq_len), rng.randint(1, min(seq_len, 9)))))
+        rows.append(SeqRows(blocks, positions, seq_len))
+    return rows
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_build_equals_the_per_sequence_reference(seed: int) -> None:
+    rng = random.Random(seed)
+    rows = _random_rows(rng, rng.choice([1, 2, 7, 64]))
+    meta = AttentionMetadata.build(rows, BLOCK, "cpu", explicit_positions=True)
+    want_slots = torch.cat([slot_mapping(torch.tensor(r.block_ids), r.positions, BLOCK) for r in rows])
+    assert torch.equal(meta.slot_mapping, want_slots)
+    assert meta.query_lens_list == [len(r.positions) for r in rows]
+    assert meta.seq_lens.tolist() == [r.seq_len for r in rows]
+    assert meta.query_start_loc.tolist()[1:] == list(torch.cumsum(torch.tensor(meta.query_lens_list), 0))
+    for i, r in enumerate(rows):
+        assert meta.block_tables[i, : len(r.block_ids)].tolist() == r.block_ids
+        assert not meta.block_tables[i, len(r.block_ids) :].any()  # padded with 0
+    assert meta.query_positions is not None and torch.equal(
+        meta.query_positions, torch.cat([r.positions for r in rows])
+    )
+    assert torch.equal(
+        AttentionMetadata.build(rows, BLOCK, "cpu", write=False).slot_mapping,
+        torch.full((len(want_slots),), -1),
+    )
+
+
+def test_all_decode_rows_and_an_empty_batch() -> None:
+    rows = [SeqRows([5, 9], torch.tensor([20]), 21), SeqRows([3], torch.tensor([0]), 1)]
+    meta = AttentionMetadata.build(rows, BLOCK, "cpu")
+    assert meta.slot_mapping.tolist() == [9 * BLOCK + 4, 3 * BLOCK]
+    assert meta.is_pure_decode and meta.query_positions is None
+    empty = AttentionMetadata.build([], BLOCK, "cpu")
+    assert empty.num_seqs == 0 and empty.slot_mapping.numel() == 0 and empty.block_tables.shape == (0, 0)
+
+
+def test_a_position_past_its_blocks_raises_not_reads_the_padding() -> None:
+    rows = [SeqRows([1, 2, 3], torch.tensor([40]), 41), SeqRows([4], torch.tensor([16]), 17)]
+    with pytest.raises(IndexError):
+        AttentionMetadata.build(rows, BLOCK, "cpu")
