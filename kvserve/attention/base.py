@@ -58,6 +58,7 @@ class AttentionMetadata:
         *,
         write: bool = True,  # False: slot_mapping all -1 (the KV is in the pool already)
         explicit_positions: bool = False,  # True: set query_positions (rows need not end their sequence)
+        positions: torch.Tensor | None = None,  # the seqs' positions concatenated, when the caller has them
     ) -> AttentionMetadata:
         """The one place query offsets, block tables and slot mappings are made: a few tensor ops over
         the whole batch (no tensor per sequence), so a step's cost does not grow with Python per row."""
@@ -71,11 +72,9 @@ class AttentionMetadata:
         ]
         block_tables = torch.tensor(padded, dtype=torch.int32).reshape(n, width)
         query_start_loc = torch.tensor([0, *itertools.accumulate(q_lens)], dtype=torch.int32)
-        positions = (
-            torch.cat([s.positions for s in seqs]).to("cpu", torch.int64)
-            if seqs
-            else torch.zeros(0, dtype=torch.int64)
-        )
+        if positions is None:
+            positions = torch.cat([s.positions for s in seqs]) if seqs else torch.zeros(0, dtype=torch.int64)
+        positions = positions.to("cpu", torch.int64)
         if write:
             lengths = torch.tensor(q_lens, dtype=torch.int64)
             seq_index = (

@@ -81,6 +81,7 @@ class ModelRunner:
         # the tokenizer's ids (RuntimeInfo.vocab_size): an lm_head may have more rows (padding, or a
         # random-weight model's full vocabulary), which nothing may sample or count in a logprob
         self.vocab_size = vocab_size
+        self._positions = torch.arange(4096)  # _arange
 
     def _rows(self, item: ScheduledSeq) -> tuple[list[int], SeqRows]:
         seq = item.seq
@@ -92,7 +93,13 @@ class ModelRunner:
             )
         start = seq.num_computed_tokens
         end = start + item.num_new_tokens
-        return seq.token_ids[start:end], SeqRows(table, torch.arange(start, end), end)
+        return seq.token_ids[start:end], SeqRows(table, self._arange(end)[start:end], end)
+
+    def _arange(self, end: int) -> torch.Tensor:
+        """0, 1, ... (int64, at least `end` of them), made once: a slice of it is a row range's positions."""
+        if len(self._positions) < end:
+            self._positions = torch.arange(max(end, 2 * len(self._positions), 4096))
+        return self._positions
 
     def _layer_metas(
         self, items: list[ScheduledSeq], rows: list[SeqRows], meta: AttentionMetadata, explicit: bool
@@ -146,12 +153,18 @@ class ModelRunner:
             if item.precision is not None:
                 row_precisions += [item.precision] * len(ids)
             num_layers = item.num_layers or layers
-            work.add_rows(_position_sum(item, r), len(ids), num_layers)
+            if item.positions is None:
+                work.add_span(r.seq_len - len(ids), r.seq_len, num_layers)
+            else:
+                work.add_rows(float(sum(item.positions)), len(ids), num_layers)
             if item.sample:
                 assert num_layers == layers, "a row that stops early is never sampled"
                 logits_indices.append(len(input_ids) - 1)
         dev = self.device
-        meta = AttentionMetadata.build(rows, self.block_size, dev, explicit_positions=explicit)
+        positions = torch.cat([r.positions for r in rows])
+        meta = AttentionMetadata.build(
+            rows, self.block_size, dev, explicit_positions=explicit, positions=positions
+        )
         layer_metas = self._layer_metas(items, rows, meta, explicit)
         cuts = []
         assert layer_metas is None or all(it.num_layers is None for it in items), "layer groups take no cuts"
@@ -159,7 +172,6 @@ class ModelRunner:
             keep = [r for it, r in zip(items, rows, strict=True) if (it.num_layers or layers) > k]
             sub = AttentionMetadata.build(keep, self.block_size, dev, explicit_positions=explicit)
             cuts.append(LayerCut(k - 1, sum(len(r.positions) for r in keep), sub))
-        positions = torch.cat([r.positions for r in rows])
         tail = None
         if self._takes_tail(items, logits_indices, len(input_ids), cuts, prompt_rows, probes, row_precisions):
             # only the sampled rows (each its sequence's last) past the last layer's KV write
@@ -303,15 +315,6 @@ class ModelRunner:
                     if r == 0:  # every row stopped: no later layer has work
                         break
         return self.decoder.norm(hidden)[0]
-
-
-def _position_sum(item: ScheduledSeq, rows: SeqRows) -> float:
-    """The sum of the rows' positions (the cost model's attention work), without a tensor op per item:
-    a slice that is not a repair's is the range [seq_len - n, seq_len)."""
-    if item.positions is not None:
-        return float(sum(item.positions))
-    n = len(rows.positions)
-    return float((2 * rows.seq_len - n - 1) * n // 2)
 
 
 def _readable(table: list[int]) -> list[int]:
