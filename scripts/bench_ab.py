@@ -9,6 +9,7 @@ trial, so that load from other processes hits both alike. Prints one table of me
                 suffix after it (the prefix-reuse benchmark's warm case)
   decode x1     generated tokens/s of one request (short prompt), decode phase only
   decode x8     the same with 8 concurrent requests
+  decode x32    the same with 32 (issue 63's "32 concurrent chats": the engine's own step cost shows)
   attention     cpu_paged alone, SmolLM2's shape (9 / 3 heads, head_dim 64), fp32 KV, mixed block layout:
                 decode of 1 and 8 sequences at 2k and 8k, 256 new tokens over 2k, a whole 2k prompt (ms)
 
@@ -147,7 +148,7 @@ def main() -> None:
         "--cases",
         nargs="+",
         default=["cold", "warm", "decode1", "decode8"],
-        choices=["cold", "warm", "decode1", "decode8", "attention"],
+        choices=["cold", "warm", "decode1", "decode8", "decode32", "attention"],
     )
     ap.add_argument(
         "--base-ext-dir", default="", help="build directory of the base tree's CPU extension (kept)"
@@ -168,7 +169,8 @@ def main() -> None:
         all_cases = {"cold": ("cold TTFT (ms)", f"cold {args.prompt_tokens}", 1e3),
                      "warm": ("warm TTFT (ms)", f"warm {args.prompt_tokens}", 1e3),
                      "decode1": ("decode x1 (tok/s)", "decode 1", 1.0),
-                     "decode8": ("decode x8 (tok/s)", "decode 8", 1.0)}  # fmt: skip
+                     "decode8": ("decode x8 (tok/s)", "decode 8", 1.0),
+                     "decode32": ("decode x32 (tok/s)", "decode 32", 1.0)}  # fmt: skip
         attention = [  # batch x q_len x context
             (f"attention {b} x {q} x {c} (ms)", f"attn {b}x{q}x{c}", 1e3)
             for b, q, c in [
