@@ -90,7 +90,9 @@ class LLM:
             )
         for prompt, params in zip(prompt_list, params_list, strict=True):
             token_ids = self.to_token_ids(prompt)
-            requests += sample_requests(f"gen-{next(self._ids)}", token_ids, params, cache_salt, reuse)
+            requests += sample_requests(
+                f"gen-{next(self._ids)}", token_ids, params, cache_salt, reuse, final_only=True
+            )
         done = run_to_completion(self.engine, requests)
         return [done[r.request_id] for r in requests]
 

@@ -262,6 +262,9 @@ class Request:
     # NestedFP weights: the precision to compute at (an audit keeps the audited request's); None: the
     # engine's policy picks (engine/precision.py)
     weight_precision: str | None = None
+    # only the final output (vLLM's RequestOutputKind.FINAL_ONLY): no delta per step, for callers that
+    # wait for the end (the offline LLM.generate); the final output carries everything either way
+    final_only: bool = False
 
 
 def sample_requests(
@@ -270,6 +273,7 @@ def sample_requests(
     params: SamplingParams,
     cache_salt: str | None = None,
     reuse: ReuseOptions | None = None,
+    final_only: bool = False,
 ) -> list[Request]:
     """The `params.n` engine Requests of one prompt, ids `{request_id}-{j}`. Seeded samples get seeds
     seed, seed+1, ... (wrapping inside int64), so sample j equals a single request with seed+j."""
@@ -280,7 +284,14 @@ def sample_requests(
             seed = (params.seed + j - INT64_MIN) % 2**64 + INT64_MIN
             sample = dataclasses.replace(params, seed=seed)
         requests.append(
-            Request(f"{request_id}-{j}", list(prompt_token_ids), sample, cache_salt=cache_salt, reuse=reuse)
+            Request(
+                f"{request_id}-{j}",
+                list(prompt_token_ids),
+                sample,
+                cache_salt=cache_salt,
+                reuse=reuse,
+                final_only=final_only,
+            )
         )
     return requests
 

@@ -29,10 +29,12 @@ from kvserve.request import sample_requests
 
 
 def decode_step_times(
-    llm: LLM, batch: int, prompt_len: int, tokens: int, seed: int, profiler=None
+    llm: LLM, batch: int, prompt_len: int, tokens: int, seed: int, profiler=None, deltas: bool = False
 ) -> list[tuple[float, float]]:
     """Adds `batch` greedy requests, steps until all have their first token, then times each step while
-    all of them decode: (wall seconds, this process's CPU seconds) per step."""
+    all of them decode: (wall seconds, this process's CPU seconds) per step. Without `deltas` the
+    requests are final-only, as LLM.generate's are; with it each step builds every request's delta, as
+    the server's do."""
     engine = llm.engine
     gen = torch.Generator().manual_seed(seed)
     vocab = llm.tokenizer.vocab_size if hasattr(llm.tokenizer, "vocab_size") else 1000
@@ -40,7 +42,7 @@ def decode_step_times(
     requests = []
     for i in range(batch):
         ids = torch.randint(10, min(vocab, 1000), (prompt_len,), generator=gen).tolist()
-        requests += sample_requests(f"s{seed}-{i}", ids, params, None, None)
+        requests += sample_requests(f"s{seed}-{i}", ids, params, None, None, final_only=not deltas)
     engine.add_requests(requests)
     while engine.scheduler.waiting or any(s.num_output_tokens == 0 for s in engine.scheduler.running):
         engine.step()
@@ -67,6 +69,9 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3, help="runs per batch size; the median of all steps")
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--profile", action="store_true")
+    ap.add_argument(
+        "--deltas", action="store_true", help="a delta output per request per step (the server's)"
+    )
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     if args.threads:
@@ -74,13 +79,16 @@ def main() -> None:
     llm = LLM(model="tiny-random-llama", max_num_seqs=max(args.batch), max_cache_bytes=200_000_000)
     decode_step_times(llm, 4, args.prompt_len, 8, seed=0)  # warm-up
     rows = []
-    print(f"# engine step overhead, tiny-random-llama; {describe()}")
+    kind = "a delta per request per step (server)" if args.deltas else "final-only requests (LLM.generate)"
+    print(f"# engine step overhead, tiny-random-llama, {kind}; {describe()}")
     print("| batch | decode step p50 (ms) | min (ms) | CPU time p50 (ms) | steps |")
     print("|---|---|---|---|---|")
     for b in args.batch:
         times: list[tuple[float, float]] = []
         for r in range(args.repeats):
-            times += decode_step_times(llm, b, args.prompt_len, args.tokens, seed=1000 * b + r)
+            times += decode_step_times(
+                llm, b, args.prompt_len, args.tokens, seed=1000 * b + r, deltas=args.deltas
+            )
         wall = [w for w, _ in times]
         p50, lo = statistics.median(wall) * 1e3, min(wall) * 1e3
         cpu = statistics.median(c for _, c in times) * 1e3
@@ -89,7 +97,14 @@ def main() -> None:
     if args.profile:
         prof = cProfile.Profile()
         b = max(args.batch)
-        n = len(decode_step_times(llm, b, args.prompt_len, args.tokens, seed=7, profiler=prof)) + 2
+        n = (
+            len(
+                decode_step_times(
+                    llm, b, args.prompt_len, args.tokens, seed=7, profiler=prof, deltas=args.deltas
+                )
+            )
+            + 2
+        )
         s = io.StringIO()
         pstats.Stats(prof, stream=s).sort_stats("cumulative").print_stats(40)
         print(
@@ -97,7 +112,11 @@ def main() -> None:
         )
     if args.out:
         with open(args.out, "w") as f:
-            json.dump({"machine": machine(), "rows": rows, "tokens": args.tokens}, f, indent=1)
+            json.dump(
+                {"machine": machine(), "rows": rows, "tokens": args.tokens, "deltas": args.deltas},
+                f,
+                indent=1,
+            )
 
 
 if __name__ == "__main__":

@@ -258,11 +258,13 @@ class Engine:
                 self.finish(seq, FinishReason.LENGTH)  # max_tokens=0: only the prompt was asked for
 
     def _emit(self, touched: list[Sequence]) -> list[RequestOutput]:
-        """The finished requests' final outputs, then a delta for each other request the step advanced."""
+        """The finished requests' final outputs, then a delta for each other request the step advanced
+        (none for final_only requests: their final output carries everything)."""
         outputs, self._pending = self._pending, []
         seen: set[str] = set()
         for seq in touched:
-            if seq.request_id in seen or seq.finished or seq.request.background:
+            request = seq.request
+            if seq.request_id in seen or seq.finished or request.background or request.final_only:
                 continue  # finished ones were queued in _pending; background ones have no client
             seen.add(seq.request_id)
             out = self.outputs.delta(seq, self.precision.served_at(seq))

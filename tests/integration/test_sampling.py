@@ -133,3 +133,25 @@ def test_outputs_are_deltas_whose_size_does_not_grow_with_the_output(llm: LLM):
     sizes = [len(pickle.dumps(o)) for o in deltas if len(o.new_token_ids) == 1]
     assert len(final.token_ids) == 200 and len(sizes) > 150
     assert max(sizes[-20:]) <= 1.1 * max(sizes[10:30])
+
+
+def test_a_final_only_request_gets_one_output_equal_to_the_streamed_final(llm: LLM):
+    """final_only (what LLM.generate asks for) skips the per-step deltas; its one output is the final
+    one a streamed request ends with, and carries the whole generation in its new_* fields too."""
+    from kvserve.request import Request
+
+    prompt = chat(llm, "Write a short story about a lighthouse keeper.")
+    params = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True, logprobs=3, prompt_logprobs=1)
+    llm.engine.add_request(Request("f-stream", prompt, params))
+    llm.engine.add_request(Request("f-final", prompt, params, final_only=True))
+    outs: dict[str, list] = {"f-stream": [], "f-final": []}
+    while llm.engine.has_unfinished_requests():
+        for out in llm.engine.step():
+            outs[out.request_id].append(out)
+    (final,) = outs["f-final"]
+    streamed = outs["f-stream"][-1]
+    assert len(outs["f-stream"]) > 1 and final.finished and streamed.finished
+    for field in ("token_ids", "text", "logprobs", "prompt_logprobs", "finish_reason"):
+        assert getattr(final, field) == getattr(streamed, field), field
+    assert final.new_token_ids == final.token_ids and final.new_text == final.text
+    assert final.new_logprobs == final.logprobs and final.text_offset == 0
