@@ -1,9 +1,9 @@
-"""Per-request sampling: logits processors, greedy or seeded sampling, logprobs.
+"""Per-request sampling: logits processors, greedy or seeded sampling, logprobs, one row at a time.
 
-Each request samples with its own torch.Generator, row by row, so the same seed gives the same
-tokens whatever else is in the batch. Rows that only take the argmax of their raw logits (greedy,
-no penalty, bias, grammar mask or logprobs) are batched: one argmax over those rows (`greedy_tokens`),
-the same index per row as the row's own argmax.
+Each request samples with its own torch.Generator, so the same seed gives the same tokens whatever
+else is in the batch. The step samples its whole batch with engine/batch_sampler.py, which gives
+every row what `sample_one` gives it (bitwise); `sample_one` is its reference and the step's
+fallback when the batched call raises.
 """
 
 from __future__ import annotations
@@ -69,13 +69,6 @@ def plain_greedy(params: SamplingParams) -> bool:
         and not params.presence_penalty
         and not params.frequency_penalty
     )
-
-
-def greedy_tokens(logits: torch.Tensor, rows: list[int]) -> list[int]:
-    """The argmax of each of `rows` of `logits` [n, vocab], in one call."""
-    if not rows:
-        return []
-    return torch.argmax(logits[torch.tensor(rows, dtype=torch.long)].float(), dim=-1).tolist()
 
 
 def sample_one(

@@ -3,23 +3,26 @@
 Per item, in the batch's order: the scheduler's books advance (ChunkRegistrar.computed: progress,
 chunks registered), a content-reuse repair moves on (CacheBlend's selection, its end), and a row
 that samples gets its token: the grammar masks of the step's structured sequences in one batched
-call, then sampling with the request's own seeded generator, grammar acceptance, audits, and the
-output processor's stop checks. A fault in any of these fails that request alone (through the
+call, then the whole batch's sampling in one call (engine/batch_sampler.py: each request draws with
+its own seeded generator), then per sequence grammar acceptance, audits, and the output processor's
+stop checks. A fault in any of these fails that request alone (through the
 engine: `StepHost.fail`).
 """
 
 from __future__ import annotations
 
+import logging
 import time
 from typing import Protocol
 
 import torch
 
 from kvserve.engine.audit import Auditor
+from kvserve.engine.batch_sampler import Sampled, SamplingRow, sample_batch
 from kvserve.engine.output import OutputProcessor
 from kvserve.engine.precision import PrecisionPolicy
 from kvserve.engine.repair import Repairer
-from kvserve.engine.sampler import greedy_tokens, plain_greedy, sample_one
+from kvserve.engine.sampler import sample_one
 from kvserve.request import FinishReason, Request
 from kvserve.scheduler.batch import ScheduledSeq
 from kvserve.scheduler.content import ContentMatcher
@@ -27,6 +30,8 @@ from kvserve.scheduler.repair import Repair
 from kvserve.scheduler.scheduler import Scheduler
 from kvserve.scheduler.sequence import Sequence
 from kvserve.structured import GrammarCompiler
+
+log = logging.getLogger(__name__)
 
 
 class StepHost(Protocol):
@@ -54,7 +59,8 @@ class StepUpdate:
         self.logits_sink: dict[str, list[torch.Tensor]] | None = None  # tests: raw logits per request
 
     def apply(self, items: list[ScheduledSeq], logits: torch.Tensor) -> list[Sequence]:
-        """logits [num_sampled, vocab]: one row per item with item.sample, in order. Sampling runs on
+        """logits [num_sampled, vocab] (float32 or the model's bf16/fp16: each consumer converts the
+        rows it reads): one row per item with item.sample, in order. Sampling runs on
         the CPU (each request's seeded CPU generator, grammar masks, penalties): on a GPU the step's
         logits come over in one transfer."""
         logits = logits.cpu()
@@ -68,18 +74,35 @@ class StepUpdate:
             if item.sample:
                 to_sample.append((item.seq, row - 1))
         masks = self._grammar_masks([seq for seq, _ in to_sample])
-        plain = [
-            (seq, r)
-            for seq, r in to_sample
-            if plain_greedy(seq.request.sampling_params)
-            and not seq.request.background
-            and seq.grammar is None
-        ]
-        argmax = dict(zip((seq.request_id for seq, _ in plain), greedy_tokens(logits, [r for _, r in plain])))
+        sampled = self._sample_batch(logits, to_sample, masks)
         for seq, r in to_sample:
             if not seq.finished:  # a failed grammar mask fails its sequence
-                self._sample(seq, logits[r], masks.get(seq.request_id), argmax.get(seq.request_id))
+                self._sample(seq, logits[r], masks.get(seq.request_id), sampled.get(seq.request_id))
         return [item.seq for item in items]
+
+    def _sample_batch(
+        self, logits: torch.Tensor, to_sample: list[tuple[Sequence, int]], masks: dict[str, torch.Tensor]
+    ) -> dict[str, Sampled | Exception]:
+        """request id -> its token and logprob (or its draw's exception), for the rows that sample
+        (not audits, not those a grammar mask failed), in one batched call. Empty if that call raised:
+        each row then samples alone (`_sample`), so the fault fails only the request that caused it."""
+        rows: list[SamplingRow] = []
+        ids: list[str] = []
+        for seq, r in to_sample:
+            if seq.finished or seq.request.background:
+                continue
+            params = seq.request.sampling_params
+            history = seq.output_token_ids if params.penalizes_history else []
+            allowed = masks.get(seq.request_id)
+            rows.append(SamplingRow(r, params, seq.request.prompt_token_ids, history, seq.generator, allowed))
+            ids.append(seq.request_id)
+        try:
+            return dict(zip(ids, sample_batch(logits, rows)))
+        except Exception:
+            log.warning(
+                "the step's batch sampler failed; its %d rows sample one by one", len(rows), exc_info=True
+            )
+            return {}
 
     def _grammar_masks(self, seqs: list[Sequence]) -> dict[str, torch.Tensor]:
         """request id -> bool [vocab] allowed next tokens, for the structured-output sequences among
@@ -115,21 +138,28 @@ class StepUpdate:
         return True
 
     def _sample(
-        self, seq: Sequence, logits: torch.Tensor, allowed: torch.Tensor | None, argmax: int | None
+        self,
+        seq: Sequence,
+        logits: torch.Tensor,
+        allowed: torch.Tensor | None,
+        sampled: Sampled | Exception | None,
     ) -> None:
-        """`argmax`: its token, found in the step's batched argmax (plain greedy rows), else sampled here."""
+        """`sampled`: its token and logprob from the step's batch sampler, or its draw's exception;
+        None: sampled here alone (`sample_one`)."""
         if seq.request.background:
-            self._audit_step(seq, logits)
+            self._audit_step(seq, logits.float())
             return
         if seq.num_output_tokens == 0 and self.auditor.wants(seq, time.monotonic()):
             self.auditor.start(seq)
         params = seq.request.sampling_params
         stage = "sampling"
         try:
-            history = seq.output_token_ids if params.penalizes_history else []
-            if argmax is not None:
-                token, logprob = argmax, None
+            if isinstance(sampled, Exception):
+                raise sampled
+            if sampled is not None:
+                token, logprob = sampled
             else:
+                history = seq.output_token_ids if params.penalizes_history else []
                 token, logprob = sample_one(
                     logits, params, seq.request.prompt_token_ids, history, seq.generator, allowed
                 )
@@ -137,7 +167,7 @@ class StepUpdate:
                 stage = "following its grammar"
                 seq.grammar.accept(token)
             if self.logits_sink is not None:
-                self.logits_sink.setdefault(seq.request_id, []).append(logits.clone())
+                self.logits_sink.setdefault(seq.request_id, []).append(logits.to(torch.float32, copy=True))
             if seq.request.metrics.first_token_time is None:
                 metrics = seq.request.metrics
                 metrics.first_token_time = time.monotonic()

@@ -155,3 +155,49 @@ def test_a_final_only_request_gets_one_output_equal_to_the_streamed_final(llm: L
         assert getattr(final, field) == getattr(streamed, field), field
     assert final.new_token_ids == final.token_ids and final.new_text == final.text
     assert final.new_logprobs == final.logprobs and final.text_offset == 0
+
+
+def test_the_batch_sampler_gives_the_tokens_each_row_gets_alone(monkeypatch: pytest.MonkeyPatch):
+    """A mixed batch (greedy, seeded temperature / top-k / top-p / min-p, penalties, bias, logprobs)
+    sampled by the step's batch sampler equals the same batch sampled row by row with sample_one (the
+    step's fallback), token for token and logprob for logprob; the batched run calls sample_one never."""
+    import kvserve.engine.update as update
+
+    tiny = LLM(model="tiny-random-llama", max_cache_bytes=50_000_000)
+    prompts = [[10 + 7 * i + j for j in range(12 + i)] for i in range(8)]
+    params = [
+        SamplingParams(max_tokens=12, temperature=0, ignore_eos=True),
+        SamplingParams(max_tokens=12, temperature=0, logprobs=2, ignore_eos=True),
+        SamplingParams(max_tokens=12, temperature=0.8, seed=1, ignore_eos=True),
+        SamplingParams(max_tokens=12, temperature=1.2, top_k=20, top_p=0.9, seed=2, ignore_eos=True),
+        SamplingParams(max_tokens=12, temperature=0.7, min_p=0.05, seed=3, logprobs=0, ignore_eos=True),
+        SamplingParams(max_tokens=12, temperature=0, repetition_penalty=1.3, ignore_eos=True),
+        SamplingParams(
+            max_tokens=12,
+            temperature=1.0,
+            presence_penalty=0.5,
+            frequency_penalty=0.7,
+            seed=4,
+            ignore_eos=True,
+        ),
+        SamplingParams(
+            max_tokens=12, temperature=0.9, logit_bias={5: 4.0, 17: -2.0}, seed=5, ignore_eos=True
+        ),
+    ]
+
+    def never(*args, **kwargs):
+        raise AssertionError("sample_one called in a batched step")
+
+    with monkeypatch.context() as m:
+        m.setattr(update, "sample_one", never)
+        batched = tiny.generate(prompts, params)
+
+    def batch_fails(*args, **kwargs):
+        raise RuntimeError("no batch sampler")
+
+    monkeypatch.setattr(update, "sample_batch", batch_fails)
+    alone = tiny.generate(prompts, params)
+    for b, a in zip(batched, alone):
+        assert b.finish_reason == a.finish_reason == FinishReason.LENGTH, b.error
+        assert b.token_ids == a.token_ids
+        assert repr(b.logprobs) == repr(a.logprobs)  # repr: the floats exactly
