@@ -22,6 +22,7 @@ from dataclasses import dataclass
 import torch
 
 from kvserve.engine.sampler import plain_greedy
+from kvserve.kernels import cpu_ext
 from kvserve.request import SamplingParams, TokenLogprob
 
 ARGMAX_BLOCK = 256  # columns per block of argmax_rows: about sqrt(vocab) balances its two small searches
@@ -47,11 +48,21 @@ class SamplingRow:
 def argmax_rows(x: torch.Tensor) -> torch.Tensor:
     """torch.argmax(x, dim=-1) of x [n, vocab] -> [n] long, the same indices: a row's first maximum
     (-0.0 ties +0.0), its first NaN if it has one. torch.argmax's reduction is slow (pairs of value
-    and index: 64 us for one row of 49152 floats, 15-20 ms for 128, one core of a Xeon with AMX);
-    max(dim).indices, a loop that keeps the first maximum and stops at a NaN, takes 21 us a row.
-    Past a few rows a vectorized amax per block of ARGMAX_BLOCK columns (0.9 ms at [128, 49152]
-    float32, 2 ms bf16) finds the first block holding a row's first maximum; only that block is
-    searched."""
+    and index: 64 us for one row of 49152 floats, 15-20 ms for 128, one core of a Xeon with AMX). On
+    CPU, float32 or bf16 rows go to the extension's vectorized `argmax_rows` (csrc/cpu/layer_ops.cpp:
+    a max pass, then the first index equal to it, reading bf16 as it is); elsewhere, or without the
+    extension, `blocked_argmax_rows`."""
+    ext = cpu_ext.load_or_none() if x.device.type == "cpu" else None
+    if ext is not None and x.dtype in (torch.float32, torch.bfloat16) and x.shape[1] > 0 and x.stride(1) == 1:
+        return ext.argmax_rows(x)
+    return blocked_argmax_rows(x)
+
+
+def blocked_argmax_rows(x: torch.Tensor) -> torch.Tensor:
+    """argmax_rows in torch ops. max(dim).indices, a loop that keeps the first maximum and stops at a
+    NaN, takes 21 us a row. Past a few rows a vectorized amax per block of ARGMAX_BLOCK columns (0.9 ms
+    at [128, 49152] float32, 2 ms bf16) finds the first block holding a row's first maximum; only that
+    block is searched."""
     n, vocab = x.shape
     num_blocks = vocab // ARGMAX_BLOCK
     if x.numel() < ARGMAX_BLOCKED_MIN or num_blocks < 2:

@@ -9,16 +9,17 @@ import random
 import pytest
 import torch
 
+from kvserve.engine import batch_sampler
 from kvserve.engine.batch_sampler import (
     ARGMAX_BLOCK,
     ARGMAX_BLOCKED_MIN,
     SamplingRow,
-    argmax_rows,
     filter_rows,
     process_rows,
     sample_batch,
 )
 from kvserve.engine.sampler import apply_penalties, filter_logits, plain_greedy, sample_one
+from kvserve.kernels import cpu_ext
 from kvserve.request import SamplingParams
 
 
@@ -181,7 +182,11 @@ def test_a_seeded_rows_tokens_do_not_depend_on_its_batch_mates():
     assert all(run(s) == alone for s in range(4))
 
 
-def test_argmax_rows_is_torch_argmax():
+@pytest.mark.parametrize("impl", ["extension", "blocked"])
+def test_argmax_rows_is_torch_argmax(impl: str):
+    if impl == "extension" and cpu_ext.load_or_none() is None:
+        pytest.skip(cpu_ext.unavailable_reason() or "the CPU extension did not build")
+    argmax_rows = batch_sampler.argmax_rows if impl == "extension" else batch_sampler.blocked_argmax_rows
     gen = torch.Generator().manual_seed(0)
     for vocab in (7, 2 * ARGMAX_BLOCK, 5 * ARGMAX_BLOCK + 3, 49152, 49155):
         rows = max(9, ARGMAX_BLOCKED_MIN // vocab + 1)  # by blocks where there are enough columns
