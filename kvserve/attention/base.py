@@ -75,7 +75,11 @@ class AttentionMetadata:
         if positions is None:
             positions = torch.cat([s.positions for s in seqs]) if seqs else torch.zeros(0, dtype=torch.int64)
         positions = positions.to("cpu", torch.int64)
-        if write:
+        if write and len(positions) <= SMALL_BATCH_ROWS:  # a few rows: Python ints beat six tensor ops
+            slot_tensor = torch.tensor(
+                _slots(padded, num_blocks, q_lens, positions.tolist(), block_size), dtype=torch.int64
+            )
+        elif write:
             lengths = torch.tensor(q_lens, dtype=torch.int64)
             seq_index = (
                 torch.arange(n) if q_lens.count(1) == n else torch.repeat_interleave(torch.arange(n), lengths)
@@ -111,6 +115,22 @@ class AttentionMetadata:
     @property
     def is_pure_decode(self) -> bool:
         return all(q == 1 for q in self.query_lens_list)
+
+
+SMALL_BATCH_ROWS = 32  # rows up to which AttentionMetadata.build maps slots in Python (_slots)
+
+
+def _slots(
+    tables: list[list[int]], num_blocks: list[int], q_lens: list[int], positions: list[int], block_size: int
+) -> list[int]:
+    """batch_slot_mapping in Python ints, for a few rows."""
+    slots: list[int] = []
+    for table, blocks, n in zip(tables, num_blocks, q_lens, strict=True):
+        for p in positions[len(slots) : len(slots) + n]:
+            if p // block_size >= blocks:
+                raise IndexError("a position past its sequence's blocks")
+            slots.append(table[p // block_size] * block_size + p % block_size)
+    return slots
 
 
 class AttentionBackend(ABC):

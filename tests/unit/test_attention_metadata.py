@@ -9,7 +9,7 @@ import random
 import pytest
 import torch
 
-from kvserve.attention.base import AttentionMetadata, SeqRows
+from kvserve.attention.base import SMALL_BATCH_ROWS, AttentionMetadata, SeqRows
 from kvserve.kvcache.block_pool import slot_mapping
 
 BLOCK = 16
@@ -32,10 +32,10 @@ def _random_rows(rng: random.Random, n: int) -> list[SeqRows]:
     return rows
 
 
-@pytest.mark.parametrize("seed", range(6))
+@pytest.mark.parametrize("seed", range(8))
 def test_build_equals_the_per_sequence_reference(seed: int) -> None:
     rng = random.Random(seed)
-    rows = _random_rows(rng, rng.choice([1, 2, 7, 64]))
+    rows = _random_rows(rng, [1, 2, 7, 64][seed % 4])  # small batches map slots in Python, large in tensors
     meta = AttentionMetadata.build(rows, BLOCK, "cpu", explicit_positions=True)
     want_slots = torch.cat([slot_mapping(torch.tensor(r.block_ids), r.positions, BLOCK) for r in rows])
     assert torch.equal(meta.slot_mapping, want_slots)
@@ -63,7 +63,8 @@ def test_all_decode_rows_and_an_empty_batch() -> None:
     assert empty.num_seqs == 0 and empty.slot_mapping.numel() == 0 and empty.block_tables.shape == (0, 0)
 
 
-def test_a_position_past_its_blocks_raises_not_reads_the_padding() -> None:
-    rows = [SeqRows([1, 2, 3], torch.tensor([40]), 41), SeqRows([4], torch.tensor([16]), 17)]
+@pytest.mark.parametrize("extra_rows", [0, SMALL_BATCH_ROWS])  # the Python ints' path and the tensors'
+def test_a_position_past_its_blocks_raises_not_reads_the_padding(extra_rows: int) -> None:
+    rows = [SeqRows([1, 2, 3], torch.tensor([40]), 41), SeqRows([4], torch.arange(16 - extra_rows, 17), 17)]
     with pytest.raises(IndexError):
         AttentionMetadata.build(rows, BLOCK, "cpu")
