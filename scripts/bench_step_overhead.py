@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import cProfile
+import inspect
 import io
 import json
 import pstats
@@ -26,6 +27,8 @@ from machine import describe, machine
 
 from kvserve import LLM, SamplingParams
 from kvserve.request import sample_requests
+
+FINAL_ONLY = "final_only" in inspect.signature(sample_requests).parameters
 
 
 def decode_step_times(
@@ -42,7 +45,8 @@ def decode_step_times(
     requests = []
     for i in range(batch):
         ids = torch.randint(10, min(vocab, 1000), (prompt_len,), generator=gen).tolist()
-        requests += sample_requests(f"s{seed}-{i}", ids, params, None, None, final_only=not deltas)
+        kind = {} if deltas or not FINAL_ONLY else {"final_only": True}  # an older tree has no final_only
+        requests += sample_requests(f"s{seed}-{i}", ids, params, None, None, **kind)
     engine.add_requests(requests)
     while engine.scheduler.waiting or any(s.num_output_tokens == 0 for s in engine.scheduler.running):
         engine.step()
@@ -79,7 +83,11 @@ def main() -> None:
     llm = LLM(model="tiny-random-llama", max_num_seqs=max(args.batch), max_cache_bytes=200_000_000)
     decode_step_times(llm, 4, args.prompt_len, 8, seed=0)  # warm-up
     rows = []
-    kind = "a delta per request per step (server)" if args.deltas else "final-only requests (LLM.generate)"
+    kind = (
+        "a delta per request per step (server)"
+        if args.deltas or not FINAL_ONLY
+        else "final-only (LLM.generate)"
+    )
     print(f"# engine step overhead, tiny-random-llama, {kind}; {describe()}")
     print("| batch | decode step p50 (ms) | min (ms) | CPU time p50 (ms) | steps |")
     print("|---|---|---|---|---|")
