@@ -26,11 +26,15 @@ constexpr int64_t kFewRows = 16;
 // (run_blocks) is kTilePanels panels wide. The gated MLP's tile takes gate panels each with its up
 // panel: kGluRows x kGluPairs pairs. AVX2, 1,800 rows of Qwen2.5-0.5B's four projections, fp32, one
 // layer (AMD EPYC Zen 3, 2026-12-02, with splat's broadcast): 8 x 3 588 ms, 6 x 2 428-443 ms, 4 x 3 406 ms.
+// kOwnTile: the format brings its own register tile (T::tile<R, P, Glu>, same arguments as `tile`), for
+// a loop over W that is not one load_w per step (linear_qcodes.cpp: factors per group, codes per word).
 struct TileShape32 {
   static constexpr int kTileRows = 8, kTilePanels = 3, kGluRows = 6, kGluPairs = 2;
+  static constexpr bool kOwnTile = false;
 };
 struct TileShape16 {
   static constexpr int kTileRows = 4, kTilePanels = 3, kGluRows = 6, kGluPairs = 1;
+  static constexpr bool kOwnTile = false;
 };
 #if defined(__AVX512F__)
 using DefaultTileShape = TileShape32;
@@ -45,6 +49,7 @@ using WideningTileShape = DefaultTileShape;
 #else
 struct WideningTileShape {
   static constexpr int kTileRows = 4, kTilePanels = 2, kGluRows = 4, kGluPairs = 1;
+  static constexpr bool kOwnTile = false;
 };
 #endif
 
@@ -89,27 +94,11 @@ struct Shape {
   int64_t ldy() const { return y_stride ? y_stride : out; }
 };
 
-// y[m0 .. m0 + R, panels p0 .. p0 + P]: the register tile. Glu: P / 2 gate panels from p0 and the up
-// panels of the same outputs (p0 + glu_half on), stored as T::store_glu of each pair.
-// Never inlined: inlined into a caller's loop (linear_codes.cpp's widening blocks) GCC allocated the
-// registers of the whole function worse, and the gated MLP's tile ran at half the speed (AVX2, 2026-12-02).
-template <typename T, int R, int P, bool Glu = false>
-__attribute__((noinline)) void tile(const Shape<T>& s, int64_t m0, int64_t p0) {
+// The tile's accumulators acc[r][p] (rows m0 + r, panel p of the tile) stored to y: the per-output scale
+// and the bias added, or (Glu) T::store_glu of each gate panel p < P / 2 with its up panel p + P / 2.
+template <typename T, int R, int P, bool Glu>
+inline void store_tile(const Shape<T>& s, int64_t m0, int64_t p0, const vf (&acc)[R][P]) {
   constexpr int Q = Glu ? P / 2 : P;  // the panels of y this tile stores
-  const typename T::X* x = s.x + m0 * s.steps;
-  const typename T::W* w[P];
-  for (int p = 0; p < P; ++p) w[p] = s.wp + (p0 + (p < Q ? p : s.glu_half + p - Q)) * s.stride();
-  vf acc[R][P];
-  for (int r = 0; r < R; ++r)
-    for (int p = 0; p < P; ++p) acc[r][p] = vf{};
-  for (int64_t i = 0; i < s.steps; ++i) {
-    vf wv[P];
-    for (int p = 0; p < P; ++p) wv[p] = T::load_w(w[p], i, s.plane);
-    for (int r = 0; r < R; ++r) {
-      const vf xv = T::broadcast(x[r * s.steps + i]);
-      for (int p = 0; p < P; ++p) acc[r][p] = T::step(acc[r][p], xv, wv[p]);
-    }
-  }
   for (int p = 0; p < Q; ++p) {
     const int64_t o0 = (p0 + p) * kLanes, n = std::min<int64_t>(kLanes, s.out - o0);
     const vf bias = s.b ? loadu(s.b + o0) : vf{};
@@ -126,6 +115,41 @@ __attribute__((noinline)) void tile(const Shape<T>& s, int64_t m0, int64_t p0) {
         T::store(s.y + (m0 + r) * s.ldy() + o0, s.b ? v + bias : v, n);
       }
     }
+  }
+}
+
+// The weight panels of a tile at p0: P / 2 gate panels from p0 and the up panels of the same outputs
+// (p0 + glu_half on) when Glu, else P panels from p0.
+template <typename T, int P, bool Glu>
+inline void tile_panels(const Shape<T>& s, int64_t p0, const typename T::W* (&w)[P]) {
+  constexpr int Q = Glu ? P / 2 : P;
+  for (int p = 0; p < P; ++p) w[p] = s.wp + (p0 + (p < Q ? p : s.glu_half + p - Q)) * s.stride();
+}
+
+// y[m0 .. m0 + R, panels p0 .. p0 + P]: the register tile. Glu: P / 2 gate panels from p0 and the up
+// panels of the same outputs (p0 + glu_half on), stored as T::store_glu of each pair.
+// Never inlined: inlined into a caller's loop (linear_codes.cpp's widening blocks) GCC allocated the
+// registers of the whole function worse, and the gated MLP's tile ran at half the speed (AVX2, 2026-12-02).
+template <typename T, int R, int P, bool Glu = false>
+__attribute__((noinline)) void tile(const Shape<T>& s, int64_t m0, int64_t p0) {
+  if constexpr (T::kOwnTile) {
+    T::template tile<R, P, Glu>(s, m0, p0);
+  } else {
+    const typename T::X* x = s.x + m0 * s.steps;
+    const typename T::W* w[P];
+    tile_panels<T, P, Glu>(s, p0, w);
+    vf acc[R][P];
+    for (int r = 0; r < R; ++r)
+      for (int p = 0; p < P; ++p) acc[r][p] = vf{};
+    for (int64_t i = 0; i < s.steps; ++i) {
+      vf wv[P];
+      for (int p = 0; p < P; ++p) wv[p] = T::load_w(w[p], i, s.plane);
+      for (int r = 0; r < R; ++r) {
+        const vf xv = T::broadcast(x[r * s.steps + i]);
+        for (int p = 0; p < P; ++p) acc[r][p] = T::step(acc[r][p], xv, wv[p]);
+      }
+    }
+    store_tile<T, R, P, Glu>(s, m0, p0, acc);
   }
 }
 

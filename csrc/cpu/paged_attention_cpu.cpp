@@ -268,6 +268,18 @@ at::Tensor argmax_rows(const at::Tensor& x);
 void kv_write_(at::Tensor& k_cache, at::Tensor& v_cache, const at::Tensor& slots, const at::Tensor& key,
                const at::Tensor& value);
 
+// csrc/cpu/linear_qcodes.cpp, linear_qcodes_pack.cpp
+at::Tensor pack_linear_qcodes(const at::Tensor& codes, int64_t bits, int64_t zero, int64_t group, int64_t kind,
+                              int64_t super_groups, const at::Tensor& a, const c10::optional<at::Tensor>& o,
+                              const c10::optional<at::Tensor>& a_sub, const c10::optional<at::Tensor>& o_sub);
+at::Tensor unpack_linear_qcodes(const at::Tensor& packed, int64_t in_features);
+double qcodes_bytes_per_weight(const at::Tensor& packed, int64_t in_features);
+at::Tensor row_linear_qcodes(const at::Tensor& x, const at::Tensor& packed, const c10::optional<at::Tensor>& bias,
+                             int64_t out_features);
+at::Tensor row_linear_glu_qcodes(const at::Tensor& x, const at::Tensor& packed,
+                                 const c10::optional<at::Tensor>& bias, int64_t inter);
+int64_t linear_lanes();
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_attention_dense", &paged_attention_dense, "causal attention of any rows over a dense paged pool");
   m.def("paged_attention_fp8", &paged_attention_fp8, "the same over an fp8_e4m3 paged pool, read in place");
@@ -286,6 +298,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("pack_linear_codes", &pack_linear_codes, "GGUF codes int8 [out, in], scale and offset fp32 [out, groups] -> the panels row_linear_codes reads");
   m.def("unpack_linear_codes", &unpack_linear_codes, "packed codes -> row_linear's packed fp32 weight (bitwise the dequantized weight)");
   m.def("row_linear_codes", &row_linear_codes, "x W^T (+ b) in fp32 over packed GGUF codes: bitwise row_linear over the dequantized W");
+  m.def("pack_linear_qcodes", &pack_linear_qcodes, "GGUF codes int8 [out, in] at 4-8 bits with compact factors -> the rows row_linear_qcodes reads");
+  m.def("unpack_linear_qcodes", &unpack_linear_qcodes, "packed qcodes -> row_linear's packed fp32 weight (bitwise the dequantized weight)");
+  m.def("qcodes_bytes_per_weight", &qcodes_bytes_per_weight, "bytes of packed qcodes per weight");
+  m.def("row_linear_qcodes", &row_linear_qcodes, "x W^T (+ b) in fp32 over packed qcodes: bitwise row_linear over the dequantized W");
+  m.def("row_linear_glu_qcodes", &row_linear_glu_qcodes, "row_linear_glu over the gate's and up's packed qcodes");
+  m.def("linear_lanes", &linear_lanes, "output features per panel of the packed linear weights (fp32 lanes)");
   m.def("rms_norm", &rms_norm, "Llama RMSNorm of each row (fp32 sums; the modeling code's bf16 roundings)");
   m.def("add_rms_norm_", &add_rms_norm_, "residual += x in place, then rms_norm(residual)");
   m.def("kv_write_", &kv_write_, "rows of key and value into a dense pool's slots in place (slot < 0: skipped)");

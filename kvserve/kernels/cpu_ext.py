@@ -36,6 +36,8 @@ SOURCES = [
     "cpu/linear_cpu.cpp",
     "cpu/nested_linear.cpp",
     "cpu/linear_codes.cpp",
+    "cpu/linear_qcodes.cpp",
+    "cpu/linear_qcodes_pack.cpp",
     "cpu/layer_ops.cpp",
 ]
 HEADERS = [
@@ -45,6 +47,8 @@ HEADERS = [
     "cpu/paged_attention.h",
     "cpu/parallel.h",
     "cpu/linear_tiles.h",
+    "cpu/linear_widened.h",
+    "cpu/linear_qcodes.h",
     "cpu/linear_amx.h",
     "cpu/amx.h",
     "cpu/attention_amx.h",

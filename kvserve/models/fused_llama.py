@@ -56,7 +56,8 @@ class FusedLinear:
     packed: torch.Tensor
     bias: torch.Tensor | None
     out_features: int
-    kernel: Callable[..., torch.Tensor]  # ext.row_linear, row_linear_bf16 or row_linear_codes
+    kernel: Callable[..., torch.Tensor]  # ext.row_linear, row_linear_bf16 or row_linear_qcodes
+    glu_kernel: Callable[..., torch.Tensor]  # the gated MLP's over gate|up: row_linear_glu(_qcodes)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         return self.kernel(x, self.packed, self.bias, self.out_features)
@@ -157,10 +158,12 @@ def fuse(linears: list[Any], ext: ModuleType) -> FusedLinear | NestedLinear:
         return concat(linears)
     first = linears[0]
     if len(linears) == 1:
-        return FusedLinear(first.packed, first.bias, first.out_features, first.kernel)
+        return FusedLinear(first.packed, first.bias, first.out_features, first.kernel, first.glu_kernel)
     lanes = panel_width(first)
     if any(m.out_features % lanes for m in linears):
         raise ValueError(f"out_features {[m.out_features for m in linears]} are not multiples of {lanes}")
+    if any(m.layout != first.layout for m in linears):  # packed codes: one layout per call
+        raise ValueError(f"code layouts differ: {[m.layout for m in linears]}")
     packed = torch.cat([m.packed for m in linears])
     start = 0
     for m in linears:
@@ -177,7 +180,7 @@ def fuse(linears: list[Any], ext: ModuleType) -> FusedLinear | NestedLinear:
                 for b, m in zip(biases, linears)
             ]
         )
-    return FusedLinear(packed, bias, sum(m.out_features for m in linears), first.kernel)
+    return FusedLinear(packed, bias, sum(m.out_features for m in linears), first.kernel, first.glu_kernel)
 
 
 class FusedLlamaForward:
@@ -223,7 +226,7 @@ class FusedLlamaForward:
         the GEMM's epilogue, and the [rows, 2 inter] product is never stored), NestedFP through torch."""
         inter = gate_up.out_features // 2
         if isinstance(gate_up, FusedLinear):
-            return self.ext.row_linear_glu(x, gate_up.packed, gate_up.bias, inter)
+            return gate_up.glu_kernel(x, gate_up.packed, gate_up.bias, inter)
         both = gate_up.run(x, precision)
         return F.silu(both[:, :inter]) * both[:, inter:]
 

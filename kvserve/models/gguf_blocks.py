@@ -156,3 +156,28 @@ def unpack(data: np.ndarray, qtype: QT | int) -> tuple[np.ndarray, np.ndarray, n
         scale[r0:r1] = a.reshape((r1 - r0, -1))
         offset[r0:r1] = o.reshape((r1 - r0, -1))
     return codes, scale, offset
+
+
+# type -> byte offsets of its fp16 block scales (d, and dmin or m)
+_SCALE_BYTES = {
+    QT.Q8_0: (0,),
+    QT.Q4_0: (0,),
+    QT.Q4_1: (0, 2),
+    QT.Q5_0: (0,),
+    QT.Q5_1: (0, 2),
+    QT.Q4_K: (0, 2),
+    QT.Q5_K: (0, 2),
+    QT.Q6_K: (208,),
+}
+
+
+def random_blocks(qtype: QT, rows: int, n_in: int, seed: int = 0, sign: float = 1.0) -> np.ndarray:
+    """A tensor's raw GGUF bytes [rows, bytes per row] uint8 with random codes and sub-scales and finite
+    fp16 block scales of `sign` times [1e-4, 0.02): what `unpack` reads, for tests and benchmarks."""
+    block, size, _, _ = _FORMATS[qtype]
+    rng = np.random.default_rng(seed)
+    data = rng.integers(0, 256, (rows, n_in // block, size), dtype=np.uint8)
+    for at in _SCALE_BYTES[qtype]:
+        d = (sign * (rng.random((rows, n_in // block)) * 0.02 + 1e-4)).astype(np.float16)
+        data[:, :, at : at + 2] = d.view(np.uint8).reshape(rows, n_in // block, 2)
+    return data.reshape(rows, -1)

@@ -32,6 +32,7 @@ row permutation transformers applied (llama's q/k reverse-permute) where it must
 tensor only when its codes reproduce the converted fp32 weight bit for bit.
 
     write_codes(gguf_path, model_dir)   # -> model_dir / "gguf_codes.kvserve" (or None)
+                                        #    (the embedding's codes too where the LM head is tied to it)
     codes = load_codes(model_dir)       # {"model.layers.0.mlp.down_proj": Codes, ...}
     dequantize(codes[name])             # the fp32 weight, bitwise
 """
@@ -64,6 +65,10 @@ CODES_FILE = "gguf_codes.kvserve"
 FORMAT = "kvserve-gguf-codes-v1"
 # modules whose 2-D .weight is a linear layer's
 LINEAR_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "lm_head")
+
+# the embedding, whose codes are kept when the LM head is tied to it (no lm_head.weight of its own)
+EMBEDDING = "model.embed_tokens"
+TIED_HEAD_KEY = "tied_head"  # metadata: whether the writer looked at a tied head (its codes: EMBEDDING's)
 
 _CHUNK = 1 << 22  # elements verified at a time: bounds the temporaries
 
@@ -249,9 +254,10 @@ def _verified(name: str, weights: Any, tensor: Any, n_head: int | None) -> Codes
 
 def write_codes(gguf_path: Path, model_dir: Path) -> Path | None:
     """Write model_dir / "gguf_codes.kvserve": for each linear weight N of model_dir/model.safetensors
-    (converted from `gguf_path`) whose GGUF tensor has codes that reproduce it bit for bit, N + ".codes"
-    (int8 [out, in]), N + ".scale" and N + ".offset" (float32 [out, in / g]); metadata {"format":
-    FORMAT, "gguf": the GGUF's file name}. Written atomically, reading one tensor at a time. A tensor
+    (converted from `gguf_path`; with a tied LM head, the embedding's weight too) whose GGUF tensor has
+    codes that reproduce it bit for bit, N + ".codes" (int8 [out, in]), N + ".scale" and N + ".offset"
+    (float32 [out, in / g]); metadata {"format": FORMAT, "gguf": the GGUF's file name, "tied_head":
+    "True" or "False"}. Written atomically, reading one tensor at a time. A tensor
     whose codes do not verify is logged and left out. Returns the path, or None when nothing verified
     (a stale file there is then removed)."""
     from gguf import MODEL_ARCH_NAMES, GGUFReader, get_tensor_name_map
@@ -287,6 +293,9 @@ def write_codes(gguf_path: Path, model_dir: Path) -> Path | None:
             names = [
                 n for n in weights.keys() if _is_linear(n) and len(weights.get_slice(n).get_shape()) == 2
             ]
+            tied = "lm_head.weight" not in weights.keys()
+            if tied and EMBEDDING + ".weight" in weights.keys():
+                names.append(EMBEDDING + ".weight")  # the tied LM head's weight
             for name in tqdm(names, desc=f"GGUF codes of {model_dir.name}", unit="tensor", leave=False):
                 module = name[: -len(".weight")]
                 gguf_base = name_map.get_name(module)
@@ -309,7 +318,7 @@ def write_codes(gguf_path: Path, model_dir: Path) -> Path | None:
                 log.warning("gguf codes: removed the stale %s", target)
             log.warning("gguf codes: no linear weight of %s verified against %s", model_dir, gguf_path.name)
             return None
-        writer.finish(target, {"format": FORMAT, "gguf": gguf_path.name})
+        writer.finish(target, {"format": FORMAT, "gguf": gguf_path.name, TIED_HEAD_KEY: str(tied)})
     except BaseException:
         writer.close()
         raise
@@ -323,6 +332,21 @@ def write_codes(gguf_path: Path, model_dir: Path) -> Path | None:
         time.perf_counter() - start,
     )
     return target
+
+
+def lacks_tied_head(model_dir: Path) -> bool:
+    """Whether model_dir's codes file was written before kvserve kept a tied LM head's codes (the
+    embedding's) and its model has a tied head: then writing it again adds them."""
+    from safetensors import safe_open
+
+    path, weights = Path(model_dir) / CODES_FILE, Path(model_dir) / "model.safetensors"
+    if not path.is_file() or not weights.is_file():
+        return False
+    with safe_open(str(path), framework="pt") as f:
+        if TIED_HEAD_KEY in (f.metadata() or {}):
+            return False
+    with safe_open(str(weights), framework="pt") as f:
+        return "lm_head.weight" not in f.keys() and EMBEDDING + ".weight" in f.keys()
 
 
 def load_codes(model_dir: Path) -> dict[str, Codes]:

@@ -321,12 +321,13 @@ def convert_gguf(gguf_path: Path, name: str | None = None) -> Path:
 
 
 def _ensure_codes(target: Path, gguf: Callable[[], Path]) -> None:
-    """A directory converted before kvserve kept GGUF codes (models/gguf_codes.py) gets them, once: the
-    fp32 linears then read 1.5 bytes a weight, with the same results. A GGUF with none leaves a marker."""
-    from kvserve.models.gguf_codes import CODES_FILE
+    """A directory converted before kvserve kept GGUF codes (models/gguf_codes.py), or before it kept a
+    tied LM head's (the embedding's), gets them, once: the fp32 linears then read their codes, with the
+    same results. A GGUF with none leaves a marker."""
+    from kvserve.models.gguf_codes import CODES_FILE, lacks_tied_head
 
     none = target / NO_CODES_MARKER
-    if (target / CODES_FILE).exists() or none.exists():
+    if none.exists() or ((target / CODES_FILE).exists() and not lacks_tied_head(target)):
         return
     _write_codes(gguf(), target)
 

@@ -21,9 +21,11 @@ from kvserve.models.gguf_blocks import GROUPS, unpack
 from kvserve.models.gguf_codes import (
     CODES_FILE,
     FORMAT,
+    TIED_HEAD_KEY,
     Codes,
     codes_from_gguf,
     dequantize,
+    lacks_tied_head,
     llama_row_permutation,
     load_codes,
     regroup,
@@ -286,13 +288,28 @@ def test_the_file_is_plain_safetensors_with_the_format_in_its_metadata(tiny, wri
     gguf_path, _, _ = tiny
     path, _, stored = written
     with safe_open(str(path), framework="pt") as f:
-        assert f.metadata() == {"format": FORMAT, "gguf": gguf_path.name}
+        assert f.metadata() == {"format": FORMAT, "gguf": gguf_path.name, TIED_HEAD_KEY: "False"}
     tensors = load_file(path)  # the reference reader accepts the streamed layout
     c = tensors["model.layers.0.mlp.down_proj.weight.codes"]
     assert c.dtype == torch.int8 and c.shape == (HIDDEN, INTER)
     assert tensors["model.layers.0.mlp.down_proj.weight.scale"].shape == (HIDDEN, INTER // 16)
     assert tensors["lm_head.weight.offset"].dtype == torch.float32
     assert len(tensors) == 3 * (len(load_codes(path.parent)))
+
+
+def test_a_tied_head_gets_the_embeddings_codes_once(tiny, tmp_path):
+    """No lm_head.weight (tied to the embedding): the embedding's codes are kept, and a file written
+    before kvserve kept them is found out (lacks_tied_head), so the loader writes it again."""
+    gguf_path, _, stored = tiny
+    tied = {n: w for n, w in stored.items() if n != "lm_head.weight"}
+    save_file(tied, tmp_path / "model.safetensors", metadata={"format": "pt"})
+    old = {k: v for k, v in load_file(write_codes(gguf_path, tmp_path)).items() if "embed" not in k}
+    save_file(old, tmp_path / CODES_FILE, metadata={"format": FORMAT, "gguf": gguf_path.name})  # as before
+    assert lacks_tied_head(tmp_path)
+    write_codes(gguf_path, tmp_path)
+    assert not lacks_tied_head(tmp_path)
+    c = load_codes(tmp_path)["model.embed_tokens"]
+    assert torch.equal(bits(dequantize(c)), bits(stored["model.embed_tokens.weight"]))
 
 
 def test_load_codes_without_a_file_or_with_another_format(tmp_path):
