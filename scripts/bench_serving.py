@@ -283,6 +283,7 @@ def summarize(records: list[dict], wall_s: float) -> dict:
     return {
         "requests": len(records),
         "errors": len(records) - len(ok),
+        "resends": sum(r.get("resends", 0) for r in records),
         "ttft_p50_s": percentile(ttft, 50),
         "ttft_p95_s": percentile(ttft, 95),
         "itl_p50_s": percentile(itl, 50),
@@ -296,20 +297,54 @@ def summarize(records: list[dict], wall_s: float) -> dict:
 
 # -- load generation ----------------------------------------------------------------------------
 
+# A request whose kept-alive connection the server had closed fails before any response ("Server
+# disconnected without sending a response"; llama-server dropped one between two requests, issue 63).
+# It is sent again on a new connection, at most this many times, and each resend is counted.
+MAX_RESENDS = 1
+
+
+# The transport errors of a connection that broke before a response, by name: the openai client raises
+# them from its HTTP library (httpx2 for openai 3, httpx before), which names them alike.
+BROKEN_CONNECTION_ERRORS = ("RemoteProtocolError", "ReadError", "WriteError")
+
+
+def _reset_before_response(exc: Exception) -> bool:
+    """Whether a failed request got no response at all because its connection broke (a reset kept-alive
+    connection), as opposed to a refused connection, a timeout or an HTTP error."""
+    import openai
+
+    cause = type(exc.__cause__).__name__
+    return isinstance(exc, openai.APIConnectionError) and cause in BROKEN_CONNECTION_ERRORS
+
+
+async def _open_stream(client, resends: list[int], **create_args):
+    """client.chat.completions.create(stream=True), sent again on a reset connection (MAX_RESENDS);
+    appends one to `resends` per resend."""
+    while True:
+        try:
+            return await client.chat.completions.create(stream=True, **create_args)
+        except Exception as exc:
+            if len(resends) >= MAX_RESENDS or not _reset_before_response(exc):
+                raise
+            resends.append(1)
+
 
 async def _one(
     client, model: str, req: Req, max_tokens: int, temperature: float, tokenizer, ignore_eos=False
 ):
+    """One streamed request, timed from its first send (a resend on a reset connection included)."""
     messages = [{"role": r, "content": c} for r, c in req.messages]
     t0 = time.perf_counter()
     ttft, text, error = None, "", None
+    resends: list[int] = []
     try:
-        stream = await client.chat.completions.create(
+        stream = await _open_stream(
+            client,
+            resends,
             model=model,
             messages=messages,
             max_tokens=max_tokens,
             temperature=temperature,
-            stream=True,
             extra_body={"ignore_eos": True} if ignore_eos else None,
         )
         async for chunk in stream:
@@ -332,6 +367,7 @@ async def _one(
         "text": text,
         "token_ids": token_ids,
         "error": error,
+        "resends": len(resends),
     }
 
 
@@ -461,14 +497,21 @@ async def _interleaved(
 
 def bench_interleaved(names: list[str], workload: str, size: Size, port: int, log_dir: Path) -> list[dict]:
     """Starts every system at once (each idle while another is measured), runs the workload's phases
-    in turns (_interleaved), stops them all: one result per system, as bench_system gives."""
+    in turns (_interleaved), stops them all: one result per system, as bench_system gives. A system
+    that is not installed is reported unavailable and the others run without it."""
     from contextlib import ExitStack
 
-    from peers.launch import peak_rss_bytes, running, systems
+    from peers.launch import not_installed, peak_rss_bytes, running, systems
 
     specs = systems(workload)
     tokenizer = load_tokenizer()
     phases = build_workload(workload, tokenizer, size)
+    missing = {n: why for n in names if (why := not_installed(specs[n]))}
+    absent = [
+        {"system": n, "workload": workload, "unavailable": f"RuntimeError: {why}"}
+        for n, why in missing.items()
+    ]
+    names = [n for n in names if n not in missing]
     results = [
         {
             "system": n,
@@ -478,6 +521,8 @@ def bench_interleaved(names: list[str], workload: str, size: Size, port: int, lo
         }
         for n in names
     ]
+    if not names:
+        return absent
     try:
         with ExitStack() as stack:
             started = [
@@ -500,7 +545,7 @@ def bench_interleaved(names: list[str], workload: str, size: Size, port: int, lo
     except (RuntimeError, TimeoutError) as exc:
         for r in results:
             r["unavailable"] = f"{type(exc).__name__}: {exc}"[-1500:]
-    return results
+    return results + absent
 
 
 def bench_system(system_name: str, workload: str, size: Size, port: int, log_dir: Path) -> dict:
@@ -529,13 +574,14 @@ def print_table(result: dict) -> None:
         print("  unavailable:", result["unavailable"].splitlines()[-1:])
         return
     print(f"  peak RSS {result.get('peak_rss_bytes', 0) / 2**20:.0f} MiB")
-    print("  phase  reqs err  ttft_p50  ttft_p95  itl_p50  e2e_p50  out_tok/s")
+    print("  phase  reqs err resent  ttft_p50  ttft_p95  itl_p50  e2e_p50  out_tok/s")
     for ph in result["phases"]:
         s = ph["summary"]
         cells = [s["ttft_p50_s"], s["ttft_p95_s"], s["itl_p50_s"], s["e2e_p50_s"]]
         cells_txt = "".join(f"{x:9.3f}" if x is not None else "        -" for x in cells)
         tps = s["output_tok_per_s"] or 0.0
-        print(f"  {ph['phase']:5} {s['requests']:5} {s['errors']:3} {cells_txt} {tps:10.1f}")
+        resent = s.get("resends", 0)
+        print(f"  {ph['phase']:5} {s['requests']:5} {s['errors']:3} {resent:6} {cells_txt} {tps:10.1f}")
 
 
 def main() -> None:

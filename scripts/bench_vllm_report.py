@@ -1,6 +1,6 @@
-"""The kvserve vs vLLM-CPU section of docs/benchmarks.md (`bench_compare.py --suite vllm`): the issue's
-targets as ratios kvserve / vLLM for each vLLM configuration, all phases, greedy agreement with the fp32
-HF reference, and two plots."""
+"""The kvserve vs peers sections of docs/benchmarks.md (`bench_compare.py --suite vllm` and `--suite
+engine`): the issues' targets as ratios kvserve / peer for each peer configuration (vLLM-CPU's two,
+llama.cpp's server), all phases, greedy agreement with the fp32 HF reference, and two plots."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from bench_serving import percentile
 
 DEFAULT_MODEL = "smollm2-135m"
 OURS = "kvserve-auto"
-PEERS = ("vllm", "vllm-2c")
+PEERS = ("vllm", "vllm-2c", "llamacpp")
 PEER_NAMES = {"vllm": "vLLM (defaults)", "vllm-2c": "vLLM (2 cores)", "llamacpp": "llama.cpp"}
 
 # (label, workload, phase, value, lower is better, target ratio kvserve / vLLM): issue 12's, for SmolLM2
@@ -28,12 +28,20 @@ MEASURES = (
 # issue 35's, for the other models (qwen2.5-coder-0.5b): cold and burst TTFT <= 0.9x, warm <= 0.8x,
 # throughput and single-stream decode >= 1.2x
 OTHER_MODEL_TARGETS = (0.9, 0.8, 0.9, 0.9, 1.2, 1.2, 1.2)
+# issue 63's against llama.cpp's server, every model: single-stream decode >= 1.2x, warm TTFT <= 0.8x, the
+# other workloads ahead
+LLAMACPP_TARGETS = (1.0, 0.8, 1.0, 1.0, 1.0, 1.0, 1.2)
 
 
-def measures(model: str) -> tuple:
-    if model == DEFAULT_MODEL:
+def measures(model: str, peer: str = "vllm") -> tuple:
+    """MEASURES with the targets kvserve must meet against `peer` on `model`."""
+    if peer == "llamacpp":
+        targets = LLAMACPP_TARGETS
+    elif model == DEFAULT_MODEL:
         return MEASURES
-    return tuple((*m[:5], t) for m, t in zip(MEASURES, OTHER_MODEL_TARGETS, strict=True))
+    else:
+        targets = OTHER_MODEL_TARGETS
+    return tuple((*m[:5], t) for m, t in zip(MEASURES, targets, strict=True))
 
 
 def paired_ratio(data: dict, peer: str, workload: str, phase: str) -> float | None:
@@ -81,7 +89,8 @@ def agreement_rates(data: dict) -> dict[str, tuple[int, float]]:
 
 
 def peers_in(data: dict) -> list[str]:
-    """The systems kvserve is compared with in this run: vLLM's two configurations, else any others."""
+    """The systems kvserve is compared with in this run: vLLM's two configurations and llama.cpp's
+    server, else any others."""
     ran = {r["system"] for r in data["results"] if "unavailable" not in r}
     return [p for p in PEERS if p in ran] or sorted(ran - {OURS, "hf"})
 
@@ -98,19 +107,27 @@ def target_rows(data: dict, model: str = DEFAULT_MODEL) -> list[str]:
         + f" | target | met ({ {1: 'it', 2: 'both'}.get(len(peers), 'all') }) |",
         "|---|---|" + "---|" * (2 * len(peers)) + "---|---|",
     ]
-    for label, w, phase, key, lower, target in measures(model):
+    per_peer = [measures(model, p) for p in peers]
+    for i, (label, w, phase, key, lower, _) in enumerate(measures(model)):
         ours = (s.get((OURS, w, phase)) or {}).get(key)
         theirs = [(s.get((p, w, phase)) or {}).get(key) for p in peers]
         ratios = [ours / t if ours is not None and t else None for t in theirs]
-        ok = [None if r is None else (r <= target if lower else r >= target) for r in ratios]
+        targets = [m[i][5] for m in per_peer]
+        ok = [
+            None if r is None else (r <= t if lower else r >= t) for r, t in zip(ratios, targets, strict=True)
+        ]
         met = "-" if None in ok else "yes" if all(ok) else "no"
         sign = "<=" if lower else ">="
+        if len(set(targets)) == 1:
+            target = f"{sign} {targets[0]}x"
+        else:
+            target = ", ".join(f"{n} {sign} {t}x" for n, t in zip(names, targets, strict=True))
         rows.append(
             f"| {label} | {_fmt(ours)} | "
             + " | ".join(_fmt(t) for t in theirs)
             + " | "
             + " | ".join(f"{_fmt(r, 2)}x" for r in ratios)
-            + f" | {sign} {target}x | {met} |"
+            + f" | {target} | {met} |"
         )
     for label, w, phase, _, _, _ in measures(model):
         paired = [paired_ratio(data, p, w, phase) for p in peers] if phase.startswith("c") else []
@@ -136,12 +153,12 @@ def target_rows(data: dict, model: str = DEFAULT_MODEL) -> list[str]:
 def phase_rows(data: dict) -> list[str]:
     rows = [
         "| workload | phase | system | requests | TTFT p50 s | TTFT p95 s | ITL p50 s | out tok/s | errors "
-        "| peak RSS MiB | agree exact |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "| resent | peak RSS MiB | agree exact |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in sorted(data["results"], key=lambda r: (r["workload"], r["system"])):
         if "unavailable" in r:
-            rows.append(f"| {r['workload']} | - | {r['system']} | unavailable | | | | | | | |")
+            rows.append(f"| {r['workload']} | - | {r['system']} | unavailable | | | | | | | | |")
             continue
         agree = (r.get("agreement") or {}).get("exact")
         rss = r.get("peak_rss_bytes", 0) / 2**20
@@ -150,7 +167,7 @@ def phase_rows(data: dict) -> list[str]:
             rows.append(
                 f"| {r['workload']} | {ph['phase']} | {r['system']} | {v['requests']} | {_fmt(v['ttft_p50_s'])} "
                 f"| {_fmt(v['ttft_p95_s'])} | {_fmt(v['itl_p50_s'], 4)} | {_fmt(v['output_tok_per_s'], 1)} "
-                f"| {v['errors']} | {rss:.0f} | {_fmt(agree, 2)} |"
+                f"| {v['errors']} | {v.get('resends', 0)} | {rss:.0f} | {_fmt(agree, 2)} |"
             )
     return rows
 
@@ -185,17 +202,17 @@ def plots(data: dict, img: Path, prefix: str = "vllm") -> list[str]:
 
     fig, ax = plt.subplots(figsize=(9.5, 4.8))
     labels = [m[0].removesuffix(" (s)") for m in MEASURES]
+    height = 0.8 / max(len(peers), 1)
     for i, peer in enumerate(peers):
         ratios = []
         for _, w, ph, key, lower, _ in MEASURES:
             ours, theirs = ((s.get((n, w, ph)) or {}).get(key) for n in (OURS, peer))
             # plotted as "times better than the peer": > 1 means kvserve is ahead
             ratios.append((theirs / ours if lower else ours / theirs) if ours and theirs else 0)
-        ax.barh(
-            [j + i * 0.4 for j in range(len(MEASURES))], ratios, 0.4, label=f"vs {peer}", color=f"C{i + 1}"
-        )
+        ys = [j + i * height for j in range(len(MEASURES))]
+        ax.barh(ys, ratios, height, label=f"vs {peer}", color=f"C{i + 1}")
     ax.axvline(1.0, color="k", lw=0.8)
-    ax.set_yticks([j + 0.2 for j in range(len(MEASURES))])
+    ax.set_yticks([j + 0.4 - height / 2 for j in range(len(MEASURES))])
     ax.set_yticklabels(labels, fontsize=7)
     ax.set_xlabel("kvserve advantage (x; > 1: kvserve better)")
     ax.legend(fontsize=8)
@@ -209,9 +226,12 @@ def plots(data: dict, img: Path, prefix: str = "vllm") -> list[str]:
 def write_vllm_report(data: dict, docs: Path, model: str = DEFAULT_MODEL, peer: str = "vllm") -> None:
     """The section of docs/benchmarks.md between this model's markers (SmolLM2's: `vllm:start` /
     `vllm:end`; another model's: `vllm-<model>:start` / `:end`, added at the end the first time; a run
-    against another peer, `<peer>-<model>`), its plots and slimmed results under docs/img."""
+    against another peer, `<peer>-<model>`; the engine suite's, `engine-<model>`), its plots and slimmed
+    results under docs/img."""
     prefix = peer if model == DEFAULT_MODEL else f"{peer}-{model}"
-    title = {"vllm": "vLLM-CPU", "llamacpp": "llama.cpp"}.get(peer, peer)
+    title = {"vllm": "vLLM-CPU", "llamacpp": "llama.cpp", "engine": "llama.cpp's server and vLLM-CPU"}.get(
+        peer, peer
+    )
     start, end = f"<!-- {prefix}:start -->", f"<!-- {prefix}:end -->"
     img = docs / "img"
     names = plots(data, img, prefix)

