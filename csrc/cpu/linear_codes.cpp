@@ -78,14 +78,6 @@ int64_t checked_group(const at::Tensor& packed, int64_t in) {
   return g;
 }
 
-at::Tensor padded_bias(const c10::optional<at::Tensor>& bias, int64_t panels, int64_t out_features) {
-  if (!bias.has_value() || !bias->defined()) return {};
-  TORCH_CHECK(bias->dim() == 1 && bias->size(0) == out_features, "bias must be [out_features]");
-  auto b = at::zeros({panels * kLanes}, bias->options().dtype(at::kFloat));
-  b.narrow(0, 0, out_features).copy_(*bias);
-  return b;
-}
-
 // panel `p` of s widened to fp32 [in, kLanes] at dst
 template <int G>
 void widen_panel(const Shape<Codes<G>>& s, int64_t p, float* dst) {

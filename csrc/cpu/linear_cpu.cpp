@@ -71,14 +71,6 @@ struct Bf16 : WideningTileShape {
   }
 };
 
-at::Tensor padded_bias(const c10::optional<at::Tensor>& bias, int64_t panels, int64_t out_features) {
-  if (!bias.has_value() || !bias->defined()) return {};
-  TORCH_CHECK(bias->dim() == 1 && bias->size(0) == out_features, "bias must be [out_features]");
-  auto b = at::zeros({panels * kLanes}, bias->options().dtype(at::kFloat));
-  b.narrow(0, 0, out_features).copy_(*bias);
-  return b;
-}
-
 void check_packed(const at::Tensor& x, const at::Tensor& packed, int64_t out_features, int64_t in_per_step) {
   TORCH_CHECK(x.device().is_cpu() && packed.device().is_cpu(), "row_linear runs on CPU tensors");
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous(), "x must be contiguous [rows, in_features]");

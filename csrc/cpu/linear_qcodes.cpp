@@ -279,14 +279,6 @@ Format checked_format(const at::Tensor& packed, int64_t in_features) {
   return f;
 }
 
-at::Tensor padded_bias(const c10::optional<at::Tensor>& bias, int64_t panels, int64_t out_features) {
-  if (!bias.has_value() || !bias->defined()) return {};
-  TORCH_CHECK(bias->dim() == 1 && bias->size(0) == out_features, "bias must be [out_features]");
-  auto b = at::zeros({panels * kLanes}, bias->options().dtype(at::kFloat));
-  b.narrow(0, 0, out_features).copy_(*bias);
-  return b;
-}
-
 template <int Bits, bool Glu>
 void run(const Shape<QCodes<Bits>>& s, int64_t rows, int64_t panels) {
   if (rows <= kFewRows) {

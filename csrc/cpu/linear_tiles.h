@@ -6,6 +6,7 @@
 // one fixed chain whatever the rows, tiles and threads.
 #pragma once
 
+#include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 
 #include <algorithm>
@@ -210,6 +211,16 @@ void run_blocks(const Shape<T>& s, int64_t rows, int64_t panels, int64_t in_feat
                std::min(panels, (pb + 1) * kPanels));
     }
   });
+}
+
+// A linear's bias as fp32 zero-padded to whole panels of kLanes outputs (undefined without one): what
+// every packed linear's store reads (linear_cpu.cpp, linear_codes.cpp, linear_qcodes.cpp).
+inline at::Tensor padded_bias(const c10::optional<at::Tensor>& bias, int64_t panels, int64_t out_features) {
+  if (!bias.has_value() || !bias->defined()) return {};
+  TORCH_CHECK(bias->dim() == 1 && bias->size(0) == out_features, "bias must be [out_features]");
+  auto b = at::zeros({panels * kLanes}, bias->options().dtype(at::kFloat));
+  b.narrow(0, 0, out_features).copy_(*bias);
+  return b;
 }
 
 }  // namespace kvserve_cpu

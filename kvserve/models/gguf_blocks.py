@@ -158,8 +158,8 @@ def unpack(data: np.ndarray, qtype: QT | int) -> tuple[np.ndarray, np.ndarray, n
     return codes, scale, offset
 
 
-# type -> byte offsets of its fp16 block scales (d, and dmin or m)
-_SCALE_BYTES = {
+# type -> byte offsets, inside a block, of its fp16 fields (d, and m or dmin where there is one)
+F16_FIELDS = {
     QT.Q8_0: (0,),
     QT.Q4_0: (0,),
     QT.Q4_1: (0, 2),
@@ -177,7 +177,7 @@ def random_blocks(qtype: QT, rows: int, n_in: int, seed: int = 0, sign: float = 
     block, size, _, _ = _FORMATS[qtype]
     rng = np.random.default_rng(seed)
     data = rng.integers(0, 256, (rows, n_in // block, size), dtype=np.uint8)
-    for at in _SCALE_BYTES[qtype]:
+    for at in F16_FIELDS[qtype]:
         d = (sign * (rng.random((rows, n_in // block)) * 0.02 + 1e-4)).astype(np.float16)
         data[:, :, at : at + 2] = d.view(np.uint8).reshape(rows, n_in // block, 2)
     return data.reshape(rows, -1)

@@ -17,7 +17,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from kvserve.models import gguf_codes
-from kvserve.models.gguf_blocks import GROUPS, unpack
+from kvserve.models.gguf_blocks import F16_FIELDS, GROUPS, unpack
 from kvserve.models.gguf_codes import (
     CODES_FILE,
     FORMAT,
@@ -34,17 +34,6 @@ from kvserve.models.gguf_codes import (
 
 QUANTIZABLE = [QT.Q4_0, QT.Q4_1, QT.Q5_0, QT.Q5_1, QT.Q8_0]  # gguf.quants.quantize has these
 ALL = [*QUANTIZABLE, QT.Q4_K, QT.Q5_K, QT.Q6_K]
-# byte offsets, inside a block, of its fp16 fields (d, and m or dmin where there is one)
-F16_FIELDS = {
-    QT.Q8_0: (0,),
-    QT.Q4_0: (0,),
-    QT.Q4_1: (0, 2),
-    QT.Q5_0: (0,),
-    QT.Q5_1: (0, 2),
-    QT.Q4_K: (0, 2),
-    QT.Q5_K: (0, 2),
-    QT.Q6_K: (208,),
-}
 
 
 def random_blocks(rng: np.random.Generator, qtype: QT, rows: int, n_in: int) -> np.ndarray:
