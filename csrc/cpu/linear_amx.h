@@ -70,36 +70,58 @@ inline void store_bits(at::BFloat16* dst, vu h, int64_t n) {
   }
 }
 
-// C tiles c (row tile r, panel q) -> y with the bias, rounded to bf16 once (bf16_bits: nearest even, as
-// c10's conversion of a finite float).
-inline void store(const Shape& s, const float* c, int64_t m, int64_t p) {
+// Row r of C tile c (rows from m, panel p) -> y with the bias, rounded to bf16 once (bf16_bits: nearest
+// even, as c10's conversion of a finite float).
+inline void store_row(const Shape& s, const float* c, int64_t m, int64_t p, int64_t r) {
   const int64_t o0 = p * kTileOutputs, n = std::min(kTileOutputs, s.out - o0);
-  const int64_t rows = std::min(kTileRows, s.rows - m);
-  const vf b = s.b ? loadu(s.b + o0) : vf{};  // zero-padded to whole panels
-  for (int64_t r = 0; r < rows; ++r) {
-    const vf v = loadu(c + r * kTileOutputs);
-    store_bits(s.y + (m + r) * s.out + o0, bf16_bits(s.b ? v + b : v), n);
-  }
+  const vf v = loadu(c + r * kTileOutputs);
+  store_bits(s.y + (m + r) * s.out + o0, bf16_bits(s.b ? v + loadu(s.b + o0) : v), n);  // bias zero-padded
 }
 
-// The GLU's C tiles: gate (panel p) and up (panel glu + p) -> y's outputs of panel p, as the unfused
-// path computes them: each operand with its bias rounded to bf16 (what row_linear_bf16 stores), the
-// SiLU rounded to bf16, the product rounded once (glu_bf16; linear_cpu.cpp's other paths the same).
-inline void store_glu(const Shape& s, const float* gate, const float* up, int64_t m, int64_t p) {
+// Row r of the GLU's C tiles gate (panel p) and up (panel glu + p) -> y's outputs of panel p, as the
+// unfused path computes them: each operand with its bias rounded to bf16 (what row_linear_bf16 stores),
+// the SiLU rounded to bf16, the product rounded once (glu_bf16; linear_cpu.cpp's other paths the same).
+inline void store_glu_row(const Shape& s, const float* gate, const float* up, int64_t m, int64_t p, int64_t r) {
   const int64_t o0 = p * kTileOutputs, n = std::min(kTileOutputs, s.out - o0);
-  const int64_t rows = std::min(kTileRows, s.rows - m);
   const vf bg = s.b ? loadu(s.b + o0) : vf{}, bu = s.b ? loadu(s.b + s.glu_panels * kTileOutputs + o0) : vf{};
-  for (int64_t r = 0; r < rows; ++r) {
-    const vu h = bf16_bits(glu_bf16(round_bf16(loadu(gate + r * kTileOutputs) + bg),
-                                     round_bf16(loadu(up + r * kTileOutputs) + bu)));
-    store_bits(s.y + (m + r) * s.out + o0, h, n);
+  const vu h = bf16_bits(glu_bf16(round_bf16(loadu(gate + r * kTileOutputs) + bg),
+                                   round_bf16(loadu(up + r * kTileOutputs) + bu)));
+  store_bits(s.y + (m + r) * s.out + o0, h, n);
+}
+
+constexpr int64_t kC = kTileRows * kTileOutputs;  // floats of a stored C tile
+
+// The C tiles of the last tile group, stored and waiting for their epilogue (bias, rounding, the GLU's
+// SiLU): it runs a few rows at a time inside the next group's input loop, so the vector units work while
+// the tiles compute (the epilogue after the loop left the tiles idle: a third of Qwen's gate|up time at
+// 1,800 rows). Only where an output's value is computed moves, never how.
+struct Pending {
+  const float* c = nullptr;  // the stored tiles: [row tile][panel] (GLU: [row tile][gate, up])
+  int64_t m = 0, p = 0, pt = 0;
+  int64_t done = 0, units = 0;  // epilogue rows done / in all (a row of one tile; GLU: of a gate|up pair)
+};
+
+inline void drain(const Shape& s, Pending& e, int64_t upto) {
+  const int64_t rows_left = s.rows - e.m;
+  for (; e.done < upto; ++e.done) {
+    const int64_t r = e.done % kTileRows, t = e.done / kTileRows;  // row r of tile (group) t
+    if (s.glu_panels) {  // t = row tile
+      if (t * kTileRows + r >= rows_left) continue;
+      const float* gate = e.c + 2 * t * kC;
+      store_glu_row(s, gate, gate + kC, e.m + t * kTileRows, e.p, r);
+    } else {  // t = row tile * pt + panel
+      const int64_t rt = t / e.pt, q = t % e.pt;
+      if (rt * kTileRows + r >= rows_left) continue;
+      store_row(s, e.c + t * kC, e.m + rt * kTileRows, e.p + q, r);
+    }
   }
 }
 
-// RT row tiles (from row m) x PT panels (from panel p), C in tmm0..3, A in tmm4, 5, B in tmm6, 7. With
+// RT row tiles (from row m) x PT panels (from panel p), C in tmm0..3, A in tmm4, 5, B in tmm6, 7, stored
+// to c (4 tiles) and left pending; the previous group's epilogue (pend) runs in the input loop. With
 // glu_panels the two panels are gate p and up glu + p (PT = 2), stored as one panel of y.
 template <int RT, int PT>
-inline void tiles(const Shape& s, int64_t m, int64_t p, float* c) {
+inline void tiles(const Shape& s, int64_t m, int64_t p, float* c, Pending& pend) {
   const int64_t lda = s.in * 2, panel_bytes = s.in * 2 * kTileOutputs, steps = s.in / kTileInputs;
   const char* a0 = a_rows(s, m);
   const char* a1 = RT > 1 ? a_rows(s, m + kTileRows) : nullptr;
@@ -109,6 +131,7 @@ inline void tiles(const Shape& s, int64_t m, int64_t p, float* c) {
   if constexpr (PT > 1) _tile_zero(1);
   if constexpr (RT > 1) _tile_zero(2);
   if constexpr (RT > 1 && PT > 1) _tile_zero(3);
+  const int64_t per_step = (pend.units - pend.done + steps - 1) / steps;
   for (int64_t k = 0; k < steps; ++k) {
     _tile_loadd(4, a0 + k * 64, lda);
     _tile_loadd(6, b0 + k * 1024, 64);
@@ -118,53 +141,34 @@ inline void tiles(const Shape& s, int64_t m, int64_t p, float* c) {
     if constexpr (PT > 1) _tile_dpbf16ps(1, 4, 7);
     if constexpr (RT > 1) _tile_dpbf16ps(2, 5, 6);
     if constexpr (RT > 1 && PT > 1) _tile_dpbf16ps(3, 5, 7);
+    if (pend.done < pend.units) drain(s, pend, std::min(pend.units, pend.done + per_step));
   }
-  constexpr int64_t kC = kTileRows * kTileOutputs;
-  if constexpr (PT > 1) {
-    if (s.glu_panels) {
-      _tile_stored(0, c, 64);
-      _tile_stored(1, c + kC, 64);
-      store_glu(s, c, c + kC, m, p);
-      if constexpr (RT > 1) {
-        _tile_stored(2, c + 2 * kC, 64);
-        _tile_stored(3, c + 3 * kC, 64);
-        store_glu(s, c + 2 * kC, c + 3 * kC, m + kTileRows, p);
-      }
-      return;
-    }
-  }
+  drain(s, pend, pend.units);
+  // stored [row tile][panel]: tmm0 (0, 0), tmm1 (0, 1), tmm2 (1, 0), tmm3 (1, 1)
   _tile_stored(0, c, 64);
-  store(s, c, m, p);
-  if constexpr (PT > 1) {
-    _tile_stored(1, c + kC, 64);
-    store(s, c + kC, m, p + 1);
-  }
-  if constexpr (RT > 1) {
-    _tile_stored(2, c + 2 * kC, 64);
-    store(s, c + 2 * kC, m + kTileRows, p);
-  }
-  if constexpr (RT > 1 && PT > 1) {
-    _tile_stored(3, c + 3 * kC, 64);
-    store(s, c + 3 * kC, m + kTileRows, p + 1);
-  }
+  if constexpr (PT > 1) _tile_stored(1, c + kC, 64);
+  if constexpr (RT > 1) _tile_stored(2, c + PT * kC, 64);
+  if constexpr (RT > 1 && PT > 1) _tile_stored(3, c + 3 * kC, 64);
+  pend = Pending{c, m, p, s.glu_panels ? 1 : PT, 0, (s.glu_panels ? RT : RT * PT) * kTileRows};
 }
 
 template <int RT>
-inline void panels_of(const Shape& s, int64_t m, int64_t p0, int64_t p1, float* c) {
+inline void panels_of(const Shape& s, int64_t m, int64_t p0, int64_t p1, float* c, Pending& pend) {
   int64_t p = p0;
+  auto next_c = [&] { return pend.c == c ? c + 4 * kC : c; };  // two buffers: the pending one and the next
   if (s.glu_panels) {  // a gate and an up panel for each of y's
-    for (; p < p1; ++p) tiles<RT, 2>(s, m, p, c);
+    for (; p < p1; ++p) tiles<RT, 2>(s, m, p, next_c(), pend);
     return;
   }
-  for (; p + 2 <= p1; p += 2) tiles<RT, 2>(s, m, p, c);
-  if (p < p1) tiles<RT, 1>(s, m, p, c);
+  for (; p + 2 <= p1; p += 2) tiles<RT, 2>(s, m, p, next_c(), pend);
+  if (p < p1) tiles<RT, 1>(s, m, p, next_c(), pend);
 }
 
 // Rows [m0, m1) x panels [p0, p1): row tiles two at a time over each panel pair.
-inline void block(const Shape& s, int64_t m0, int64_t m1, int64_t p0, int64_t p1, float* c) {
+inline void block(const Shape& s, int64_t m0, int64_t m1, int64_t p0, int64_t p1, float* c, Pending& pend) {
   int64_t m = m0;
-  for (; m + kTileRows < m1; m += 2 * kTileRows) panels_of<2>(s, m, p0, p1, c);  // more than one tile of rows left
-  if (m < m1) panels_of<1>(s, m, p0, p1, c);
+  for (; m + kTileRows < m1; m += 2 * kTileRows) panels_of<2>(s, m, p0, p1, c, pend);  // more than one tile of rows left
+  if (m < m1) panels_of<1>(s, m, p0, p1, c, pend);
 }
 
 // y = x W^T (+ b) for bf16 x [rows, in] (in % 32 == 0) over pack_linear_weight_bf16's panels; with
@@ -194,14 +198,16 @@ inline void run(const at::BFloat16* x, const at::BFloat16* w, const float* b, at
       num_blocks, chunk, min_blocks,
       [] {
         configure();
-        return std::vector<float>(4 * kTileRows * kTileOutputs);
+        return std::vector<float>(8 * kC);
       },
       [&](std::vector<float>& c, int64_t first, int64_t last) {
+        Pending pend;
         for (int64_t i = first; i < last; ++i) {  // panel-major: consecutive blocks share their panels
           const int64_t pb = i / row_blocks, rb = i % row_blocks;
           block(s, rb * kBlockRows, std::min(rows, (rb + 1) * kBlockRows), pb * block_panels,
-                std::min(panels, (pb + 1) * block_panels), c.data());
+                std::min(panels, (pb + 1) * block_panels), c.data(), pend);
         }
+        drain(s, pend, pend.units);
       });
 }
 
