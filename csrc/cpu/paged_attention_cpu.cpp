@@ -280,6 +280,9 @@ at::Tensor row_linear_glu_qcodes(const at::Tensor& x, const at::Tensor& packed,
                                  const c10::optional<at::Tensor>& bias, int64_t inter);
 int64_t linear_lanes();
 
+// csrc/cpu/parallel.h
+bool set_pool(bool enabled) { return pool::enabled.exchange(enabled); }
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_attention_dense", &paged_attention_dense, "causal attention of any rows over a dense paged pool");
   m.def("paged_attention_fp8", &paged_attention_fp8, "the same over an fp8_e4m3 paged pool, read in place");
@@ -291,6 +294,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("row_linear_glu", &row_linear_glu, "silu(x G^T + bg) * (x U^T + bu) over gate's and up's packed weights, each row independent");
   m.def("linear_amx", &linear_amx, "whether row_linear_bf16 runs on AMX tiles for this in_features here");
   m.def("set_amx", &set_amx, "AMX tiles for the bf16 linear and attention on (default where available) or off; returns the old");
+  m.def("set_pool", &set_pool, "the kernels' own worker threads (default) or at::parallel_for (off); returns the old");
   m.def("attention_amx", &attention_amx, "whether bf16 attention over a bf16 pool runs on AMX tiles for this head_dim here");
   m.def("pack_nested_weight", &pack_nested_weight, "NestedFP hi, lo [out, in] -> the planes nested_linear reads");
   m.def("unpack_nested_weight", &unpack_nested_weight, "NestedFP planes -> row_linear's packed fp32 weight (scaled)");
