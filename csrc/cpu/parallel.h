@@ -15,11 +15,13 @@
 // decode through the server 19.5 ms a token against 14.4 on the main thread of a script, Intel Xeon,
 // 2026-12-06), and under OMP_WAIT_POLICY=PASSIVE they never spin. The pool's workers spin for a while
 // after each call (KVSERVE_CPU_SPIN_US, default 300 microseconds: the gaps inside a step), then sleep
-// until the next, whatever thread calls and whatever OpenMP's policy. set_pool(false) (tests,
-// benchmarks) goes back to at::parallel_for.
+// until the next, whatever OpenMP's policy. The pool serves the threads where libgomp's workers would
+// sleep (pool::preferred); set_pool(false) (tests, benchmarks) goes back to at::parallel_for.
 #pragma once
 
 #include <ATen/Parallel.h>
+#include <strings.h>
+#include <sys/syscall.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -58,6 +60,20 @@ inline std::chrono::nanoseconds spin_time() {
 }
 
 inline std::atomic<bool> enabled{true};  // set_pool: false runs the calls through at::parallel_for
+
+// Whether this thread's calls go to the pool: where libgomp's workers would sleep between calls (a
+// thread other than the process's main one, or OMP_WAIT_POLICY=PASSIVE). On the main thread under
+// OpenMP's default policy libgomp spins between calls itself, and its workers, spinning after torch's
+// own ops, would take the cores from the pool's: there the pool made Qwen's 1,800-token prefill in
+// process 1.07 -> 1.17 s, so that thread keeps at::parallel_for.
+inline bool preferred() {
+  static const bool passive = [] {
+    const char* s = std::getenv("OMP_WAIT_POLICY");
+    return s != nullptr && strcasecmp(s, "passive") == 0;
+  }();
+  static thread_local const bool main_thread = syscall(SYS_gettid) == getpid();
+  return passive || !main_thread;
+}
 inline thread_local bool in_call = false;  // inside a body: a nested call runs inline, on this thread
 
 // Worker threads that run one body at a time: the caller is one worker, the pool's threads the others.
@@ -174,7 +190,7 @@ void parallel_chunks_with(int64_t n, int64_t chunk, int64_t min_per_thread, cons
     worker();
     return;
   }
-  if (pool::enabled.load(std::memory_order_relaxed)) {
+  if (pool::enabled.load(std::memory_order_relaxed) && pool::preferred()) {
     pool::instance().run(static_cast<int>(workers), worker);
     return;
   }

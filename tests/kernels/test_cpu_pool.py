@@ -1,6 +1,6 @@
 """The CPU extension's own worker threads (csrc/cpu/parallel.h): every kernel computes the same bits
-on them as through at::parallel_for, from the main thread or another, at any thread count; a forked
-child gets a pool of its own."""
+on them as through at::parallel_for, at any thread count (the pool serves threads other than the
+main one, and every thread under OMP_WAIT_POLICY=PASSIVE); a forked child gets a pool of its own."""
 
 from __future__ import annotations
 
@@ -78,8 +78,9 @@ def test_the_pool_computes_what_parallel_for_does(ext, threads):
 
 
 def _child(queue, ext, args):
-    # the linears alone: torch's own OpenMP ops (attention's output conversion) hang in a forked child
-    queue.put([raw(t) for t in linears(ext, args)])
+    # the linears alone (torch's own OpenMP ops, as attention's output conversion, hang in a forked
+    # child), on a thread other than the child's main one, which keeps at::parallel_for
+    queue.put([raw(t) for t in on_thread(lambda: linears(ext, args))])
 
 
 def raw(t: torch.Tensor) -> bytes:
@@ -92,7 +93,7 @@ def test_a_forked_child_has_a_pool_of_its_own(ext):
     them forever."""
     args = inputs(ext)
     with pool(ext, True, 2):
-        want = linears(ext, args)  # the parent's pool exists before the fork
+        want = on_thread(lambda: linears(ext, args))  # the parent's pool exists before the fork
         ctx = multiprocessing.get_context("fork")
         queue = ctx.Queue()
         child = ctx.Process(target=_child, args=(queue, ext, args))
