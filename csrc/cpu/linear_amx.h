@@ -59,34 +59,44 @@ inline const char* a_rows(const Shape& s, int64_t m) {
   return reinterpret_cast<const char*>(m < s.full_rows ? s.x + m * s.in : s.tail + (m - s.full_rows) * s.in);
 }
 
-// The low halves of h's 16 lanes (bf16 bits) to dst[0 .. n).
+// The low halves of h's 16 lanes (bf16 bits) to dst[0 .. n): one vpmovdw and a 32-byte store for a
+// whole panel.
 inline void store_bits(at::BFloat16* dst, vu h, int64_t n) {
-  typedef uint16_t vh __attribute__((vector_size(kTileOutputs * sizeof(uint16_t))));
-  const vh bits = __builtin_convertvector(h, vh);
+  const __m256i bits = _mm512_cvtepi32_epi16(reinterpret_cast<__m512i>(h));
   if (n == kTileOutputs) {
-    std::memcpy(dst, &bits, sizeof(vh));  // one 32-byte store
-  } else {
-    std::memcpy(dst, &bits, n * sizeof(uint16_t));  // the last panel of an output count not a multiple of 16
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst), bits);
+  } else {  // the last panel of an output count not a multiple of 16
+    _mm256_mask_storeu_epi16(dst, static_cast<__mmask16>((1u << n) - 1), bits);
   }
 }
 
-// Row r of C tile c (rows from m, panel p) -> y with the bias, rounded to bf16 once (bf16_bits: nearest
-// even, as c10's conversion of a finite float).
-inline void store_row(const Shape& s, const float* c, int64_t m, int64_t p, int64_t r) {
+// Rows [r0, r1) of C tile c (rows from m, panel p) -> y with the bias, rounded to bf16 once (bf16_bits:
+// nearest even, as c10's conversion of a finite float).
+inline void store_rows(const Shape& s, const float* c, int64_t m, int64_t p, int64_t r0, int64_t r1) {
   const int64_t o0 = p * kTileOutputs, n = std::min(kTileOutputs, s.out - o0);
-  const vf v = loadu(c + r * kTileOutputs);
-  store_bits(s.y + (m + r) * s.out + o0, bf16_bits(s.b ? v + loadu(s.b + o0) : v), n);  // bias zero-padded
+  at::BFloat16* y = s.y + m * s.out + o0;
+  if (s.b) {
+    const vf b = loadu(s.b + o0);  // bias zero-padded
+    for (int64_t r = r0; r < r1; ++r) store_bits(y + r * s.out, bf16_bits(loadu(c + r * kTileOutputs) + b), n);
+  } else {
+    for (int64_t r = r0; r < r1; ++r) store_bits(y + r * s.out, bf16_bits(loadu(c + r * kTileOutputs)), n);
+  }
 }
 
-// Row r of the GLU's C tiles gate (panel p) and up (panel glu + p) -> y's outputs of panel p, as the
-// unfused path computes them: each operand with its bias rounded to bf16 (what row_linear_bf16 stores),
-// the SiLU rounded to bf16, the product rounded once (glu_bf16; linear_cpu.cpp's other paths the same).
-inline void store_glu_row(const Shape& s, const float* gate, const float* up, int64_t m, int64_t p, int64_t r) {
+// Rows [r0, r1) of the GLU's C tiles gate (panel p) and up (panel glu + p) -> y's outputs of panel p, as
+// the unfused path computes them: each operand with its bias rounded to bf16 (what row_linear_bf16
+// stores), the SiLU rounded to bf16, the product rounded once (glu_bf16; linear_cpu.cpp's other paths the
+// same).
+inline void store_glu_rows(const Shape& s, const float* gate, const float* up, int64_t m, int64_t p, int64_t r0,
+                           int64_t r1) {
   const int64_t o0 = p * kTileOutputs, n = std::min(kTileOutputs, s.out - o0);
   const vf bg = s.b ? loadu(s.b + o0) : vf{}, bu = s.b ? loadu(s.b + s.glu_panels * kTileOutputs + o0) : vf{};
-  const vu h = bf16_bits(glu_bf16(round_bf16(loadu(gate + r * kTileOutputs) + bg),
-                                   round_bf16(loadu(up + r * kTileOutputs) + bu)));
-  store_bits(s.y + (m + r) * s.out + o0, h, n);
+  at::BFloat16* y = s.y + m * s.out + o0;
+  for (int64_t r = r0; r < r1; ++r) {
+    const vu h = bf16_bits(glu_bf16(round_bf16(loadu(gate + r * kTileOutputs) + bg),
+                                     round_bf16(loadu(up + r * kTileOutputs) + bu)));
+    store_bits(y + r * s.out, h, n);
+  }
 }
 
 constexpr int64_t kC = kTileRows * kTileOutputs;  // floats of a stored C tile
@@ -103,16 +113,18 @@ struct Pending {
 
 inline void drain(const Shape& s, Pending& e, int64_t upto) {
   const int64_t rows_left = s.rows - e.m;
-  for (; e.done < upto; ++e.done) {
-    const int64_t r = e.done % kTileRows, t = e.done / kTileRows;  // row r of tile (group) t
+  while (e.done < upto) {  // a run of rows of one tile at a time
+    const int64_t t = e.done / kTileRows, r0 = e.done % kTileRows;  // from row r0 of tile (group) t
+    const int64_t r1 = std::min(kTileRows, r0 + upto - e.done);
+    e.done += r1 - r0;
     if (s.glu_panels) {  // t = row tile
-      if (t * kTileRows + r >= rows_left) continue;
+      const int64_t last = std::min(r1, rows_left - t * kTileRows);  // rows past the call's are dropped
       const float* gate = e.c + 2 * t * kC;
-      store_glu_row(s, gate, gate + kC, e.m + t * kTileRows, e.p, r);
+      if (r0 < last) store_glu_rows(s, gate, gate + kC, e.m + t * kTileRows, e.p, r0, last);
     } else {  // t = row tile * pt + panel
-      const int64_t rt = t / e.pt, q = t % e.pt;
-      if (rt * kTileRows + r >= rows_left) continue;
-      store_row(s, e.c + t * kC, e.m + rt * kTileRows, e.p + q, r);
+      const int64_t rt = e.pt == 2 ? t >> 1 : t, q = e.pt == 2 ? t & 1 : 0;  // pt is 1 or 2: no division
+      const int64_t last = std::min(r1, rows_left - rt * kTileRows);
+      if (r0 < last) store_rows(s, e.c + t * kC, e.m + rt * kTileRows, e.p + q, r0, last);
     }
   }
 }
