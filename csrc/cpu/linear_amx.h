@@ -27,6 +27,8 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <limits>
+#include <memory>
 #include <vector>
 
 #include "parallel.h"
@@ -53,6 +55,23 @@ struct Shape {
   at::BFloat16* y;           // [rows, out]
   int64_t rows, full_rows, in, out;
   int64_t glu_panels = 0;    // > 0: the gated MLP's silu(gate) * up, gate panels [0, glu) and up [glu, 2 glu)
+  struct Argmax* argmax = nullptr;  // set: each row's argmax over its first `limit` outputs, y not written
+};
+
+// The argmax of each row's bf16 outputs instead of the outputs (a greedy step's LM head): what
+// argmax_rows returns for y[:, :limit], its first maximum (-0.0 ties +0.0) or its first NaN, without y
+// written and read back. A cell holds the best (value, index) of one row over one work item's panels
+// (ArgmaxLanes: a worker's panels reach it in increasing order, and only a later value that is larger, or
+// the first NaN, replaces a held one); the cells of a row then fold in panel order the same way.
+struct Argmax {
+  std::vector<float> best;      // [rows, blocks]
+  std::vector<int64_t> index;   // [rows, blocks]; -1: nothing yet
+  int64_t blocks = 0, block_panels = 0, limit = 0;
+
+  // whether (v, i), found after the cell's (best, index) in output order, replaces it
+  static bool replaces(float held, int64_t held_index, float v) {
+    return held_index < 0 || (held == held && (v != v || v > held));
+  }
 };
 
 inline const char* a_rows(const Shape& s, int64_t m) {
@@ -67,6 +86,61 @@ inline void store_bits(at::BFloat16* dst, vu h, int64_t n) {
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst), bits);
   } else {  // the last panel of an output count not a multiple of 16
     _mm256_mask_storeu_epi16(dst, static_cast<__mmask16>((1u << n) - 1), bits);
+  }
+}
+
+// A worker's running argmax of the rows of its current work item, lane by lane (lane l: the outputs
+// o0 + l of the item's panels so far): each lane's first maximum or first NaN and its index.
+struct ArgmaxLanes {
+  std::vector<float> held = std::vector<float>(kBlockRows * kTileOutputs);
+  std::vector<int32_t> index = std::vector<int32_t>(kBlockRows * kTileOutputs);
+};
+
+// Rows [r0, r1) of C tile c (rows from m, panel p), rounded as store_rows rounds them, into their rows'
+// lanes (the panel's outputs below the limit); at a work item's last panel each row's lanes fold into its
+// cell: the first NaN by index, else the smallest index holding the maximum.
+inline void argmax_rows(const Shape& s, ArgmaxLanes& lanes, const float* c, int64_t m, int64_t p, int64_t r0,
+                        int64_t r1) {
+  Argmax& a = *s.argmax;
+  const int64_t o0 = p * kTileOutputs, valid = std::min(kTileOutputs, a.limit - o0);
+  if (valid <= 0) return;
+  const __mmask16 live = static_cast<__mmask16>(valid == kTileOutputs ? 0xffffu : (1u << valid) - 1);
+  const bool first = p % a.block_panels == 0;
+  const bool last = p % a.block_panels == a.block_panels - 1 || o0 + kTileOutputs >= a.limit;
+  const int64_t cell = p / a.block_panels;
+  const __m512i ids = _mm512_add_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+                                       _mm512_set1_epi32(static_cast<int32_t>(o0)));
+  const __m512i none = _mm512_set1_epi32(std::numeric_limits<int32_t>::max());
+  for (int64_t r = r0; r < r1; ++r) {
+    const vf sum = s.b ? loadu(c + r * kTileOutputs) + loadu(s.b + o0) : loadu(c + r * kTileOutputs);
+    const __m512 v = reinterpret_cast<__m512>(widen_bits(bf16_bits(sum)));  // the stored bf16 value
+    float* held = lanes.held.data() + (m + r) % kBlockRows * kTileOutputs;
+    int32_t* index = lanes.index.data() + (m + r) % kBlockRows * kTileOutputs;
+    __m512 h;
+    __m512i i;
+    if (first) {
+      h = _mm512_mask_mov_ps(_mm512_set1_ps(-std::numeric_limits<float>::infinity()), live, v);
+      i = _mm512_mask_mov_epi32(none, live, ids);
+    } else {  // a lane takes a later value that is larger, or the first NaN
+      h = _mm512_loadu_ps(held), i = _mm512_loadu_si512(index);
+      const __mmask16 take = live & ~_mm512_cmp_ps_mask(h, h, _CMP_UNORD_Q) &
+                             (_mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q) | _mm512_cmp_ps_mask(v, h, _CMP_GT_OQ));
+      h = _mm512_mask_mov_ps(h, take, v), i = _mm512_mask_mov_epi32(i, take, ids);
+    }
+    if (!last) {
+      _mm512_storeu_ps(held, h), _mm512_storeu_si512(index, i);
+      continue;
+    }
+    const __mmask16 seen = _mm512_cmpneq_epi32_mask(i, none), nan = seen & _mm512_cmp_ps_mask(h, h, _CMP_UNORD_Q);
+    float best;
+    int32_t at;
+    if (nan) {
+      best = std::numeric_limits<float>::quiet_NaN(), at = _mm512_mask_reduce_min_epi32(nan, i);
+    } else {
+      best = _mm512_mask_reduce_max_ps(seen, h);
+      at = _mm512_mask_reduce_min_epi32(seen & _mm512_cmp_ps_mask(h, _mm512_set1_ps(best), _CMP_EQ_OQ), i);
+    }
+    a.best[(m + r) * a.blocks + cell] = best, a.index[(m + r) * a.blocks + cell] = at;
   }
 }
 
@@ -109,6 +183,7 @@ struct Pending {
   const float* c = nullptr;  // the stored tiles: [row tile][panel] (GLU: [row tile][gate, up])
   int64_t m = 0, p = 0, pt = 0;
   int64_t done = 0, units = 0;  // epilogue rows done / in all (a row of one tile; GLU: of a gate|up pair)
+  ArgmaxLanes* lanes = nullptr;  // the worker's, where the call takes the argmax
 };
 
 inline void drain(const Shape& s, Pending& e, int64_t upto) {
@@ -124,7 +199,11 @@ inline void drain(const Shape& s, Pending& e, int64_t upto) {
     } else {  // t = row tile * pt + panel
       const int64_t rt = e.pt == 2 ? t >> 1 : t, q = e.pt == 2 ? t & 1 : 0;  // pt is 1 or 2: no division
       const int64_t last = std::min(r1, rows_left - rt * kTileRows);
-      if (r0 < last) store_rows(s, e.c + t * kC, e.m + rt * kTileRows, e.p + q, r0, last);
+      if (r0 < last && s.argmax) {
+        argmax_rows(s, *e.lanes, e.c + t * kC, e.m + rt * kTileRows, e.p + q, r0, last);
+      } else if (r0 < last) {
+        store_rows(s, e.c + t * kC, e.m + rt * kTileRows, e.p + q, r0, last);
+      }
     }
   }
 }
@@ -161,7 +240,7 @@ inline void tiles(const Shape& s, int64_t m, int64_t p, float* c, Pending& pend)
   if constexpr (PT > 1) _tile_stored(1, c + kC, 64);
   if constexpr (RT > 1) _tile_stored(2, c + PT * kC, 64);
   if constexpr (RT > 1 && PT > 1) _tile_stored(3, c + 3 * kC, 64);
-  pend = Pending{c, m, p, s.glu_panels ? 1 : PT, 0, (s.glu_panels ? RT : RT * PT) * kTileRows};
+  pend = Pending{c, m, p, s.glu_panels ? 1 : PT, 0, (s.glu_panels ? RT : RT * PT) * kTileRows, pend.lanes};
 }
 
 template <int RT>
@@ -186,18 +265,28 @@ inline void block(const Shape& s, int64_t m0, int64_t m1, int64_t p0, int64_t p1
 // y = x W^T (+ b) for bf16 x [rows, in] (in % 32 == 0) over pack_linear_weight_bf16's panels; with
 // glu_panels, y = silu(x G^T + bg) * (x U^T + bu) over W = [G; U] (glu_panels each, out = G's outputs),
 // and `panels` counts y's panels.
+// With argmax (not with glu_panels): y is not written; argmax[m] is row m's argmax_rows over its first
+// `limit` outputs.
 inline void run(const at::BFloat16* x, const at::BFloat16* w, const float* b, at::BFloat16* y, int64_t rows,
-                int64_t in, int64_t out, int64_t panels, int64_t glu_panels = 0) {
+                int64_t in, int64_t out, int64_t panels, int64_t glu_panels = 0, int64_t* argmax = nullptr,
+                int64_t limit = 0) {
   const int64_t full_rows = rows / kTileRows * kTileRows;
   std::vector<at::BFloat16> tail;  // only where the rows end in a partial tile
   if (rows > full_rows) {
     tail.assign(kTileRows * in, at::BFloat16(0.0f));
     std::memcpy(tail.data(), x + full_rows * in, (rows - full_rows) * in * sizeof(at::BFloat16));
   }
-  const Shape s{x, tail.data(), w, b, y, rows, full_rows, in, out, glu_panels};
+  Shape s{x, tail.data(), w, b, y, rows, full_rows, in, out, glu_panels};
   const int64_t row_blocks = (rows + kBlockRows - 1) / kBlockRows;
   const int64_t block_panels = (rows <= kTileRows ? 2 : kBlockPanels) / (glu_panels ? 2 : 1);  // weight panels alike
   const int64_t panel_blocks = (panels + block_panels - 1) / block_panels;
+  Argmax cells;
+  if (argmax) {
+    cells.best.assign(rows * panel_blocks, 0.0f);
+    cells.index.assign(rows * panel_blocks, -1);
+    cells.blocks = panel_blocks, cells.block_panels = block_panels, cells.limit = limit;
+    s.argmax = &cells;
+  }
   const int64_t num_blocks = row_blocks * panel_blocks;
   // a thread gets at least kMinMacsPerThread of work (one decode step's small projection stays on one)
   const int64_t block_macs =
@@ -214,6 +303,8 @@ inline void run(const at::BFloat16* x, const at::BFloat16* w, const float* b, at
       },
       [&](std::vector<float>& c, int64_t first, int64_t last) {
         Pending pend;
+        std::unique_ptr<ArgmaxLanes> lanes;
+        if (s.argmax) lanes = std::make_unique<ArgmaxLanes>(), pend.lanes = lanes.get();
         for (int64_t i = first; i < last; ++i) {  // panel-major: consecutive blocks share their panels
           const int64_t pb = i / row_blocks, rb = i % row_blocks;
           block(s, rb * kBlockRows, std::min(rows, (rb + 1) * kBlockRows), pb * block_panels,
@@ -221,6 +312,14 @@ inline void run(const at::BFloat16* x, const at::BFloat16* w, const float* b, at
         }
         drain(s, pend, pend.units);
       });
+  for (int64_t m = 0; argmax && m < rows; ++m) {  // each row's cells in panel order
+    float best = 0.0f;
+    int64_t index = -1;
+    for (int64_t k = m * panel_blocks; k < (m + 1) * panel_blocks; ++k) {
+      if (cells.index[k] >= 0 && Argmax::replaces(best, index, cells.best[k])) best = cells.best[k], index = cells.index[k];
+    }
+    argmax[m] = index;
+  }
 }
 
 }  // namespace amx

@@ -194,6 +194,28 @@ at::Tensor row_linear_glu(const at::Tensor& x_in, const at::Tensor& packed, cons
   return y;
 }
 
+// argmax_rows(row_linear_bf16(x, packed, bias, out_features)[:, :limit]) without the logits: a greedy step's
+// LM head on AMX tiles (linear_amx.h Argmax), the same indices bitwise. AMX only (linear_amx(in) says).
+at::Tensor row_linear_bf16_argmax(const at::Tensor& x, const at::Tensor& packed, const c10::optional<at::Tensor>& bias,
+                                  int64_t out_features, int64_t limit) {
+  TORCH_CHECK(x.scalar_type() == at::kBFloat16 && packed.scalar_type() == at::kBFloat16,
+              "row_linear_bf16_argmax takes bf16 x and a bf16 packed weight");
+  check_packed(x, packed, out_features, 2);
+  TORCH_CHECK(limit > 0 && limit <= out_features, "limit must be in [1, out_features]");
+  auto ids = at::empty({x.size(0)}, x.options().dtype(at::kLong));
+#ifdef KVSERVE_HAVE_AMX
+  TORCH_CHECK(amx_for(x.size(1)), "row_linear_bf16_argmax runs on AMX tiles only (linear_amx(in_features))");
+  if (x.size(0) == 0) return ids;
+  const int64_t panels = packed.size(0);
+  const at::Tensor b = padded_bias(bias, panels, out_features);
+  amx::run(x.data_ptr<at::BFloat16>(), packed.data_ptr<at::BFloat16>(), b.defined() ? b.data_ptr<float>() : nullptr,
+           nullptr, x.size(0), x.size(1), out_features, panels, 0, ids.data_ptr<int64_t>(), limit);
+  return ids;
+#else
+  TORCH_CHECK(false, "row_linear_bf16_argmax: this build of the extension has no AMX tiles");
+#endif
+}
+
 bool linear_amx(int64_t in_features) { return amx_for(in_features); }
 
 bool set_amx(bool enabled) {

@@ -14,9 +14,7 @@ import logging
 import time
 from typing import Protocol
 
-import torch
-
-from kvserve.engine.model_runner import ModelRunner
+from kvserve.engine.model_runner import ModelRunner, SampledRows
 from kvserve.engine.precision import PrecisionPolicy
 from kvserve.engine.prompt_logprobs import record
 from kvserve.engine.repair import Repairer
@@ -46,9 +44,9 @@ class StepExecute:
         self.host, self.runner, self.repairer, self.precision = host, runner, repairer, precision
         self.chunks, self.cost, self.chunk_size = chunks, cost, chunk_size
 
-    def run(self, items: list[ScheduledSeq]) -> list[tuple[list[ScheduledSeq], torch.Tensor]]:
-        """The items that ran and their sampled rows' logits: one pair for the batched forward, or one
-        per sequence that ran alone after it failed."""
+    def run(self, items: list[ScheduledSeq]) -> list[tuple[list[ScheduledSeq], SampledRows]]:
+        """The items that ran and their sampled rows (logits or greedy tokens on demand): one pair for the
+        batched forward, or one per sequence that ran alone after it failed."""
         start = time.perf_counter()
         moved = 0
         for item in list(items):
@@ -76,9 +74,9 @@ class StepExecute:
         inputs.work.moved = moved
         self.cost.observe(inputs.work, time.perf_counter() - start)
         record(step.prompt_logprobs)
-        return [(items, step.logits)]
+        return [(items, step.rows)]
 
-    def _one_by_one(self, items: list[ScheduledSeq]) -> list[tuple[list[ScheduledSeq], torch.Tensor]]:
+    def _one_by_one(self, items: list[ScheduledSeq]) -> list[tuple[list[ScheduledSeq], SampledRows]]:
         ran = []
         for item in items:
             try:
@@ -87,5 +85,5 @@ class StepExecute:
                 self.host.fail(item.seq, "running the model", e)
                 continue
             record(step.prompt_logprobs)
-            ran.append(([item], step.logits))
+            ran.append(([item], step.rows))
         return ran

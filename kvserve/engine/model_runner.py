@@ -13,6 +13,7 @@ always a prefix of the batch.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -25,6 +26,7 @@ from kvserve.attention.probe import AttentionProbe, ProbingBackend
 from kvserve.engine.prompt_logprobs import ROWS_PER_BLOCK, PromptRows, rows_to_score, score
 from kvserve.kvcache.kv_storage import LayerKV
 from kvserve.kvcache.layout import KVLayout
+from kvserve.models.cpu_linear import RowInvariantLinear
 from kvserve.models.fused_llama import FusedLlamaForward, LayerCut, LayerTail
 from kvserve.models.hf_adapter import PoolCache
 from kvserve.models.nested import NestedLinear, RowPrecision
@@ -48,13 +50,46 @@ class StepInputs:
     tail: LayerTail | None = None  # the fused forward's last layer: only the sampled rows (prepare_inputs)
 
 
+class SampledRows:
+    """The step's sampled rows: their logits on demand, or, where every row takes the plain argmax, only
+    those tokens (`greedy_tokens`). A greedy step's LM head on AMX tiles then never writes the
+    [rows, vocab] logits nor reads them back: the argmax is taken in the head's epilogue
+    (`row_linear_bf16_argmax`, linear_amx.h Argmax), bitwise argmax_rows of these logits."""
+
+    def __init__(self, runner: ModelRunner, hidden: torch.Tensor):
+        self.runner, self.hidden = runner, hidden  # hidden [num_sampled, hidden]
+        self._logits: torch.Tensor | None = None
+
+    def __len__(self) -> int:
+        return self.hidden.shape[0]
+
+    def logits(self) -> torch.Tensor:
+        """[num_sampled, vocab] in batch order of the sampled items; float32 or the lm_head's bf16/fp16
+        (a row's .float() is the float32 logits exactly)."""
+        if self._logits is None:
+            with torch.inference_mode():  # as the forward that made hidden
+                self._logits = self.runner._logits(self.hidden, float32=False)
+        return self._logits
+
+    def greedy_tokens(self) -> list[int] | None:
+        """argmax_rows(self.logits()) as ids, from the head's fused argmax; None where the head has none
+        (then the caller takes the logits)."""
+        head_argmax = self.runner.head_argmax
+        if head_argmax is None or self._logits is not None or not len(self):
+            return None
+        with torch.inference_mode():
+            return head_argmax(self.hidden).tolist()
+
+
 @dataclass
 class StepOutput:
-    # [num_sampled, vocab] in batch order of the sampled items; float32 or the lm_head's bf16/fp16
-    # (a row's .float() is the float32 logits exactly)
-    logits: torch.Tensor
+    rows: SampledRows  # the sampled rows: their logits, or their greedy tokens
     # per PromptRows of the step: the prompt tokens those rows score, in position order
     prompt_logprobs: list[tuple[PromptRows, list[TokenLogprob]]] = field(default_factory=list)
+
+    @property
+    def logits(self) -> torch.Tensor:
+        return self.rows.logits()
 
 
 class ModelRunner:
@@ -256,8 +291,17 @@ class ModelRunner:
                     use_cache=True,
                 ).last_hidden_state[0]  # [num_tokens, hidden]
         prompt_logprobs = [(rows, self._score(hidden, rows)) for rows in inputs.prompt_rows]
-        logits = self._logits(hidden.index_select(0, inputs.logits_indices), float32=False)
-        return StepOutput(logits, prompt_logprobs)
+        return StepOutput(SampledRows(self, hidden.index_select(0, inputs.logits_indices)), prompt_logprobs)
+
+    @property
+    def head_argmax(self) -> Callable[[torch.Tensor], torch.Tensor] | None:
+        """hidden [rows, hidden] -> argmax_rows of their logits, without the logits: a bf16 LM head on AMX
+        tiles (RowInvariantLinear.argmax) and no softcap (its tanh could tie what it rounds); else None."""
+        head = self.lm_head
+        if self.softcap or not isinstance(head, RowInvariantLinear) or not head.has_argmax():
+            return None
+        limit = self.vocab_size if self.vocab_size is not None else head.out_features
+        return lambda hidden: head.argmax(hidden, min(limit, head.out_features))
 
     def _logits(self, hidden: torch.Tensor, float32: bool = True) -> torch.Tensor:
         """hidden [rows, hidden] -> logits [rows, vocab], only the tokenizer's ids (vocab_size) where

@@ -22,7 +22,8 @@ from kvserve.engine.batch_sampler import Sampled, SamplingRow, sample_batch
 from kvserve.engine.output import OutputProcessor
 from kvserve.engine.precision import PrecisionPolicy
 from kvserve.engine.repair import Repairer
-from kvserve.engine.sampler import sample_one
+from kvserve.engine.model_runner import SampledRows
+from kvserve.engine.sampler import plain_greedy, sample_one
 from kvserve.request import FinishReason, Request
 from kvserve.scheduler.batch import ScheduledSeq
 from kvserve.scheduler.content import ContentMatcher
@@ -58,13 +59,14 @@ class StepUpdate:
         self.auditor, self.outputs, self.precision, self.grammars = auditor, outputs, precision, grammars
         self.logits_sink: dict[str, list[torch.Tensor]] | None = None  # tests: raw logits per request
 
-    def apply(self, items: list[ScheduledSeq], logits: torch.Tensor) -> list[Sequence]:
-        """logits [num_sampled, vocab] (float32 or the model's bf16/fp16: each consumer converts the
-        rows it reads): one row per item with item.sample, in order. Sampling runs on
-        the CPU (each request's seeded CPU generator, grammar masks, penalties): on a GPU the step's
-        logits come over in one transfer."""
-        logits = logits.cpu()
-        to_sample: list[tuple[Sequence, int]] = []  # (sequence, its row of `logits`)
+    def apply(self, items: list[ScheduledSeq], rows: SampledRows) -> list[Sequence]:
+        """rows: one sampled row per item with item.sample, in order. Where every row takes the plain
+        argmax and nothing reads the logits (`_greedy_only`), only the tokens are asked for (the head's
+        fused argmax where it has one); else the logits [num_sampled, vocab] (float32 or the model's
+        bf16/fp16: each consumer converts the rows it reads). Sampling runs on the CPU (each request's
+        seeded CPU generator, grammar masks, penalties): on a GPU the step's logits come over in one
+        transfer."""
+        to_sample: list[tuple[Sequence, int]] = []  # (sequence, its sampled row)
         row = 0
         for item in items:
             self.scheduler.chunks.computed(item)
@@ -73,12 +75,32 @@ class StepUpdate:
                 continue
             if item.sample:
                 to_sample.append((item.seq, row - 1))
+        tokens = rows.greedy_tokens() if self._greedy_only(to_sample) else None
+        if tokens is not None:
+            for seq, r in to_sample:
+                if not seq.finished:
+                    self._sample(seq, None, None, (tokens[r], None))
+            return [item.seq for item in items]
+        logits = rows.logits().cpu()
         masks = self._grammar_masks([seq for seq, _ in to_sample])
         sampled = self._sample_batch(logits, to_sample, masks)
         for seq, r in to_sample:
             if not seq.finished:  # a failed grammar mask fails its sequence
                 self._sample(seq, logits[r], masks.get(seq.request_id), sampled.get(seq.request_id))
         return [item.seq for item in items]
+
+    def _greedy_only(self, to_sample: list[tuple[Sequence, int]]) -> bool:
+        """Whether these rows need only their argmax: each plain greedy (sampler.plain_greedy), without a
+        grammar, not an audit's recompute, not served with approximate reuse (the auditor may trace its
+        logits), and no test collects logits."""
+        return self.logits_sink is None and all(
+            plain_greedy(seq.request.sampling_params)
+            and seq.grammar is None
+            and not seq.request.background
+            and (seq.report is None or seq.report.strategy is None)
+            and seq.request_id not in self.auditor.tracing
+            for seq, _ in to_sample
+        )
 
     def _sample_batch(
         self, logits: torch.Tensor, to_sample: list[tuple[Sequence, int]], masks: dict[str, torch.Tensor]
@@ -140,12 +162,13 @@ class StepUpdate:
     def _sample(
         self,
         seq: Sequence,
-        logits: torch.Tensor,
+        logits: torch.Tensor | None,
         allowed: torch.Tensor | None,
         sampled: Sampled | Exception | None,
     ) -> None:
         """`sampled`: its token and logprob from the step's batch sampler, or its draw's exception;
-        None: sampled here alone (`sample_one`)."""
+        None: sampled here alone (`sample_one`). logits: its row, None where only its greedy token was
+        computed (`_greedy_only`: nothing below reads them then)."""
         if seq.request.background:
             self._audit_step(seq, logits.float())
             return

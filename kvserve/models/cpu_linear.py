@@ -84,6 +84,21 @@ class RowInvariantLinear(nn.Module):
         self.lanes = self.packed.shape[-1] // (2 if bf16 else 1)  # output features per panel
         return self.packed
 
+    def has_argmax(self) -> bool:
+        """Whether `argmax` runs here: a bf16 weight of its own packing (no codes) on AMX tiles."""
+        return (
+            self.dtype == torch.bfloat16
+            and self.codes is None
+            and hasattr(self.ext, "row_linear_bf16_argmax")
+            and bool(self.ext.linear_amx(self.in_features))
+        )
+
+    def argmax(self, x: torch.Tensor, limit: int) -> torch.Tensor:
+        """argmax_rows(self(x)[:, :limit]) as int64 [rows], bitwise, without the [rows, out] outputs
+        (row_linear_bf16_argmax: the argmax in the AMX kernel's epilogue). Only where has_argmax()."""
+        rows = x.reshape(-1, x.shape[-1]).contiguous()
+        return self.ext.row_linear_bf16_argmax(rows, self.packed, self.linear.bias, self.out_features, limit)
+
     @property
     def weight(self) -> torch.Tensor:
         return self.linear.weight

@@ -180,3 +180,29 @@ def test_glu_rejects_bad_arguments(ext):
         ext.row_linear_glu(x, packed, None, 16)  # packed holds 2 x 32 outputs, not 2 x 16
     with pytest.raises(RuntimeError, match="fp32 or bf16"):
         ext.row_linear_glu(x.half(), packed, None, 32)
+
+
+@pytest.mark.skipif(not has_amx_bf16(), reason="this CPU has no AMX-BF16")
+@pytest.mark.parametrize("rows", [1, 2, 16, 17, 64, 65, 130])
+@pytest.mark.parametrize("out_f,in_f,limit", [(4096, 64, 4096), (1000, 576, 990), (40, 128, 33), (16, 64, 1)])
+@pytest.mark.parametrize("with_bias", [True, False])
+def test_fused_head_argmax_is_argmax_rows_of_the_logits(ext, rows, out_f, in_f, limit, with_bias):
+    """row_linear_bf16_argmax (a greedy step's LM head: the argmax in the AMX epilogue, no logits
+    written) against its reference, argmax_rows over row_linear_bf16's logits: the same index for every
+    row, exact ties (equal weight rows, an all-zero x) resolved to the first, a NaN row to its first NaN,
+    and nothing at or past `limit` chosen."""
+    gen = torch.Generator().manual_seed(rows * 7 + in_f)
+    w = (torch.randn(out_f, in_f, generator=gen) * 0.05).bfloat16()
+    if out_f > 8:
+        w[5] = w[3]  # tie within a panel
+    if out_f > 500:
+        w[400] = w[3]  # ... and across panels and work items
+    packed = ext.pack_linear_weight_bf16(w)
+    b = torch.randn(out_f, generator=gen).bfloat16() if with_bias else None
+    x = torch.randn(rows, in_f, generator=gen).bfloat16()
+    if rows > 5:
+        x[4] = 0  # every logit the bias (or 0): ties everywhere
+    if rows > 7:
+        x[6, 0] = float("nan")
+    want = ext.argmax_rows(ext.row_linear_bf16(x, packed, b, out_f)[:, :limit].contiguous())
+    assert torch.equal(ext.row_linear_bf16_argmax(x, packed, b, out_f, limit), want)
