@@ -178,13 +178,15 @@ class Auditor:
         self.tracing[seq.request_id] = Trace(seq.report.strategy or "", list(seq.report.hit_keys))
 
     def observe(
-        self, seq: Sequence, logits: torch.Tensor, token: int, weight_precision: str | None
+        self, seq: Sequence, logits: torch.Tensor | None, token: int, weight_precision: str | None
     ) -> Request | None:
         """A traced request sampled `token` from `logits` (computed at `weight_precision`); at its
-        K-th token, the audit's request."""
+        K-th token, the audit's request. `logits` is None only for a request not traced (a greedy step
+        that computed tokens only: StepUpdate._greedy_only)."""
         trace = self.tracing.get(seq.request_id)
         if trace is None:
             return None
+        assert logits is not None, "a traced request's step keeps its logits"
         trace.logits.append(logits.detach().float().clone())
         trace.tokens.append(token)
         return self._submit(seq, weight_precision) if len(trace.tokens) >= self.num_tokens else None

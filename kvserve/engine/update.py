@@ -19,10 +19,10 @@ import torch
 
 from kvserve.engine.audit import Auditor
 from kvserve.engine.batch_sampler import Sampled, SamplingRow, sample_batch
+from kvserve.engine.model_runner import SampledRows
 from kvserve.engine.output import OutputProcessor
 from kvserve.engine.precision import PrecisionPolicy
 from kvserve.engine.repair import Repairer
-from kvserve.engine.model_runner import SampledRows
 from kvserve.engine.sampler import plain_greedy, sample_one
 from kvserve.request import FinishReason, Request
 from kvserve.scheduler.batch import ScheduledSeq
@@ -170,6 +170,7 @@ class StepUpdate:
         None: sampled here alone (`sample_one`). logits: its row, None where only its greedy token was
         computed (`_greedy_only`: nothing below reads them then)."""
         if seq.request.background:
+            assert logits is not None, "an audit's row keeps its logits (_greedy_only)"
             self._audit_step(seq, logits.float())
             return
         if seq.num_output_tokens == 0 and self.auditor.wants(seq, time.monotonic()):
@@ -182,6 +183,7 @@ class StepUpdate:
             if sampled is not None:
                 token, logprob = sampled
             else:
+                assert logits is not None, "a row sampled alone has its logits"
                 history = seq.output_token_ids if params.penalizes_history else []
                 token, logprob = sample_one(
                     logits, params, seq.request.prompt_token_ids, history, seq.generator, allowed
@@ -190,6 +192,7 @@ class StepUpdate:
                 stage = "following its grammar"
                 seq.grammar.accept(token)
             if self.logits_sink is not None:
+                assert logits is not None, "a step with a logits sink keeps its logits (_greedy_only)"
                 self.logits_sink.setdefault(seq.request_id, []).append(logits.to(torch.float32, copy=True))
             if seq.request.metrics.first_token_time is None:
                 metrics = seq.request.metrics
