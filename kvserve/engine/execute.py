@@ -72,7 +72,10 @@ class StepExecute:
             log.exception("a batched forward of %d sequences failed; retrying them one by one", len(items))
             return self._one_by_one(items)
         inputs.work.moved = moved
-        self.cost.observe(inputs.work, time.perf_counter() - start)
+        forward_s = (
+            time.perf_counter() - start
+        )  # the LM head runs when the update asks: its time is added then
+        step.rows.on_head = lambda head_s: self.cost.observe(inputs.work, forward_s + head_s)
         record(step.prompt_logprobs)
         return [(items, step.rows)]
 

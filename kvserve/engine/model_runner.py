@@ -13,6 +13,7 @@ always a prefix of the batch.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -59,6 +60,8 @@ class SampledRows:
     def __init__(self, runner: ModelRunner, hidden: torch.Tensor):
         self.runner, self.hidden = runner, hidden  # hidden [num_sampled, hidden]
         self._logits: torch.Tensor | None = None
+        # called once with the seconds the head took, when it runs (StepExecute: the step's cost)
+        self.on_head: Callable[[float], None] | None = None
 
     def __len__(self) -> int:
         return self.hidden.shape[0]
@@ -67,8 +70,7 @@ class SampledRows:
         """[num_sampled, vocab] in batch order of the sampled items; float32 or the lm_head's bf16/fp16
         (a row's .float() is the float32 logits exactly)."""
         if self._logits is None:
-            with torch.inference_mode():  # as the forward that made hidden
-                self._logits = self.runner._logits(self.hidden, float32=False)
+            self._logits = self._head(lambda: self.runner._logits(self.hidden, float32=False))
         return self._logits
 
     def greedy_tokens(self) -> list[int] | None:
@@ -77,8 +79,16 @@ class SampledRows:
         head_argmax = self.runner.head_argmax
         if head_argmax is None or self._logits is not None or not len(self):
             return None
-        with torch.inference_mode():
-            return head_argmax(self.hidden).tolist()
+        return self._head(lambda: head_argmax(self.hidden).tolist())
+
+    def _head(self, run: Callable[[], Any]) -> Any:
+        start = time.perf_counter()
+        with torch.inference_mode():  # as the forward that made hidden
+            out = run()
+        if self.on_head is not None:
+            report, self.on_head = self.on_head, None
+            report(time.perf_counter() - start)
+        return out
 
 
 @dataclass

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from kvserve import LLM, SamplingParams
-from kvserve.engine.model_runner import ModelRunner
+from kvserve.engine.model_runner import ModelRunner, SampledRows
 from kvserve.kernels.cpu_features import has_amx_bf16
 
 pytestmark = pytest.mark.skipif(not has_amx_bf16(), reason="the fused head argmax runs on AMX tiles")
@@ -59,3 +59,28 @@ def test_rows_that_need_logits_take_the_logits_path(monkeypatch):
         SamplingParams(max_tokens=4, temperature=0, repetition_penalty=1.3, ignore_eos=True),
     ):
         assert all(len(t) == 4 for t in generate(llm, params))
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.7])
+def test_each_step_observes_its_cost_with_the_head_inside(monkeypatch, temperature):
+    """The head runs when the update asks for tokens or logits, after the forward: the step's cost
+    (scheduler/cost.py) is observed then, once a step, and includes the head's time."""
+    llm = LLM(model="tiny-random-llama", dtype="bfloat16", max_cache_bytes=20_000_000)
+    observed: list[float] = []
+    monkeypatch.setattr(llm.engine.cost, "observe", lambda work, seconds: observed.append(seconds))
+    head_times: list[float] = []
+    original = SampledRows._head
+
+    def timed(self, run):
+        import time
+
+        start = time.perf_counter()
+        out = original(self, run)
+        head_times.append(time.perf_counter() - start)
+        return out
+
+    monkeypatch.setattr(SampledRows, "_head", timed)
+    steps_before = llm.engine.num_steps
+    generate(llm, SamplingParams(max_tokens=6, temperature=temperature, seed=3, ignore_eos=True))
+    assert len(observed) == llm.engine.num_steps - steps_before == len(head_times)
+    assert all(seconds >= head for seconds, head in zip(observed, head_times, strict=True))
