@@ -99,8 +99,8 @@ struct ArgmaxLanes {
 // Rows [r0, r1) of C tile c (rows from m, panel p), rounded as store_rows rounds them, into their rows'
 // lanes (the panel's outputs below the limit); at a work item's last panel each row's lanes fold into its
 // cell: the first NaN by index, else the smallest index holding the maximum.
-inline void argmax_rows(const Shape& s, ArgmaxLanes& lanes, const float* c, int64_t m, int64_t p, int64_t r0,
-                        int64_t r1) {
+inline void argmax_lanes(const Shape& s, ArgmaxLanes& lanes, const float* c, int64_t m, int64_t p, int64_t r0,
+                         int64_t r1) {
   Argmax& a = *s.argmax;
   const int64_t o0 = p * kTileOutputs, valid = std::min(kTileOutputs, a.limit - o0);
   if (valid <= 0) return;
@@ -200,7 +200,7 @@ inline void drain(const Shape& s, Pending& e, int64_t upto) {
       const int64_t rt = e.pt == 2 ? t >> 1 : t, q = e.pt == 2 ? t & 1 : 0;  // pt is 1 or 2: no division
       const int64_t last = std::min(r1, rows_left - rt * kTileRows);
       if (r0 < last && s.argmax) {
-        argmax_rows(s, *e.lanes, e.c + t * kC, e.m + rt * kTileRows, e.p + q, r0, last);
+        argmax_lanes(s, *e.lanes, e.c + t * kC, e.m + rt * kTileRows, e.p + q, r0, last);
       } else if (r0 < last) {
         store_rows(s, e.c + t * kC, e.m + rt * kTileRows, e.p + q, r0, last);
       }

@@ -72,9 +72,8 @@ class StepExecute:
             log.exception("a batched forward of %d sequences failed; retrying them one by one", len(items))
             return self._one_by_one(items)
         inputs.work.moved = moved
-        forward_s = (
-            time.perf_counter() - start
-        )  # the LM head runs when the update asks: its time is added then
+        # the LM head runs when the update asks for tokens or logits: its time is added then
+        forward_s = time.perf_counter() - start
         step.rows.on_head = lambda head_s: self.cost.observe(inputs.work, forward_s + head_s)
         record(step.prompt_logprobs)
         return [(items, step.rows)]

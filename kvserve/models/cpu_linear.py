@@ -89,7 +89,6 @@ class RowInvariantLinear(nn.Module):
         return (
             self.dtype == torch.bfloat16
             and self.codes is None
-            and hasattr(self.ext, "row_linear_bf16_argmax")
             and bool(self.ext.linear_amx(self.in_features))
         )
 

@@ -4,6 +4,8 @@ only where nothing needs the logits."""
 
 from __future__ import annotations
 
+import time
+
 import pytest
 
 from kvserve import LLM, SamplingParams
@@ -72,8 +74,6 @@ def test_each_step_observes_its_cost_with_the_head_inside(monkeypatch, temperatu
     original = SampledRows._head
 
     def timed(self, run):
-        import time
-
         start = time.perf_counter()
         out = original(self, run)
         head_times.append(time.perf_counter() - start)
