@@ -100,6 +100,36 @@ class AttentionMetadata:
             query_positions=positions.to(device) if explicit_positions else None,
         )
 
+    @classmethod
+    def decode(
+        cls, tables: list[list[int]], positions: list[int], block_size: int, device: torch.device | str
+    ) -> AttentionMetadata:
+        """`build` for a step of one row per sequence, each at the end of its KV (a plain decode
+        step): the same tensors from the tables and positions as lists, without a SeqRows or a
+        positions tensor per sequence."""
+        n = len(tables)
+        num_blocks = [len(t) for t in tables]
+        width = max(num_blocks, default=0)
+        padded = [t if k == width else t + [0] * (width - k) for t, k in zip(tables, num_blocks)]
+        block_tables = torch.tensor(padded, dtype=torch.int32).reshape(n, width)
+        q_lens = [1] * n
+        if n <= SMALL_BATCH_ROWS:
+            slots = torch.tensor(_slots(padded, num_blocks, q_lens, positions, block_size), dtype=torch.int64)
+        else:
+            slots = batch_slot_mapping(
+                block_tables, torch.tensor(num_blocks), torch.arange(n), torch.tensor(positions), block_size
+            )
+        seq_lens = [p + 1 for p in positions]
+        return cls(
+            query_start_loc=torch.arange(n + 1, dtype=torch.int32).to(device),
+            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=device),
+            block_tables=block_tables.to(device),
+            slot_mapping=slots.to(device),
+            query_lens_list=q_lens,
+            seq_lens_list=seq_lens,
+            block_size=block_size,
+        )
+
     @property
     def num_seqs(self) -> int:
         return len(self.seq_lens_list)

@@ -175,6 +175,8 @@ class ModelRunner:
         Items that stop early go last, longest first; the others keep their order (and so the
         order of the sampled rows)."""
         layers = self.num_layers
+        if self._plain_decode(batch.items):
+            return self._decode_inputs(batch.items)
         items = sorted(batch.items, key=lambda it: -(it.num_layers or layers))
         explicit = any(it.positions is not None for it in items)
         input_ids: list[int] = []
@@ -244,6 +246,38 @@ class ModelRunner:
             precision=RowPrecision.of(row_precisions) if row_precisions else None,
             probes=probes,
             layer_metas=layer_metas,
+        )
+
+    def _plain_decode(self, items: list[ScheduledSeq]) -> bool:
+        """Whether every item is one sampled row at the end of its sequence's KV through every layer,
+        with one layer group, and nothing but its token read from it (the common decode step)."""
+        return self.layout.num_groups == 1 and all(
+            it.num_new_tokens == 1
+            and it.sample
+            and it.positions is None
+            and it.num_layers is None
+            and it.probe is None
+            and it.precision is None
+            and not it.seq.wants_prompt_logits
+            for it in items
+        )
+
+    def _decode_inputs(self, items: list[ScheduledSeq]) -> StepInputs:
+        """prepare_inputs of a plain decode step (`_plain_decode`): the same inputs from lists of the
+        items' tokens, positions and tables (AttentionMetadata.decode), no per-sequence tensors."""
+        positions = [it.seq.num_computed_tokens for it in items]
+        input_ids = [it.seq.token_ids[p] for it, p in zip(items, positions, strict=True)]
+        tables = [_readable(it.block_tables[0]) for it in items]
+        dev = self.device
+        work = Work()
+        work.add_rows(float(sum(positions)), len(items), self.num_layers)
+        position_ids = torch.tensor([positions], dtype=torch.long, device=dev)
+        return StepInputs(
+            input_ids=torch.tensor([input_ids], dtype=torch.long, device=dev),
+            position_ids=position_ids,
+            meta=AttentionMetadata.decode(tables, positions, self.block_size, dev),
+            logits_indices=self._arange(len(items))[: len(items)].to(dev),
+            work=work,
         )
 
     def _takes_tail(

@@ -68,3 +68,25 @@ def test_a_position_past_its_blocks_raises_not_reads_the_padding(extra_rows: int
     rows = [SeqRows([1, 2, 3], torch.tensor([40]), 41), SeqRows([4], torch.arange(16 - extra_rows, 17), 17)]
     with pytest.raises(IndexError):
         AttentionMetadata.build(rows, BLOCK, "cpu")
+
+
+@pytest.mark.parametrize("n", [1, 5, SMALL_BATCH_ROWS, SMALL_BATCH_ROWS + 1, 130])
+def test_decode_equals_build_for_one_row_per_sequence(n: int) -> None:
+    """AttentionMetadata.decode (a plain decode step's lists) makes build's tensors, both slot paths."""
+    rng = random.Random(n)
+    tables, positions = [], []
+    for _ in range(n):
+        seq_len = rng.randint(1, 200)
+        tables.append(rng.sample(range(1000), -(-seq_len // BLOCK) + rng.randint(0, 2)))
+        positions.append(seq_len - 1)
+    got = AttentionMetadata.decode(tables, positions, BLOCK, "cpu")
+    want = AttentionMetadata.build(
+        [SeqRows(t, torch.tensor([p]), p + 1) for t, p in zip(tables, positions, strict=True)], BLOCK, "cpu"
+    )
+    for name in ("query_start_loc", "seq_lens", "block_tables", "slot_mapping"):
+        a, b = getattr(got, name), getattr(want, name)
+        assert a.dtype == b.dtype and torch.equal(a, b), name
+    assert got.query_lens_list == want.query_lens_list and got.seq_lens_list == want.seq_lens_list
+    assert got.query_positions is None and want.query_positions is None
+    with pytest.raises(IndexError):
+        AttentionMetadata.decode([[1]], [BLOCK], BLOCK, "cpu")  # past its one block
