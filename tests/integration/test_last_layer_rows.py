@@ -26,14 +26,15 @@ def test_last_layer_of_the_sampled_rows_only_changes_no_logit(model, dtype, monk
     tail, full = LLM(**common), LLM(enable_prefix_caching=False, **common)
     assert tail.engine.runner.fused is not None
     prompts = [corpus_token_ids(tail, n, seed=n) for n in (7, 50, 130, 200)]
-    taken = []
-    takes = ModelRunner._takes_tail
+    taken = []  # per step: whether its inputs have a tail
+    prepare = ModelRunner.prepare_inputs
 
-    def counted(self, *args):
-        taken.append(takes(self, *args))
-        return taken[-1]
+    def counted(self, batch):
+        inputs = prepare(self, batch)
+        taken.append(inputs.tail is not None)
+        return inputs
 
-    monkeypatch.setattr(ModelRunner, "_takes_tail", counted)
+    monkeypatch.setattr(ModelRunner, "prepare_inputs", counted)
     cold, cold_logits = generate_with_logits(tail, prompts, GREEDY)
     warm, warm_logits = generate_with_logits(tail, prompts[2:], GREEDY)  # prefix hits, short suffixes
     assert any(taken) and not all(taken)  # prefill steps take it; decode steps (every row sampled) do not
