@@ -51,20 +51,24 @@ struct AttentionTiles {
   std::vector<int32_t> pos, lo; // [h_kv][groups][16]: each lane's position and first visible position
   std::vector<float> acc;       // [h_kv][groups][D][16]: the split's transposed accumulators
   std::vector<float> m, l;      // [h_kv][groups][16]: the split's running max and sum
-  std::vector<uint16_t> k;      // [h_kv][sp][D]: the step's K rows, zero past its tokens
+  std::vector<uint16_t> k;      // [h_kv][sp][D]: the step's K rows, zero past its tokens (copied: blocks < 16)
+  std::vector<const char*> k_tile;  // [h_kv][sp / 16]: each 16-token tile's first K row (in the pool, or k)
+  std::vector<int64_t> k_stride;    // [h_kv][sp / 16]: bytes between that tile's rows (0: a zero row)
   std::vector<uint32_t> vt;     // [h_kv][D][sp / 2]: the step's V^T in token pairs, zero past its tokens
   std::vector<uint32_t> vrows;  // [sp / 2][D]: V's token pairs before the transpose
   std::vector<float> st;        // [2][sp][16]: a group's scores (two buffers: the next group's tiles run
                                 // while this one's softmax does)
   std::vector<uint32_t> pt;     // [sp / 2][16]: a group's probabilities in token pairs
   alignas(64) float c[4 * kTileRows * kGroup];
-  AttentionTiles(int64_t d_, int64_t sp_, int64_t h_kv_, int64_t max_lanes_per_head)
+  // copy_k: K rows are copied into k (blocks of fewer than 16 tokens, read_kv), else read in the pool
+  AttentionTiles(int64_t d_, int64_t sp_, int64_t h_kv_, int64_t max_lanes_per_head, bool copy_k)
       : d(d_), sp(sp_), h_kv(h_kv_) {
     const int64_t g = (max_lanes_per_head + kGroup - 1) / kGroup;
     qt.resize(h_kv * g * d * kGroup / 2);
     pos.resize(h_kv * g * kGroup), lo.resize(h_kv * g * kGroup);
     acc.resize(h_kv * g * d * kGroup), m.resize(h_kv * g * kGroup), l.resize(h_kv * g * kGroup);
-    k.resize(h_kv * sp * d), vt.resize(h_kv * d * sp / 2), vrows.resize(sp / 2 * d);
+    k.resize(copy_k ? h_kv * sp * d : 0), vt.resize(h_kv * d * sp / 2), vrows.resize(sp / 2 * d);
+    k_tile.resize(h_kv * sp / 16), k_stride.resize(h_kv * sp / 16);
     st.resize(2 * sp * kGroup), pt.resize(sp / 2 * kGroup);
   }
   int64_t at(int64_t h, int64_t g) const { return h * groups + g; }  // a (KV head, group) index
@@ -100,14 +104,35 @@ void pack_lanes(AttentionTiles& t, const uint32_t* const* lane_q, const int32_t*
   }
 }
 
-// The step's K rows and V^T for every KV head from its token rows (k_rows / v_rows [h][sp]: D bf16 each,
-// rows past n point at zeros), tokens up to `padded` (a multiple of 64).
+// The step's K tiles and V^T for every KV head from its token rows (k_rows / v_rows [h][sp]: D bf16 each,
+// rows past n point at `zeros`), tokens up to `padded` (a multiple of 64).
+//
+// K: with pool_stride > 0 (blocks of at least 16 tokens, so a 16-token tile lies in one block, its rows
+// pool_stride bytes apart) the score tiles read K in the pool: a tile's first row and that stride. A tile
+// past the step's last token reads a zero row (stride 0); the rows of a tile's last block past n are
+// whatever the pool holds there: their scores (rows of C of their own) are never read, the softmax
+// stops at the step's last token. Else the rows are copied into t.k (zero past n).
 template <int D>
-void read_kv(AttentionTiles& t, const uint16_t* const* k_rows, const uint16_t* const* v_rows, int64_t padded) {
+void read_kv(AttentionTiles& t, const uint16_t* const* k_rows, const uint16_t* const* v_rows, int64_t padded,
+             int64_t n, int64_t pool_stride, const void* zeros) {
   const int64_t sp = t.sp;
   for (int64_t h = 0; h < t.h_kv; ++h) {
-    uint16_t* k = t.k.data() + h * sp * D;
-    for (int64_t tok = 0; tok < padded; ++tok) std::memcpy(k + tok * D, k_rows[h * sp + tok], D * sizeof(uint16_t));
+    const char** tiles = t.k_tile.data() + h * (sp / 16);
+    int64_t* strides = t.k_stride.data() + h * (sp / 16);
+    if (pool_stride > 0) {
+      for (int64_t i = 0; i < padded / 16; ++i) {
+        const bool real = 16 * i < n;
+        tiles[i] = real ? reinterpret_cast<const char*>(k_rows[h * sp + 16 * i]) : static_cast<const char*>(zeros);
+        strides[i] = real ? pool_stride : 0;
+      }
+    } else {
+      uint16_t* k = t.k.data() + h * sp * D;
+      for (int64_t tok = 0; tok < padded; ++tok) std::memcpy(k + tok * D, k_rows[h * sp + tok], D * sizeof(uint16_t));
+      for (int64_t i = 0; i < padded / 16; ++i) {
+        tiles[i] = reinterpret_cast<const char*>(k + 16 * i * D);
+        strides[i] = D * 2;
+      }
+    }
     const uint16_t* const* v = v_rows + h * sp;
     for (int64_t u = 0; u < padded / 2; ++u) {
       uint32_t* row = t.vrows.data() + u * D;
@@ -176,23 +201,24 @@ void end_split(const AttentionTiles& t, int64_t from, int64_t num_heads, float* 
 template <int D>
 void scores(const AttentionTiles& t, int64_t h, int64_t g, int64_t tokens, float* st) {
   const char* q = reinterpret_cast<const char*>(t.qt.data() + t.at(h, g) * (D / 2) * kGroup);
-  const char* k = reinterpret_cast<const char*>(t.k.data() + h * t.sp * D);
-  constexpr int64_t kRow = D * 2, kTile = 16 * kRow;  // bytes of a K row, of 16
+  const char* const* tiles = t.k_tile.data() + h * (t.sp / 16);  // read_kv: each 16-token tile's rows
+  const int64_t* strides = t.k_stride.data() + h * (t.sp / 16);
   for (int64_t t0 = 0; t0 < tokens; t0 += 64) {
     _tile_zero(0);
     _tile_zero(1);
     _tile_zero(2);
     _tile_zero(3);
-    const char* a = k + t0 * kRow;
+    const char* const* a = tiles + t0 / 16;
+    const int64_t* sa = strides + t0 / 16;
     for (int64_t ks = 0; ks < D / 32; ++ks) {
       _tile_loadd(6, q + ks * 1024, 64);
-      _tile_loadd(4, a + ks * 64, kRow);
+      _tile_loadd(4, a[0] + ks * 64, sa[0]);
       _tile_dpbf16ps(0, 4, 6);
-      _tile_loadd(5, a + kTile + ks * 64, kRow);
+      _tile_loadd(5, a[1] + ks * 64, sa[1]);
       _tile_dpbf16ps(1, 5, 6);
-      _tile_loadd(4, a + 2 * kTile + ks * 64, kRow);
+      _tile_loadd(4, a[2] + ks * 64, sa[2]);
       _tile_dpbf16ps(2, 4, 6);
-      _tile_loadd(5, a + 3 * kTile + ks * 64, kRow);
+      _tile_loadd(5, a[3] + ks * 64, sa[3]);
       _tile_dpbf16ps(3, 5, 6);
     }
     float* s = st + t0 * kGroup;
