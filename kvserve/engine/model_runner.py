@@ -249,8 +249,9 @@ class ModelRunner:
         )
 
     def _plain_decode(self, items: list[ScheduledSeq]) -> bool:
-        """Whether every item is one sampled row at the end of its sequence's KV through every layer,
-        with one layer group, and nothing but its token read from it (the common decode step)."""
+        """Whether every item is one sampled row at the end of its sequence's KV, through every layer,
+        with one layer group, and no prompt logprobs, probe or per-row precision (the common decode
+        step; the general path would make the same inputs, tests/integration/test_decode_inputs.py)."""
         return self.layout.num_groups == 1 and all(
             it.num_new_tokens == 1
             and it.sample
