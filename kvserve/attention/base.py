@@ -60,21 +60,54 @@ class AttentionMetadata:
         explicit_positions: bool = False,  # True: set query_positions (rows need not end their sequence)
         positions: torch.Tensor | None = None,  # the seqs' positions concatenated, when the caller has them
     ) -> AttentionMetadata:
-        """The one place query offsets, block tables and slot mappings are made: a few tensor ops over
-        the whole batch (no tensor per sequence), so a step's cost does not grow with Python per row."""
-        n = len(seqs)
+        """The one place query offsets, block tables and slot mappings are made (with `decode`, through
+        `_from_lists`): a few tensor ops over the whole batch (no tensor per sequence), so a step's cost
+        does not grow with Python per row."""
         q_lens = [len(s.positions) for s in seqs]
-        seq_lens = [s.seq_len for s in seqs]
-        num_blocks = [len(s.block_ids) for s in seqs]
-        width = max(num_blocks, default=0)
-        padded = [
-            s.block_ids if k == width else s.block_ids + [0] * (width - k) for s, k in zip(seqs, num_blocks)
-        ]
-        block_tables = torch.tensor(padded, dtype=torch.int32).reshape(n, width)
-        query_start_loc = torch.tensor([0, *itertools.accumulate(q_lens)], dtype=torch.int32)
         if positions is None:
             positions = torch.cat([s.positions for s in seqs]) if seqs else torch.zeros(0, dtype=torch.int64)
-        positions = positions.to("cpu", torch.int64)
+        return cls._from_lists(
+            [s.block_ids for s in seqs],
+            q_lens,
+            [s.seq_len for s in seqs],
+            positions.to("cpu", torch.int64),
+            block_size,
+            device,
+            write=write,
+            explicit_positions=explicit_positions,
+        )
+
+    @classmethod
+    def decode(
+        cls, tables: list[list[int]], positions: list[int], block_size: int, device: torch.device | str
+    ) -> AttentionMetadata:
+        """`build` for a step of one row per sequence, each at the end of its KV (a plain decode
+        step): the same tensors from the tables and positions as lists, without a SeqRows or a
+        positions tensor per sequence."""
+        seq_lens = [p + 1 for p in positions]
+        rows = torch.tensor(positions, dtype=torch.int64)
+        return cls._from_lists(tables, [1] * len(tables), seq_lens, rows, block_size, device)
+
+    @classmethod
+    def _from_lists(
+        cls,
+        tables: list[list[int]],
+        q_lens: list[int],
+        seq_lens: list[int],
+        positions: torch.Tensor,  # [num_rows] int64 on the CPU, the sequences' rows concatenated
+        block_size: int,
+        device: torch.device | str,
+        *,
+        write: bool = True,
+        explicit_positions: bool = False,
+    ) -> AttentionMetadata:
+        """build's tensors from per-sequence lists (see build's arguments)."""
+        n = len(tables)
+        num_blocks = [len(t) for t in tables]
+        width = max(num_blocks, default=0)
+        padded = [t if k == width else t + [0] * (width - k) for t, k in zip(tables, num_blocks)]
+        block_tables = torch.tensor(padded, dtype=torch.int32).reshape(n, width)
+        query_start_loc = torch.tensor([0, *itertools.accumulate(q_lens)], dtype=torch.int32)
         if write and len(positions) <= SMALL_BATCH_ROWS:  # a few rows: Python ints beat six tensor ops
             slot_tensor = torch.tensor(
                 _slots(padded, num_blocks, q_lens, positions.tolist(), block_size), dtype=torch.int64
@@ -98,36 +131,6 @@ class AttentionMetadata:
             seq_lens_list=seq_lens,
             block_size=block_size,
             query_positions=positions.to(device) if explicit_positions else None,
-        )
-
-    @classmethod
-    def decode(
-        cls, tables: list[list[int]], positions: list[int], block_size: int, device: torch.device | str
-    ) -> AttentionMetadata:
-        """`build` for a step of one row per sequence, each at the end of its KV (a plain decode
-        step): the same tensors from the tables and positions as lists, without a SeqRows or a
-        positions tensor per sequence."""
-        n = len(tables)
-        num_blocks = [len(t) for t in tables]
-        width = max(num_blocks, default=0)
-        padded = [t if k == width else t + [0] * (width - k) for t, k in zip(tables, num_blocks)]
-        block_tables = torch.tensor(padded, dtype=torch.int32).reshape(n, width)
-        q_lens = [1] * n
-        if n <= SMALL_BATCH_ROWS:
-            slots = torch.tensor(_slots(padded, num_blocks, q_lens, positions, block_size), dtype=torch.int64)
-        else:
-            slots = batch_slot_mapping(
-                block_tables, torch.tensor(num_blocks), torch.arange(n), torch.tensor(positions), block_size
-            )
-        seq_lens = [p + 1 for p in positions]
-        return cls(
-            query_start_loc=torch.arange(n + 1, dtype=torch.int32).to(device),
-            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=device),
-            block_tables=block_tables.to(device),
-            slot_mapping=slots.to(device),
-            query_lens_list=q_lens,
-            seq_lens_list=seq_lens,
-            block_size=block_size,
         )
 
     @property

@@ -227,8 +227,8 @@ class Engine:
         now = time.monotonic()
         batch = self._schedule(now)
         touched: list[Sequence] = []
-        for items, logits in self.execute.run(batch.items) if batch.items else []:
-            touched += self.update.apply(items, logits)
+        for items, rows in self.execute.run(batch.items) if batch.items else []:
+            touched += self.update.apply(items, rows)
         self._end_prompt_only()
         self.num_steps += 1
         if self.check_integrity_each_step:

@@ -97,10 +97,6 @@ class StepOutput:
     # per PromptRows of the step: the prompt tokens those rows score, in position order
     prompt_logprobs: list[tuple[PromptRows, list[TokenLogprob]]] = field(default_factory=list)
 
-    @property
-    def logits(self) -> torch.Tensor:
-        return self.rows.logits()
-
 
 class ModelRunner:
     def __init__(
@@ -272,10 +268,9 @@ class ModelRunner:
         dev = self.device
         work = Work()
         work.add_rows(float(sum(positions)), len(items), self.num_layers)
-        position_ids = torch.tensor([positions], dtype=torch.long, device=dev)
         return StepInputs(
             input_ids=torch.tensor([input_ids], dtype=torch.long, device=dev),
-            position_ids=position_ids,
+            position_ids=torch.tensor([positions], dtype=torch.long, device=dev),
             meta=AttentionMetadata.decode(tables, positions, self.block_size, dev),
             logits_indices=self._arange(len(items))[: len(items)].to(dev),
             work=work,
