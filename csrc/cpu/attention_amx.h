@@ -54,15 +54,15 @@ struct AttentionTiles {
   std::vector<uint16_t> k;      // [h_kv][sp][D]: the step's K rows, zero past its tokens (copied: blocks < 16)
   std::vector<const char*> k_tile;  // [h_kv][sp / 16]: each 16-token tile's first K row (in the pool, or k)
   std::vector<int64_t> k_stride;    // [h_kv][sp / 16]: bytes between that tile's rows (0: a zero row)
+  bool copy_k;                      // K rows copied into k (blocks of fewer than 16 tokens), else read in the pool
   std::vector<uint32_t> vt;     // [h_kv][D][sp / 2]: the step's V^T in token pairs, zero past its tokens
   std::vector<uint32_t> vrows;  // [sp / 2][D]: V's token pairs before the transpose
   std::vector<float> st;        // [2][sp][16]: a group's scores (two buffers: the next group's tiles run
                                 // while this one's softmax does)
   std::vector<uint32_t> pt;     // [sp / 2][16]: a group's probabilities in token pairs
   alignas(64) float c[4 * kTileRows * kGroup];
-  // copy_k: K rows are copied into k (blocks of fewer than 16 tokens, read_kv), else read in the pool
-  AttentionTiles(int64_t d_, int64_t sp_, int64_t h_kv_, int64_t max_lanes_per_head, bool copy_k)
-      : d(d_), sp(sp_), h_kv(h_kv_) {
+  AttentionTiles(int64_t d_, int64_t sp_, int64_t h_kv_, int64_t max_lanes_per_head, bool copy_k_)
+      : d(d_), sp(sp_), h_kv(h_kv_), copy_k(copy_k_) {
     const int64_t g = (max_lanes_per_head + kGroup - 1) / kGroup;
     qt.resize(h_kv * g * d * kGroup / 2);
     pos.resize(h_kv * g * kGroup), lo.resize(h_kv * g * kGroup);
@@ -107,11 +107,11 @@ void pack_lanes(AttentionTiles& t, const uint32_t* const* lane_q, const int32_t*
 // The step's K tiles and V^T for every KV head from its token rows (k_rows / v_rows [h][sp]: D bf16 each,
 // rows past n point at `zeros`), tokens up to `padded` (a multiple of 64).
 //
-// K: with pool_stride > 0 (blocks of at least 16 tokens, so a 16-token tile lies in one block, its rows
+// K: unless t.copy_k (blocks of at least 16 tokens, so a 16-token tile lies in one block, its rows
 // pool_stride bytes apart) the score tiles read K in the pool: a tile's first row and that stride. A tile
 // past the step's last token reads a zero row (stride 0); the rows of a tile's last block past n are
 // whatever the pool holds there: their scores (rows of C of their own) are never read, the softmax
-// stops at the step's last token. Else the rows are copied into t.k (zero past n).
+// stops at the step's last token. With t.copy_k the rows are copied into t.k (zero past n).
 template <int D>
 void read_kv(AttentionTiles& t, const uint16_t* const* k_rows, const uint16_t* const* v_rows, int64_t padded,
              int64_t n, int64_t pool_stride, const void* zeros) {
@@ -119,7 +119,7 @@ void read_kv(AttentionTiles& t, const uint16_t* const* k_rows, const uint16_t* c
   for (int64_t h = 0; h < t.h_kv; ++h) {
     const char** tiles = t.k_tile.data() + h * (sp / 16);
     int64_t* strides = t.k_stride.data() + h * (sp / 16);
-    if (pool_stride > 0) {
+    if (!t.copy_k) {
       for (int64_t i = 0; i < padded / 16; ++i) {
         const bool real = 16 * i < n;
         tiles[i] = real ? reinterpret_cast<const char*>(k_rows[h * sp + 16 * i]) : static_cast<const char*>(zeros);

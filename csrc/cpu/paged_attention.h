@@ -141,10 +141,8 @@ void read_step_bf16(const Problem& p, const DenseReader<at::BFloat16>& reader, W
   }
 #ifdef KVSERVE_HAVE_AMX
   if (w.tiles.has_value()) {  // the tiles read K's rows and V^T (attention_amx.h), not the lanes' layouts
-    // a 16-token tile lies in one block of 16 or more: K is read in place (AttentionTiles: copy_k)
-    const int64_t pool_stride = bs >= 16 ? stride * 2 : 0;
     amx::read_kv<D>(*w.tiles, reinterpret_cast<const uint16_t* const*>(w.tok_k.data()), w.tok_v16.data(), padded, n,
-                    pool_stride, w.zeros.data());
+                    stride * 2, w.zeros.data());
     return;
   }
 #endif
@@ -391,6 +389,7 @@ void run_rows(const Problem& p, const Reader& reader, const typename M::Q* q, fl
 #ifdef KVSERVE_HAVE_AMX
         if (Work<M>::kBf16 && amx::attention_on(D)) {  // a path per call, never per row
           amx::configure();
+          // K read in the pool where a 16-token tile lies in one block (attention_amx.h read_kv)
           w.tiles.emplace(D, p.step_tokens, p.h_kv, max_rows * (p.num_heads / p.h_kv), p.block_size < 16);
         }
 #endif
