@@ -14,7 +14,8 @@ What it computes is the HF forward's arithmetic, checked against it (tests/kerne
   so the fused call is bitwise the separate ones. The concatenation shares memory with the HF modules'
   packs (they become views into it), so nothing is stored twice.
 - Rotary embedding and the residual adds are bitwise torch's elementwise ops (csrc/cpu/layer_ops.cpp);
-  cos / sin come from the model's own rotary module (so any RoPE scaling it implements applies).
+  cos / sin come from the model's own rotary module (so any RoPE scaling it implements applies),
+  tabulated once per position range (`RopeTable`).
 - silu(gate) * up rounds where torch's ops of the dtype round (bf16: the SiLU, then the product), with
   an exp of its own (csrc/cpu/vec.h), so it agrees with torch's to about an fp32 ulp before rounding.
 - RMSNorm sums squares in an order of its own, so hidden states agree with HF's to rounding (fp32
@@ -85,6 +86,37 @@ class LayerTail:
 
     rows: torch.Tensor  # [k] int64 indices into the step's rows
     meta: AttentionMetadata
+
+
+# RoPE types whose frequencies are fixed (HF's dynamic_rope_update leaves them alone): a position's cos
+# and sin are then a function of the position only. "dynamic" and "longrope" change with the length.
+STATIC_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
+
+
+class RopeTable:
+    """cos and sin of the model's own rotary module, computed once for positions [0, n) and read by
+    index each step (HF's module recomputes them: about 0.4 ms of a 128-row decode step of
+    tiny-random-llama). Each value is elementwise in its position (an outer product, then cos / sin),
+    so a row of the table is bitwise the module's output for that position alone
+    (`test_rope_table_is_the_rotary_modules_output_bitwise`). Grown by doubling; RoPE types whose
+    frequencies change with the length (not in STATIC_ROPE_TYPES) call the module every step."""
+
+    def __init__(self, rotary: nn.Module):
+        self.rotary = rotary
+        self.static = getattr(rotary, "rope_type", "default") in STATIC_ROPE_TYPES
+        self.cos = self.sin = torch.empty(0)
+
+    def __call__(self, like: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """[T, head_dim] cos and sin for `positions` [T] int64, in like's dtype, contiguous."""
+        if not self.static:
+            cos, sin = self.rotary(like, positions.unsqueeze(0))
+            return cos[0].contiguous(), sin[0].contiguous()
+        top = int(positions.max()) + 1 if positions.numel() else 0
+        if top > self.cos.shape[0] or self.cos.dtype != like.dtype:
+            n = max(1024, 1 << (top - 1).bit_length(), self.cos.shape[0])
+            cos, sin = self.rotary(like, torch.arange(n, device=positions.device).unsqueeze(0))
+            self.cos, self.sin = cos[0].contiguous(), sin[0].contiguous()
+        return self.cos.index_select(0, positions), self.sin.index_select(0, positions)
 
 
 @dataclass
@@ -201,6 +233,7 @@ class FusedLlamaForward:
         self.head_dim = first_attn.head_dim
         self.scale = first_attn.scaling
         self.eps = self.decoder.norm.variance_epsilon
+        self.rope = RopeTable(self.decoder.rotary_emb)
         layers = self.decoder.layers
         self.first_norm = layers[0].input_layernorm.weight.detach()
         next_norms = [layer.input_layernorm.weight.detach() for layer in layers[1:]]
@@ -246,8 +279,7 @@ class FusedLlamaForward:
         precision = precision or RowPrecision()
         cut_at = {c.after_layer: c for c in cuts or []}
         hidden = self.decoder.embed_tokens(input_ids)  # [T, hidden], the residual stream
-        cos, sin = self.decoder.rotary_emb(hidden, position_ids.unsqueeze(0))
-        cos, sin = cos[0].contiguous(), sin[0].contiguous()  # [T, head_dim]
+        cos, sin = self.rope(hidden, position_ids)  # [T, head_dim]
         q_cols = self.num_heads * self.head_dim
         kv_cols = self.num_kv_heads * self.head_dim
         rows = hidden.shape[0]

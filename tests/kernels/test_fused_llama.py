@@ -9,7 +9,7 @@ from transformers.models.llama.modeling_llama import LlamaRMSNorm, apply_rotary_
 
 from kvserve import LLM, SamplingParams
 from kvserve.kvcache.kv_storage import DenseLayerKV
-from kvserve.models.fused_llama import fuse
+from kvserve.models.fused_llama import RopeTable, fuse
 from tests.integration.helpers import corpus_token_ids, generate_with_logits
 
 DTYPES = [torch.float32, torch.bfloat16]
@@ -37,6 +37,32 @@ def test_norms_match_the_modeling_code(ext, dtype):
     got = ext.add_rms_norm_(residual, delta, norm.weight.data, 1e-5)
     assert torch.equal(residual, x + delta)  # the residual add is torch's, bitwise
     torch.testing.assert_close(got, norm(x + delta), atol=4e-6 if dtype == torch.float32 else 0, rtol=2**-7)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("theta", [10000.0, 1000000.0])
+@pytest.mark.parametrize("head_dim", [16, 64])
+def test_rope_table_is_the_rotary_modules_output_bitwise(dtype, theta, head_dim):
+    """Each row of RopeTable is what the model's rotary module gives for that position, in a call of
+    one position, of a few, or of a prefill's range, bitwise; it grows past its first 1,024 positions."""
+    from transformers import LlamaConfig
+    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+
+    config = LlamaConfig(hidden_size=4 * head_dim, num_attention_heads=4, head_dim=head_dim, rope_theta=theta)
+    rotary = LlamaRotaryEmbedding(config)
+    table = RopeTable(rotary)
+    assert table.static
+    like = torch.zeros(1, dtype=dtype)
+    g = torch.Generator().manual_seed(0)
+    steps = [torch.tensor([p]) for p in (0, 1, 17, 1023)]
+    steps += [torch.randint(0, 1024, (n,), generator=g) for n in (2, 7, 128)]
+    steps += [torch.arange(300, 2100), torch.tensor([5000, 3, 4095])]
+    for positions in steps:
+        got_cos, got_sin = table(like, positions)
+        want_cos, want_sin = rotary(like, positions.unsqueeze(0))
+        assert got_cos.dtype == dtype and got_cos.is_contiguous()
+        assert torch.equal(got_cos, want_cos[0]) and torch.equal(got_sin, want_sin[0]), positions[:4]
+    assert table.cos.shape[0] == 8192  # doubled to cover position 5,000
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
