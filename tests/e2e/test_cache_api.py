@@ -6,10 +6,12 @@ import itertools
 import random
 import re
 import time
+from collections.abc import Iterator
 
 import httpx
+import pytest
 
-from tests.e2e.conftest import TINY, Server, wait_until
+from tests.e2e.conftest import TINY, TINY_FLAGS, Server, launch, stop, wait_until
 
 CHUNK = 128
 
@@ -147,7 +149,20 @@ def test_warm_shorter_than_a_chunk_caches_nothing(tiny_server: Server) -> None:
     assert r["num_cacheable_tokens"] == 0 and r["num_new_chunks"] == 0 and r["num_tokens"] > 0
 
 
-def test_approximate_reuse_is_opt_in_per_request_and_reported(tiny_server: Server) -> None:
+@pytest.fixture(scope="module")
+def taking_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    """The tiny server taking every content match (--reuse-min-saving -10). A fresh clone's full run
+    (2026-12-07) got no reuse for this test's small plan on the module's shared server, where it passes
+    alone; the likely cause is the default 0.1, whose choice follows a cost model fitted to the
+    machine's own step times. The test is about opt-in and reporting, not that choice, and now asserts
+    the plan first, so a miss says why."""
+    server = launch(tmp_path_factory.mktemp("kvserve"), *TINY_FLAGS, "--reuse-min-saving", "-10")
+    yield server
+    stop(server)
+
+
+def test_approximate_reuse_is_opt_in_per_request_and_reported(taking_server: Server) -> None:
+    tiny_server = taking_server
     doc = _ids(20, 2 * CHUNK)
     prompt = _ids(21, CHUNK) + doc + _ids(22, 9)  # the document one chunk later than it was warmed
     client = tiny_server.client()
@@ -172,6 +187,7 @@ def test_approximate_reuse_is_opt_in_per_request_and_reported(tiny_server: Serve
         # content-defined pieces (the default): all but the pieces straddling the document's edges,
         # in one run, so the first 8 tokens of that run are recomputed
         split = r["usage"]["kvserve"]
+        assert split["reuse_plans"] == {"taken": 1}, split
         assert split["exact_cached_tokens"] == 0 and split["recomputed_tokens"] == 8
         assert CHUNK <= split["approx_cached_tokens"] <= 2 * CHUNK - 8
         assert r["usage"]["prompt_tokens_details"]["cached_tokens"] == split["approx_cached_tokens"]
