@@ -168,9 +168,16 @@ class ServeConfig:
     recompute_strategy: str = field(
         default="auto",
         metadata={
-            "help": "repair for content matches: auto (the repair verified on this model to keep task "
-            "accuracy, docs/blend.md; none is yet, so matches are served exactly), or by name, opting "
-            "into its measured loss: none, selective, cacheblend or query (query-aware)"
+            "help": "repair for content matches: auto (the preset verified on this model to keep task "
+            "accuracy, from --verified-presets; on a model with none, matches are served exactly), or by "
+            "name, opting into its measured loss: none, selective, cacheblend or query (query-aware)"
+        },
+    )
+    verified_presets: str = field(
+        default="",
+        metadata={
+            "help": "the verified-presets file auto reads (written by scripts/bench_reuse_quality.py "
+            "--verify MODEL); empty: the package's own"
         },
     )
     recompute_tokens: int = field(

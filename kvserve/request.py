@@ -369,6 +369,9 @@ class RequestOutput:
     num_recomputed_tokens: int = 0  # reused tokens recomputed by the repair
     compute_fraction: float | None = None  # repair forwards only: token-layers computed / full prefill's
     reuse_plan: str | None = None  # with content matches: "taken" or "declined: <why>" (cost-aware choice)
+    # a taken plan's repair source: "named by the request", "the server's --recompute-strategy X", or
+    # "auto: <preset>, verified on <model> (<command>; data <file>)"
+    reuse_preset: str | None = None
     audit: str | None = None  # asked for an audit (audit: true): "queued" or "skipped: <why>"
     estimated_saving: float | None = None  # the choice's estimate: 1 - repair time / exact-only time
     logprobs: list[TokenLogprob] | None = None  # final: one per token in token_ids; a delta: None

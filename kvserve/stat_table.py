@@ -119,6 +119,11 @@ STATS: tuple[Stat, ...] = (
     Stat(None, "kvserve:repair_recomputed_tokens", "counter",
          "Reused tokens recomputed by the repair (selective / cacheblend).",
          "tokens", "sum", lambda s: s.content_reuse.num_recomputed_tokens),
+    Stat(None, "kvserve:reuse_auto_fell_back", "gauge",
+         "1 once --recompute-strategy auto stopped repairing with its verified preset because the online "
+         "audits agreed clearly less than the verification did (0: repairing, or no preset; summed over "
+         "a cluster's replicas).",
+         "replicas", "sum", lambda s: float(bool(s.content_reuse.auto["fell_back"]))),
 )  # fmt: skip
 
 

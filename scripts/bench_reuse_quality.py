@@ -59,7 +59,9 @@ from machine import describe  # noqa: E402
 
 from kvserve import LLM, SamplingParams  # noqa: E402
 from kvserve.engine.audit import MAX_PENDING  # noqa: E402
+from kvserve.quant.choice import REAL  # noqa: E402
 from kvserve.request import RequestOutput, ReuseOptions  # noqa: E402
+from kvserve.scheduler.verified import PRESET_FIELDS, PRESETS_FILE, shortfalls, targets_for  # noqa: E402
 
 STRATEGIES: dict[str, ReuseOptions | None] = {
     "full prefill": None,
@@ -599,7 +601,9 @@ def record_accuracy(
         "bytes_per_token": {c: e["bytes_per_token"] for c, e in table.items()},
     }
     measures = data.setdefault("models", {}).setdefault(args["model"], {})
-    old = measures.get(measure)
+    text = args.get("text", "generated")
+    name = measure + (REAL if text == "real" else "")  # the real-text family apart (kvserve/quant/choice.py)
+    old = measures.get(name)
     same = ("prompts", "docs", "seed", "reference", "compute_dtype", "block_size")
     if (
         old
@@ -610,10 +614,10 @@ def record_accuracy(
             entry[key] = {**old[key], **entry[key]}
     codecs = [reference, *(c for c in entry["accuracy"] if c != reference)]
     entry["source"] = (
-        f"scripts/bench_reuse_quality.py --model {args['model']} --measures {measure} --prompts {args['prompts']} "
+        f"scripts/bench_reuse_quality.py --model {args['model']} --measures {measure} --text {text} --prompts {args['prompts']} "
         f"--docs {args['docs']} --seed {args['seed']} --block-size {entry['block_size']} --codecs {','.join(codecs)}"
     )
-    measures[measure] = entry
+    measures[name] = entry
     with open(path, "w") as f:
         json.dump(data, f, indent=1, sort_keys=True)
         f.write("\n")
@@ -901,6 +905,129 @@ def partial_writer(args: argparse.Namespace, results: dict, measure: str) -> Cal
     return write
 
 
+# --verify: the candidates and measures a preset is verified on (kvserve/scheduler/verified.py)
+VERIFY_CANDIDATES = "query R=4 0.45,query R=4 0.30,cacheblend 0.15"
+VERIFY_MEASURES = "lookup,multihop,recall"
+FULL_SAMPLE = {"qwen2.5-coder-1.5b": 100}  # prompts per measure the targets are stated at (else 200)
+
+
+def verification(model: str, runs: list[dict], data: list[str], command: str) -> dict:
+    """The verified-presets entry for `model` from its saved runs (one per task family, each measuring
+    the candidates against full prefill): the fastest candidate that meets every target on every family,
+    verified; else the one closest to them (fewest shortfalls, then best worst accuracy), listed as
+    missed with what limits it and, per family and measure, the Pareto front of accuracy against TTFT.
+    A run with fewer prompts than the targets are stated at cannot verify."""
+    targets = targets_for(model)
+    need = FULL_SAMPLE.get(model, 200)
+    figures: dict[str, dict[str, dict[str, dict[str, float]]]] = {}
+    agreement: dict[str, list[float]] = {}
+    points: dict[str, dict[str, list[list]]] = {}
+    small = []
+    for run in runs:
+        if run["model"] != model or run["codecs"]:
+            raise ValueError(f"--verify {model}: a saved run is of {run['model']} or of codecs")
+        family = run["text"]
+        for measure, table in run["tables"].items():
+            if table["full prefill"]["n"] < need:
+                small.append(
+                    f"{family} {measure}: {table['full prefill']['n']} prompts < the targets' {need}"
+                )
+            for name, e in table.items():
+                fig = {
+                    "x_full": round(e["x_full"], 4),
+                    "ttft_x_full": round(e["ttft_x_full"], 3),
+                    "n": e["n"],
+                }
+                points.setdefault(family, {}).setdefault(measure, []).append(
+                    [fig["ttft_x_full"], fig["x_full"], name]
+                )
+                if name == "full prefill":
+                    continue
+                figures.setdefault(name, {}).setdefault(family, {})[measure] = fig
+                agreement.setdefault(name, []).extend(
+                    run["raw"][measure]["rows"][name].get("audit_agreement", [])
+                )
+    if not figures:
+        raise ValueError(f"--verify {model}: the runs measured no candidate")
+    judged = {name: shortfalls(targets, f) + small for name, f in figures.items()}
+    for name in judged:
+        if not agreement[name]:
+            judged[name].append(
+                "not audited (run with --audit-every > 0): the online watch needs its agreement"
+            )
+
+    def worst_ttft(name: str) -> float:
+        return max(m["ttft_x_full"] for fam in figures[name].values() for m in fam.values())
+
+    def worst_accuracy(name: str) -> float:
+        return min(m["x_full"] for fam in figures[name].values() for m in fam.values())
+
+    passed = [n for n, short in judged.items() if not short]
+    best = (
+        min(passed, key=worst_ttft)
+        if passed
+        else min(judged, key=lambda n: (len(judged[n]), -worst_accuracy(n)))
+    )
+    opts = STRATEGIES[best]
+    assert opts is not None
+    pareto = {
+        family: {
+            measure: [
+                next([t, x, n] for t, x, n in pts if (t, x) == (ft, fx))
+                for ft, fx in pareto_front([(t, x) for t, x, _ in pts])
+            ]
+            for measure, pts in by_measure.items()
+        }
+        for family, by_measure in points.items()
+    }
+    return {
+        "verified": bool(passed),
+        "preset": {
+            "name": best,
+            **{k: getattr(opts, k) for k in PRESET_FIELDS if getattr(opts, k) is not None},
+        },
+        "pieces": runs[0]["pieces"],
+        "audit_agreement": round(statistics.fmean(agreement[best]), 4) if agreement[best] else 0.0,
+        "num_audits": len(agreement[best]),
+        "figures": figures[best],
+        "targets": {"accuracy_x_full": targets.accuracy, "ttft_x_full": targets.ttft, "prompts": need},
+        "limits": "; ".join(judged[best]),
+        "candidates": {n: "; ".join(short) or "meets every target" for n, short in judged.items()},
+        "pareto": pareto,  # per family and measure: [TTFT x full, accuracy x full, strategy], TTFT ascending
+        "machine": runs[0]["machine"],
+        "source": command,
+        "data": data,
+    }
+
+
+def write_verification(path: str, model: str, entry: dict) -> None:
+    """Put `model`'s entry into the verified-presets file (others kept)."""
+    try:
+        with open(path) as f:
+            data = json.load(f)
+    except FileNotFoundError:
+        data = {"models": {}}
+    data["models"][model] = entry
+    with open(path, "w") as f:
+        json.dump(data, f, indent=1, sort_keys=True)
+        f.write("\n")
+
+
+def print_verification(model: str, entry: dict) -> None:
+    state = "VERIFIED" if entry["verified"] else "missed"
+    print(
+        f"\n## --verify {model}: {entry['preset']['name']} {state} ({entry['num_audits']} audits, agreement {entry['audit_agreement']:.3f})"
+    )
+    for name, what in entry["candidates"].items():
+        print(f"- {name}: {what}")
+    for family, by_measure in entry["pareto"].items():
+        for measure, front in by_measure.items():
+            print(
+                f"- Pareto front, {family} {measure}: "
+                + ", ".join(f"{n} ({t:.2f}x TTFT, {x:.3f}x)" for t, x, n in front)
+            )
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--model", default="smollm2-135m")
@@ -977,7 +1104,31 @@ def main() -> None:
         help="comma-separated --json files of codec runs on the same prompts: print, and write to --json, "
         "--plot and --registry, their codecs as one run",
     )
+    ap.add_argument(
+        "--verify",
+        default="",
+        metavar="MODEL",
+        help=f"verify approximate-reuse presets on MODEL: run --measures (default {VERIFY_MEASURES}) on both "
+        f"task families with the candidates (--strategies, default {VERIFY_CANDIDATES}), write each "
+        "family's run to --json with _generated / _real before its extension, and write the model's entry "
+        "(verified, or missed with its Pareto front) to --presets",
+    )
+    ap.add_argument(
+        "--presets",
+        default=str(PRESETS_FILE),
+        help="with --verify: the verified-presets file to write (the package's by default; a server reads "
+        "another with --verified-presets)",
+    )
+    ap.add_argument(
+        "--verify-from",
+        default="",
+        help="with --verify: judge these saved runs (comma-separated --json files, one per family) instead of "
+        "running",
+    )
     args = ap.parse_args()
+    if args.verify:
+        verify(ap, args)
+        return
     if args.merge or args.replot:  # saved runs: merge them, or redraw / record one
         saved = []
         for path in (args.merge or args.replot).split(","):
@@ -1039,6 +1190,65 @@ def main() -> None:
                 json.dump(results, f, indent=1)
     if args.plot:
         plot(results, args.plot)
+
+
+def verify(ap: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """--verify MODEL: run (or read, --verify-from) one run per task family, judge, write the entry."""
+    model = args.model = args.verify
+    command = "scripts/bench_reuse_quality.py " + " ".join(sys.argv[1:])
+    if args.verify_from:
+        paths = args.verify_from.split(",")
+        runs = []
+        for path in paths:
+            with open(path) as f:
+                runs.append(json.load(f))
+        command = runs[0].get("command", command)
+    else:
+        if not args.json:
+            ap.error("--verify needs --json: the runs are the verification's data")
+        if args.audit_every < 1:
+            ap.error(
+                "--verify needs --audit-every >= 1: the online watch compares with the audits' agreement"
+            )
+        args.measures = args.measures if args.measures != ap.get_default("measures") else VERIFY_MEASURES
+        names = (args.strategies or VERIFY_CANDIDATES).split(",")
+        unknown = [n for n in names if n not in STRATEGIES or STRATEGIES[n] is None]
+        if unknown:
+            ap.error(f"unknown candidates {unknown}; known: {list(STRATEGIES)[1:]}")
+        strategies = {"full prefill": None, **{n: STRATEGIES[n] for n in names}}
+        stem, ext = os.path.splitext(args.json)
+        paths, runs = [], []
+        for family in ("generated", "real"):
+            args.text = family
+            run = {
+                "model": model,
+                "machine": describe(),
+                "seed": args.seed,
+                "pieces": args.pieces,
+                "text": family,
+                "args": vars(args),
+                "codecs": [],
+                "tables": {},
+                "raw": {},
+                "command": command,
+            }
+            print(f"## --verify {model}: {family} text, --pieces {args.pieces}; {run['machine']}", flush=True)
+            for k, measure in enumerate(args.measures.split(",")):
+                result = run_measure(measure, args, strategies, random.Random(args.seed * 1000 + k))
+                run["tables"][measure] = table = summarise(measure, result)
+                run["raw"][measure] = result
+                print_table(measure, result, table)
+                path = f"{stem}_{family}{ext or '.json'}"
+                with open(path, "w") as f:
+                    json.dump(run, f, indent=1)
+            paths.append(path)
+            runs.append(run)
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    data = [os.path.relpath(os.path.abspath(p), root) for p in paths]
+    entry = verification(model, runs, data, command)
+    print_verification(model, entry)
+    write_verification(args.presets, model, entry)
+    print(f"\nwrote {model}'s entry to {args.presets}")
 
 
 if __name__ == "__main__":

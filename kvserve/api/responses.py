@@ -91,6 +91,16 @@ def usage(job: Job, finals: dict[str, RequestOutput]) -> dict[str, Any]:
             "recomputed_tokens": sum(o.num_recomputed_tokens for o in first_of_prompt.values()),
             # prompts with content matches, by the cost-aware decision: "taken" or "declined: <why>"
             "reuse_plans": dict(Counter(o.reuse_plan for o in first_of_prompt.values() if o.reuse_plan)),
+            # prompts served with a repair, by where it came from (auto names its verified preset)
+            **(
+                {
+                    "reuse_presets": dict(
+                        Counter(o.reuse_preset for o in first_of_prompt.values() if o.reuse_preset)
+                    )
+                }
+                if any(o.reuse_preset for o in first_of_prompt.values())
+                else {}
+            ),
             # choices that asked for an audit (audit: true), by what became of it: "queued" or
             # "skipped: <why>" (past the server's budget, nothing approximate to audit, too many pending)
             **(

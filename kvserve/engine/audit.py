@@ -54,6 +54,7 @@ class Trace:
 
     strategy: str
     keys: list[bytes]  # content keys of the matches the served prompt reused
+    auto: bool  # repaired with auto's verified preset (the AutoWatch judges those)
     logits: list[torch.Tensor] = field(default_factory=list)  # [vocab] float32 per served token
     tokens: list[int] = field(default_factory=list)
 
@@ -75,6 +76,7 @@ class AuditResult(NamedTuple):
     mean_kl: float  # along the served tokens
     agreement: float  # share of served tokens equal to the full prefill's greedy choice
     num_tokens: int
+    auto: bool  # the served prompt was repaired with auto's verified preset
 
 
 @dataclass
@@ -175,7 +177,9 @@ class Auditor:
     def start(self, seq: Sequence) -> None:
         """Trace `seq` from its first token on."""
         assert seq.report is not None  # it was served
-        self.tracing[seq.request_id] = Trace(seq.report.strategy or "", list(seq.report.hit_keys))
+        report = seq.report
+        auto = (report.preset or "").startswith("auto:")
+        self.tracing[seq.request_id] = Trace(report.strategy or "", list(report.hit_keys), auto)
 
     def observe(
         self, seq: Sequence, logits: torch.Tensor | None, token: int, weight_precision: str | None
@@ -252,6 +256,7 @@ class Auditor:
             mean_kl,
             sum(job.agree) / len(job.agree),
             len(job.kls),
+            trace.auto,
         )
         audit = self.by_strategy.setdefault(trace.strategy, StrategyAudit())
         audit.kl.append(first_kl)

@@ -66,13 +66,18 @@ def build_content_reuse(
     content = ContentMatcher(config, PieceIndex(kv.store), cost, rotator is not None, reason, line_ends)
     repairer = Repairer(parts.layers, rotator, torch.device(parts.info.device), kv) if rotator else None
     require_content_reuse(config.reuse, rotator, reason)
-    if config.reuse == "any" and config.recompute_strategy == "auto" and content.verified is None:
-        log.warning(
-            "--reuse any: no repair is verified to keep task accuracy on %s (docs/blend.md), so "
-            "content matches are served exactly; name one (--recompute-strategy, or a request's "
-            "recompute_strategy) to opt into its measured loss",
-            config.model,
-        )
+    if config.reuse == "any" and config.recompute_strategy == "auto":
+        auto = content.auto_preset()
+        if isinstance(auto, str):
+            log.warning(
+                "--reuse any on %s: content matches are served exactly (%s; docs/blend.md); name a "
+                "repair (--recompute-strategy, or a request's recompute_strategy) to opt into its "
+                "measured loss",
+                config.model,
+                auto,
+            )
+        else:
+            log.info("--reuse any: content matches are repaired with %s", auto.describe())
     return content, repairer
 
 

@@ -147,6 +147,7 @@ class OutputProcessor:
             num_recomputed_tokens=reuse.num_recomputed_tokens,
             compute_fraction=reuse.compute_fraction,
             reuse_plan=reuse.plan_reason,
+            reuse_preset=reuse.preset,
             audit=seq.audit,
             estimated_saving=reuse.estimated_saving,
             logprobs=list(out.logprobs) if wants_logprobs and finished else None,

@@ -25,6 +25,7 @@ class ContentReuseStats:
     reason: str
     default_reuse: str
     recompute_strategy: str
+    auto: dict[str, Any]  # auto's verified preset and its online watch (scheduler/verified.py: AutoWatch)
     pieces: str
     num_indexed_pieces: int
     num_approx_hit_tokens: int
@@ -181,6 +182,7 @@ def _content_reuse(engine: Engine) -> ContentReuseStats:
         reason=content.disabled_reason,
         default_reuse=config.reuse,
         recompute_strategy=config.recompute_strategy,
+        auto=content.auto.stats(),
         pieces=config.pieces,
         num_indexed_pieces=len(content.index),
         num_approx_hit_tokens=content.num_hit_tokens,

@@ -221,4 +221,7 @@ class StepUpdate:
             seq.token_ids.append(token)  # fed, not generated: no output, no stop checks
             return
         self.content.guarded.update(keys)
+        result = self.auditor.results[-1]  # the one just completed
+        if result.auto:
+            self.content.auto.observe(result.agreement)
         self.host.finish(seq, FinishReason.STOP)  # the auditor recorded it

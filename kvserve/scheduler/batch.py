@@ -57,6 +57,7 @@ class ReusePlan:
     check_layer: int
     recompute_ratio: float
     seam_tokens: int = 0  # cacheblend: the first N tokens of every run always recomputed
+    preset: str = ""  # where its repair came from: named by the request, the server's, or auto's preset
 
     def runs(self) -> list[tuple[int, int]]:
         """[start, end) ranges of reused tokens; consecutive pieces of one source in their original

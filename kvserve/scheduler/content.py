@@ -28,13 +28,15 @@ from kvserve.scheduler.batch import ContentHit, ReusePlan
 from kvserve.scheduler.cost import CostModel, Work
 from kvserve.scheduler.repair import positions, query_positions, selective_positions
 from kvserve.scheduler.sequence import Sequence
-from kvserve.scheduler.verified import verified_preset
+from kvserve.scheduler.verified import AutoWatch, VerifiedPreset, verified_preset
 
 TAKEN = "taken"
 DECLINED_SAVING = "declined: saves too little"
 DECLINED_GUARD = "declined: audit guard"
 # --recompute-strategy auto on a model no repair preset has been verified on (scheduler/verified.py)
 DECLINED_UNVERIFIED = "declined: no repair verified on this model"
+DECLINED_PIECES = "declined: the repair verified on this model was measured with other --pieces"
+DECLINED_FELL_BACK = "declined: auto fell back to exact serving (its audits fell below the verification's)"
 
 
 @dataclass
@@ -78,7 +80,8 @@ class ContentMatcher:
         self.plans: Counter[str] = Counter()  # TAKEN / DECLINED_* -> prompts (first admission only)
         self.guarded: set[bytes] = set()  # content keys the audit guard stopped reusing
         self.num_guard_skips = 0  # matches skipped because their document is guarded
-        self.verified = verified_preset(config.model)  # what --recompute-strategy auto repairs with
+        # what --recompute-strategy auto repairs with, watched by the online audits
+        self.auto = AutoWatch(verified_preset(config.model, config.verified_presets))
         self._prompts: dict[str, PromptPieces] = {}  # request id -> its pieces (prepared, not finished)
         self._source_ids = itertools.count(1)
 
@@ -175,8 +178,8 @@ class ContentMatcher:
         if not hits:
             return Choice(None, DECLINED_GUARD, 0.0, len(found))
         plan = self.plan(seq, prefix_len, hits)
-        if plan is None:
-            return Choice(None, DECLINED_UNVERIFIED, 0.0, len(found) - len(hits))
+        if isinstance(plan, str):
+            return Choice(None, plan, 0.0, len(found) - len(hits))
         outcome, saving = self.choose(plan, seq.num_prompt_tokens)
         return Choice(plan if outcome == TAKEN else None, outcome, saving, len(found) - len(hits))
 
@@ -187,22 +190,41 @@ class ContentMatcher:
             return
         plan = "taken" if choice.outcome == TAKEN else "declined"
         seq.report = replace(
-            seq.report, plan=plan, plan_reason=choice.outcome, estimated_saving=choice.saving
+            seq.report,
+            plan=plan,
+            plan_reason=choice.outcome,
+            estimated_saving=choice.saving,
+            preset=choice.plan.preset if choice.plan is not None else None,
         )
         self.plans[choice.outcome] += 1
         self.num_guard_skips += choice.num_guarded
 
-    def plan(self, seq: Sequence, prefix_len: int, hits: list[ContentHit]) -> ReusePlan | None:
+    def auto_preset(self) -> VerifiedPreset | str:
+        """What `auto` repairs with now, or why it serves exactly (a DECLINED_* reason)."""
+        preset = self.auto.active()
+        if preset is not None and preset.pieces == self.config.pieces:
+            return preset
+        if self.auto.fell_back:
+            return DECLINED_FELL_BACK
+        return DECLINED_UNVERIFIED if self.auto.preset is None else DECLINED_PIECES
+
+    def plan(self, seq: Sequence, prefix_len: int, hits: list[ContentHit]) -> ReusePlan | str:
         """The request's repair (its fields, else the server's); `auto` is the preset verified on
-        this model (scheduler/verified.py). None: `auto` and no preset is verified here."""
+        this model (scheduler/verified.py). A str: `auto`, serving exactly, and why."""
         opts = seq.request.reuse
         cfg = self.config
         named = opts is not None and opts.recompute_strategy is not None
         preset = None
-        if not named and cfg.recompute_strategy == "auto":
-            preset = self.verified
-            if preset is None:
-                return None
+        if named:
+            source = "named by the request"
+        elif cfg.recompute_strategy != "auto":
+            source = f"the server's --recompute-strategy {cfg.recompute_strategy}"
+        else:
+            verified = self.auto_preset()
+            if isinstance(verified, str):
+                return verified
+            preset = verified.options
+            source = f"auto: {verified.describe()}"
 
         def pick(name: str) -> Any:
             for source in (opts, preset):
@@ -222,6 +244,7 @@ class ContentMatcher:
             check_layer=int(pick("blend_check_layer")),
             seam_tokens=int(pick("blend_seam_tokens")),
             recompute_ratio=float(pick("recompute_ratio")),
+            preset=source,
         )
 
     def register(self, seq: Sequence, num_held_tokens: int, chunk_hashes: list[bytes]) -> None:

@@ -49,6 +49,7 @@ class ReuseReport:
     compute_fraction: float | None = None  # repair: token-layers computed / a full prefill's
     plan: str | None = None  # the content-reuse decision (ContentMatcher.choose): "taken" or "declined"
     plan_reason: str | None = None
+    preset: str | None = None  # a taken plan's repair source (ReusePlan.preset)
     estimated_saving: float | None = None  # 1 - estimated repair time / exact-only prefill time
     strategy: str | None = None  # the repair strategy of the served prompt (set when its repair ends)
     hit_keys: tuple[bytes, ...] = ()  # content keys it reused (the audit guard's)

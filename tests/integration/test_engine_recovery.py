@@ -205,7 +205,7 @@ def test_a_recovery_that_fails_refuses_every_request_for_good(
 
 # --- check_integrity names what leaked -------------------------------------------------------------
 def _leak_trace(engine: Engine) -> Callable[[], None]:
-    engine.auditor.tracing["gone"] = Trace("selective", [])
+    engine.auditor.tracing["gone"] = Trace("selective", [], False)
     return lambda: engine.auditor.tracing.pop("gone")
 
 

@@ -6,6 +6,7 @@ position, so neither the cut of the repair into pieces nor the rows around it ma
 
 from __future__ import annotations
 
+import json
 import time
 
 import pytest
@@ -16,6 +17,7 @@ from kvserve.engine.audit import first_token_kl
 from kvserve.kvcache.stats import num_evictable_blocks
 from kvserve.request import Request, ReuseOptions
 from kvserve.scheduler.batch import ScheduledBatch
+from kvserve.stat_table import STATS
 from tests.integration.helpers import corpus_token_ids, generate_with_logits
 
 CHUNK = 32
@@ -198,29 +200,87 @@ def test_the_audit_takes_the_first_audit_tokens_and_starts_before_the_request_en
     engine.check_integrity()
 
 
-def test_auto_serves_matches_exactly_on_a_model_no_repair_is_verified_on(monkeypatch):
-    """--reuse any with the default strategy (auto): no preset is verified on this model, so a prompt
-    with content matches is served exactly and the plan says why; a request that names a strategy
-    opts into it. With a verified preset, auto repairs with it."""
-    from kvserve.scheduler import verified
+def presets_file(tmp_path, verified: bool, pieces: str = "fixed", agreement: float = 0.5) -> str:
+    """A verified-presets file as `bench_reuse_quality.py --verify` writes it, for tiny-random-llama."""
+    entry = {
+        "verified": verified,
+        "preset": {"name": "none", "recompute_strategy": "none"},
+        "pieces": pieces,
+        "audit_agreement": agreement,
+        "source": "a test's file",
+        "data": ["none"],
+    }
+    path = tmp_path / "presets.json"
+    path.write_text(json.dumps({"models": {"tiny-random-llama": entry}}))
+    return str(path)
 
-    llm, cold = make(reuse="any"), make(enable_prefix_caching=False)
-    assert llm.engine.config.recompute_strategy == "auto" and llm.engine.content.verified is None
-    docs = warmed(llm)
-    prompt = rag_prompt(llm, docs, [2, 0, 1], seed=12)
-    (ref,) = cold.generate([prompt], GREEDY)
-    (out,) = llm.generate([prompt], GREEDY)
-    assert out.reuse_plan == "declined: no repair verified on this model"
-    assert out.num_approx_cached_tokens == 0 and out.token_ids == ref.token_ids
-    (named,) = llm.generate([rag_prompt(llm, docs, [1, 2, 0], seed=13)], GREEDY, reuse=NONE)
-    assert named.reuse_plan == "taken" and named.num_approx_cached_tokens > 0
-    assert llm.stats().content_reuse.plans["declined: no repair verified on this model"] == 1
 
-    monkeypatch.setitem(verified.VERIFIED, "tiny-random-llama", NONE)
-    trusted = make(reuse="any")
+def test_auto_serves_matches_exactly_on_a_model_no_repair_is_verified_on(tmp_path):
+    """--reuse any with the default strategy (auto): no preset is verified on this model (the package's
+    file has none; a file listing it as measured and missed is the same), so a prompt with content
+    matches is served exactly and the plan says why; a request that names a strategy opts into it and
+    usage says so."""
+    for presets in ("", presets_file(tmp_path, verified=False)):
+        llm, cold = make(reuse="any", verified_presets=presets), make(enable_prefix_caching=False)
+        assert llm.engine.config.recompute_strategy == "auto" and llm.engine.content.auto.preset is None
+        docs = warmed(llm)
+        prompt = rag_prompt(llm, docs, [2, 0, 1], seed=12)
+        (ref,) = cold.generate([prompt], GREEDY)
+        (out,) = llm.generate([prompt], GREEDY)
+        assert out.reuse_plan == "declined: no repair verified on this model" and out.reuse_preset is None
+        assert out.num_approx_cached_tokens == 0 and out.token_ids == ref.token_ids
+        (named,) = llm.generate([rag_prompt(llm, docs, [1, 2, 0], seed=13)], GREEDY, reuse=NONE)
+        assert named.reuse_plan == "taken" and named.num_approx_cached_tokens > 0
+        assert named.reuse_preset == "named by the request"
+        assert llm.stats().content_reuse.plans["declined: no repair verified on this model"] == 1
+
+
+def test_auto_repairs_with_the_verified_preset_of_the_file_and_names_it(tmp_path):
+    trusted = make(reuse="any", verified_presets=presets_file(tmp_path, verified=True))
     docs = warmed(trusted)
     (out,) = trusted.generate([rag_prompt(trusted, docs, [2, 0, 1], seed=12)], GREEDY)
     assert out.reuse_plan == "taken" and out.num_approx_cached_tokens > 0
+    assert out.reuse_preset == "auto: none, verified on tiny-random-llama (a test's file; data none)"
+    auto = trusted.stats().content_reuse.auto
+    assert auto["preset"] == "none" and auto["fell_back"] is None
+    # measured with other pieces: auto does not apply it to this server's cuts
+    other = make(reuse="any", verified_presets=presets_file(tmp_path, verified=True, pieces="lines"))
+    docs = warmed(other)
+    (out,) = other.generate([rag_prompt(other, docs, [2, 0, 1], seed=12)], GREEDY)
+    assert out.reuse_plan.startswith("declined: the repair verified on this model was measured with other")
+
+
+def test_auto_falls_back_to_exact_when_its_audits_agree_less_than_the_verification(tmp_path, monkeypatch):
+    """The watch judges only auto-repaired prompts' audits; once they are clearly below the
+    verification's agreement, auto serves exactly, says why, and shows it in the stats."""
+    from kvserve.scheduler import verified
+
+    monkeypatch.setattr(verified, "WATCH_MIN_AUDITS", 3)
+    llm = make(reuse="any", audit_rate=1.0, verified_presets=presets_file(tmp_path, True, agreement=1.0))
+    cold = make(enable_prefix_caching=False)
+    docs = warmed(llm)
+    params = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
+    agreements = []
+    for seed in range(40):  # the audits of this random model scatter (0.1-1.0): the bound needs a few
+        prompt = rag_prompt(llm, docs, [seed % 3, (seed + 1) % 3, (seed + 2) % 3], seed=20 + seed)
+        (out,) = llm.generate([prompt], params)
+        llm.engine.run_background()
+        agreements.append(llm.engine.auditor.results[-1].agreement)
+        if llm.stats().content_reuse.auto["fell_back"]:
+            break
+    assert min(agreements) < 1.0, "the random model's repair kept every token: nothing to fall back from"
+    auto = llm.stats().content_reuse.auto
+    assert auto["fell_back"] and auto["num_audits"] == len(agreements) >= 3
+    assert llm.engine.auditor.results[-1].auto
+    prompt = rag_prompt(llm, docs, [1, 0, 2], seed=40)
+    (after,), (ref,) = llm.generate([prompt], GREEDY), cold.generate([prompt], GREEDY)
+    assert (
+        after.reuse_plan
+        == "declined: auto fell back to exact serving (its audits fell below the verification's)"
+    )
+    assert after.token_ids == ref.token_ids and after.num_approx_cached_tokens == 0
+    (gauge,) = [s for s in STATS if s.prom == "kvserve:reuse_auto_fell_back"]
+    assert gauge.value(llm.stats()) == 1.0
 
 
 def test_audits_wait_while_requests_run_and_never_reach_a_client():

@@ -196,3 +196,23 @@ def test_a_budget_compares_only_its_codecs_run_on_every_measure(tmp_path, monkey
         assert choice.best_measured(["int2"], 16) == ["int2"]
     finally:
         choice._measurements.cache_clear()
+
+
+def test_the_real_text_family_is_judged_apart_from_the_generated_one(tmp_path, monkeypatch):
+    """A codec that keeps generated text's answers but loses real text's is not a budget's pick: each
+    family must keep TARGET, as if it were another model (issue 64)."""
+    generated = {"bf16": 1.0, "int4": 1.0, "int4dq": 1.0}
+    real = {"bf16": 1.0, "int4": 0.99, "int4dq": 0.89}
+    entry = lookup(generated)
+    entry["lookup.real"] = {**lookup(real)["lookup"]}
+    path = tmp_path / "codec_accuracy.json"
+    path.write_text(json.dumps({"models": {"a": entry}}))
+    monkeypatch.setattr(choice, "ACCURACY_FILE", path)
+    choice._measurements.cache_clear()
+    try:
+        assert measured_accuracy("int4dq") == {"a": 1.0, "a (real text)": pytest.approx(0.89)}
+        four = choose_codec(4, 3, 64, 16)
+        assert (four.codec, four.meets) == ("int4", True)  # int4dq holds more per byte, loses real text
+        assert "a (real text) 0.990x (lookup.real)" in four.describe()
+    finally:
+        choice._measurements.cache_clear()

@@ -178,6 +178,13 @@ def test_a_second_codec_run_on_the_same_prompts_adds_its_codecs(tmp_path):
     rq.record_accuracy(str(path), {**args, "seed": 1, "block_size": 64}, "lookup", second, "a CPU", "float32")
     entry = json.loads(path.read_text())["models"]["m"]["lookup"]  # another block size: not merged
     assert set(entry["accuracy"]) == {"bf16", "turbo3"} and entry["block_size"] == 64
+    rq.record_accuracy(str(path), {**args, "text": "real"}, "lookup", first, "a CPU", "bfloat16")
+    models = json.loads(path.read_text())["models"]["m"]
+    assert models["lookup"]["block_size"] == 64  # the real-text family is its own entry
+    assert (
+        set(models["lookup.real"]["accuracy"]) == {"bf16", "int4"}
+        and "--text real" in models["lookup.real"]["source"]
+    )
 
 
 def test_the_pareto_front_keeps_only_codecs_nothing_beats_on_both_bytes_and_accuracy():
