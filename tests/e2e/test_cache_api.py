@@ -187,6 +187,7 @@ def test_approximate_reuse_is_opt_in_per_request_and_reported(taking_server: Ser
         # in one run, so the first 8 tokens of that run are recomputed
         split = r["usage"]["kvserve"]
         assert split["reuse_plans"] == {"taken": 1}, split
+        assert split["reuse_presets"] == {"named by the request": 1}
         assert split["exact_cached_tokens"] == 0 and split["recomputed_tokens"] == 8
         assert CHUNK <= split["approx_cached_tokens"] <= 2 * CHUNK - 8
         assert r["usage"]["prompt_tokens_details"]["cached_tokens"] == split["approx_cached_tokens"]
@@ -200,7 +201,9 @@ def test_approximate_reuse_is_opt_in_per_request_and_reported(taking_server: Ser
         assert stats["audit"]["selective"]["num_audited"] == 1 and stats["audit"]["selective"]["kl_max"] >= 0
         assert stats["plans"] == {"taken": 1} and stats["num_audits_pending"] == 0
         assert stats["available"] and stats["num_approx_hit_tokens"] >= CHUNK
+        assert stats["auto"]["preset"] is None and stats["auto"]["fell_back"] is None  # none verified
         metrics = h.get("/metrics").text
+        assert _metric(metrics, "kvserve:reuse_auto_fell_back") == 0
         assert _metric(metrics, "kvserve:repair_recomputed_tokens_total") >= 8
         assert 'kvserve:audits_total{model_name="' in metrics and "kvserve:audit_first_token_kl{" in metrics
         assert "kvserve:audit_mean_kl{" in metrics and "kvserve:audit_greedy_agreement{" in metrics
