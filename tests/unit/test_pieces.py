@@ -1,6 +1,12 @@
 import random
 
-from kvserve.kvcache.pieces import PieceCutter, content_pieces, fixed_pieces, line_end_ids
+from kvserve.kvcache.pieces import (
+    PieceCutter,
+    content_pieces,
+    content_pieces_reference,
+    fixed_pieces,
+    line_end_ids,
+)
 
 
 def _tokens(n: int, seed: int) -> list[int]:
@@ -70,3 +76,22 @@ def test_line_pieces_reuse_a_document_on_its_own_lines_whole_at_any_offset():
 
 def test_line_end_ids_are_the_tokens_whose_text_ends_a_line():
     assert line_end_ids(["a", "\n", "b.\n", "\n\n", "x\ny", "<|im_end|>"]) == frozenset({1, 2, 3})
+
+
+def test_the_vectorized_cutter_equals_the_token_by_token_reference():
+    """Random prompts over small vocabularies (many cuts, repeated windows) and a real-sized one, every
+    window, piece bounds and mask, with and without line ends; prompts shorter than the window."""
+    rng = random.Random(7)
+    for _ in range(1500):
+        vocab = rng.choice([3, 50, 49152])
+        ids = [rng.randrange(vocab) for _ in range(rng.randrange(0, 600))]
+        lo = rng.randrange(1, 40)
+        hi = rng.randrange(lo, 300)
+        bits, window = rng.randrange(1, 7), rng.randrange(1, 6)
+        ends = (
+            frozenset(rng.sample(range(vocab), min(vocab, rng.randrange(1, 4))))
+            if rng.random() < 0.5
+            else frozenset()
+        )
+        want = content_pieces_reference(ids, lo, hi, bits, window, ends)
+        assert content_pieces(ids, lo, hi, bits, window, ends) == want, (len(ids), lo, hi, bits, window, ends)
