@@ -59,7 +59,7 @@ from machine import describe  # noqa: E402
 
 from kvserve import LLM, SamplingParams  # noqa: E402
 from kvserve.engine.audit import MAX_PENDING  # noqa: E402
-from kvserve.quant.choice import REAL  # noqa: E402
+from kvserve.quant.choice import ACCURACY_FILE, REAL  # noqa: E402
 from kvserve.request import RequestOutput, ReuseOptions  # noqa: E402
 from kvserve.scheduler.verified import PRESET_FIELDS, PRESETS_FILE, shortfalls, targets_for  # noqa: E402
 
@@ -668,7 +668,24 @@ def mean_interval(xs: list[float]) -> tuple[float, float]:
     return (m - h, m + h)
 
 
-def print_table(measure: str, result: dict, table: dict[str, dict[str, float]]) -> None:
+def int8_floor(model: str) -> str:
+    """For free form: what ROUGE-L against bf16 KV's own text int8 KV scores on `model` with no reuse
+    at all (kvserve/quant/codec_accuracy.json), the scale a repair's ROUGE-L is read on: int8 KV keeps
+    the answers (lookup about 1.0x) yet rewords."""
+    runs = json.loads(ACCURACY_FILE.read_text())["models"].get(model, {})
+    rouge = runs.get("freeform", {}).get("accuracy", {}).get("int8")
+    if rouge is None:
+        return f"(no int8 KV free-form run on {model} in codec_accuracy.json to read this against)"
+    lookup = runs.get("lookup", {}).get("x_reference", {}).get("int8")
+    kept = f", and keeps {lookup:.3f}x of bf16's lookups" if lookup is not None else ""
+    return (
+        f"For scale: int8 KV alone (full prefill, no reuse) scores ROUGE-L {rouge:.3f} against bf16 KV's "
+        f"own text on {model}{kept} (codec_accuracy.json, {runs['freeform']['prompts']} prompts): "
+        "a repair at that ROUGE-L rewords as much as int8 KV does."
+    )
+
+
+def print_table(measure: str, result: dict, table: dict[str, dict[str, float]], model: str = "") -> None:
     if "bytes_per_token" in result:
         print_codec_table(measure, result, table)
         return
@@ -687,6 +704,8 @@ def print_table(measure: str, result: dict, table: dict[str, dict[str, float]]) 
         "reused": lambda name, e: f"{e['reused']:.2f}",
     }
     print_rows(measure, table, cells)
+    if measure == "freeform" and model:
+        print("\n" + int8_floor(model))
     audits = {n: e for n, e in table.items() if "audited" in e}
     if audits:
         print("\n| strategy | audited | audit: greedy agreement | mean KL | first-token KL | task quality |")
@@ -1178,7 +1197,7 @@ def main() -> None:
         else:
             result = run_measure(measure, args, strategies, rng)
         table = summarise(measure, result)
-        print_table(measure, result, table)
+        print_table(measure, result, table, args.model)
         results["tables"][measure] = table
         results["raw"][measure] = result
         if codecs and args.registry:
@@ -1237,7 +1256,7 @@ def verify(ap: argparse.ArgumentParser, args: argparse.Namespace) -> None:
                 result = run_measure(measure, args, strategies, random.Random(args.seed * 1000 + k))
                 run["tables"][measure] = table = summarise(measure, result)
                 run["raw"][measure] = result
-                print_table(measure, result, table)
+                print_table(measure, result, table, model)
                 path = f"{stem}_{family}{ext or '.json'}"
                 with open(path, "w") as f:
                     json.dump(run, f, indent=1)

@@ -267,3 +267,11 @@ def test_free_form_runs_merge_only_over_the_same_reference_text():
         rq.merge_runs([_freeform_run(texts), _freeform_run(["the pump is blue", "it opens at nine"])])
     with pytest.raises(ValueError, match="wrote other text"):  # the samples agree, the digests do not
         rq.merge_runs([_freeform_run(texts, "a" * 64), _freeform_run(texts, "b" * 64)])
+
+
+def test_free_form_is_read_against_the_int8_kv_floor_of_the_accuracy_file():
+    runs = json.loads(rq.ACCURACY_FILE.read_text())["models"]["smollm2-135m"]
+    line = rq.int8_floor("smollm2-135m")
+    assert f"ROUGE-L {runs['freeform']['accuracy']['int8']:.3f}" in line
+    assert f"keeps {runs['lookup']['x_reference']['int8']:.3f}x" in line
+    assert rq.int8_floor("no-such-model").startswith("(no int8 KV free-form run on no-such-model")
