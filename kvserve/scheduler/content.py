@@ -127,9 +127,14 @@ class ContentMatcher:
         return hits
 
     # --- cost-aware choice -------------------------------------------------------------------------
+    def _steps(self, *rows: int) -> int:
+        """Steps the passes of these many rows take, one after the other, under the step budget."""
+        budget = self.config.max_num_batched_tokens
+        return sum(-(-r // budget) for r in rows if r > 0)
+
     def exact_work(self, prefix_len: int, n: int) -> Work:
         """Exact-only reuse: every token after the exact prefix through every layer."""
-        work = Work()
+        work = Work(steps=self._steps(n - prefix_len))
         work.add_span(prefix_len, n, self.cost.num_layers)
         return work
 
@@ -146,6 +151,7 @@ class ContentMatcher:
             chosen = round(plan.recompute_ratio * len(reused))
             mean = sum(reused) / len(reused) if reused else 0.0
             work.add_rows(sum(fresh) + chosen * mean, len(fresh) + chosen, layers)
+            work.steps = self._steps(n - plan.prefix_len, len(fresh) + chosen)
             return work
         if plan.strategy == "query":  # fresh rows through the probe's layers, then fresh + marks + ratio
             work.add_rows(sum(fresh), len(fresh), min(plan.check_layer + 1, layers))
@@ -155,9 +161,11 @@ class ContentMatcher:
             work.add_rows(sum(fresh) + sum(marks) + chosen * mean, len(fresh) + len(marks) + chosen, layers)
             probed = len(query_positions(reused, fresh))
             work.attend += probed * n  # the probe's scores: probed rows x the context, at one layer
+            work.steps = self._steps(len(fresh), len(fresh) + len(marks) + chosen)
             return work
         rows = fresh + (selective_positions(plan, reused) if plan.strategy == "selective" else [])
         work.add_rows(sum(rows), len(rows), layers)
+        work.steps = self._steps(len(rows))
         return work
 
     def choose(self, plan: ReusePlan, n: int) -> tuple[str, float]:

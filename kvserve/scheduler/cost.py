@@ -1,10 +1,13 @@
 """What a forward costs, in seconds, from what it computes: the basis of cost-aware reuse plans.
 
 A step is counted as work units (`Work`):
+  steps    forward passes: the per-step part (launching every layer, the head, the host's books); a
+           measured step is one, a prompt's prefill priced ahead is as many as the step budget cuts
+           it into (a repair's second pass cannot share a step with its first)
   linear   token-layers: every row through every layer it runs (projections, MLP, norms)
   attend   query-key pairs per layer: a row at position p attends to p + 1 keys
   moved    token-layers of KV copied in and re-rotated for content reuse
-and costs w_step + w_linear * linear + w_attend * attend + w_moved * moved seconds. (A few rows over a
+and costs w_step * steps + w_linear * linear + w_attend * attend + w_moved * moved seconds. (A few rows over a
 long context are bound by reading the KV, not by arithmetic, so the attend term, fitted mostly on
 prefill steps, underprices them: docs/blend.md, the decode slowdown limit.) The weights start
 from the model's arithmetic (FLOPs per unit, attention at half the linear layers' rate) and are fitted
@@ -30,6 +33,7 @@ HISTORY = 256  # observations kept for the fit
 
 @dataclass
 class Work:
+    steps: float = 1.0
     linear: float = 0.0
     attend: float = 0.0
     moved: float = 0.0
@@ -45,7 +49,7 @@ class Work:
         self.add_rows((start + end - 1) * n / 2, n, num_layers)
 
     def features(self) -> list[float]:
-        return [1.0, self.linear, self.attend, self.moved]
+        return [self.steps, self.linear, self.attend, self.moved]
 
 
 class CostModel:

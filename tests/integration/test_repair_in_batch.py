@@ -126,6 +126,24 @@ def test_a_match_is_taken_only_when_it_saves_enough():
     llm.engine.check_integrity()
 
 
+def test_a_plan_pays_the_steps_of_its_passes():
+    """A repair whose second pass waits on its first takes two steps where the exact prefill takes one:
+    where a step's fixed part is most of its time (here priced at 1 s, rows nearly free), a two-pass
+    plan costs twice the exact prefill and is declined; a one-pass plan computing fewer rows is taken."""
+    llm = make(reuse_min_saving=0.0)
+    docs = warmed(llm)
+    llm.engine.cost.weights = [1.0, 1e-9, 1e-12, 1e-12]
+    llm.engine.cost.observe = lambda work, seconds: None  # type: ignore[method-assign]
+    prompt = rag_prompt(llm, docs, [2, 0, 1], seed=30)
+    query = ReuseOptions(reuse="any", recompute_strategy="query", recompute_tokens=4, recompute_ratio=0.3)
+    (two,) = llm.generate([prompt], GREEDY, reuse=query)
+    assert two.reuse_plan == "declined: saves too little" and two.estimated_saving == pytest.approx(
+        -1.0, abs=1e-3
+    )
+    (one,) = llm.generate([rag_prompt(llm, docs, [1, 2, 0], seed=31)], GREEDY, reuse=NONE)
+    assert one.reuse_plan == "taken" and 0 < one.estimated_saving < 1e-3
+
+
 def test_the_cost_model_fits_measured_step_times():
     from kvserve.scheduler.cost import CostModel, Work
 
