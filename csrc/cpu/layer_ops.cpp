@@ -150,6 +150,45 @@ void rope_(at::Tensor& qk, const at::Tensor& cos, const at::Tensor& sin, int64_t
   });
 }
 
+// RopeRotator.apply (kvserve/kvcache/rope.py) in one call: post-RoPE keys [rows, heads, head_dim] moved to new
+// positions, a new tensor. cos, sin: [rows, rotary_dim / 2] float32, the rotation by each row's delta. Per
+// pair (x1, x2) = (x[i], x[i + half]): x1' = x1 * c - x2 * s, x2' = x2 * c + x1 * s, each product and sum
+// rounded in float32 as torch's elementwise ops round them (no fused multiply-add: -ffp-contract=off), the
+// result rounded once to the key's dtype; dimensions past rotary_dim are copied. Bitwise the torch path.
+at::Tensor rotate_keys(const at::Tensor& key, const at::Tensor& cos, const at::Tensor& sin, int64_t rotary_dim) {
+  TORCH_CHECK(key.device().is_cpu() && key.dim() == 3 && key.is_contiguous(), "key must be a contiguous CPU [rows, heads, head_dim]");
+  TORCH_CHECK(key.scalar_type() == at::kFloat || key.scalar_type() == at::kBFloat16 || key.scalar_type() == at::kHalf,
+              "key must be float32, bfloat16 or float16, got ", key.scalar_type());
+  const int64_t rows = key.size(0), heads = key.size(1), head_dim = key.size(2), half = rotary_dim / 2;
+  TORCH_CHECK(rotary_dim % 2 == 0 && rotary_dim <= head_dim, "rotary_dim must be even and at most head_dim");
+  TORCH_CHECK(cos.scalar_type() == at::kFloat && sin.scalar_type() == at::kFloat && cos.is_contiguous() &&
+                  sin.is_contiguous() && cos.numel() == rows * half && sin.numel() == rows * half,
+              "cos and sin must be contiguous float32 [rows, rotary_dim / 2]");
+  auto out = at::empty_like(key);
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, key.scalar_type(), "rotate_keys", [&] {
+    const scalar_t* kp = key.data_ptr<scalar_t>();
+    scalar_t* op = out.data_ptr<scalar_t>();
+    const float* cp = cos.data_ptr<float>();
+    const float* sp = sin.data_ptr<float>();
+    for_rows(rows, heads * head_dim, [&](int64_t r) {
+      const float* c = cp + r * half;
+      const float* s = sp + r * half;
+      for (int64_t h = 0; h < heads; ++h) {
+        const scalar_t* x = kp + (r * heads + h) * head_dim;
+        scalar_t* y = op + (r * heads + h) * head_dim;
+        for (int64_t i = 0; i < half; ++i) {
+          const float x1 = f32(x[i]), x2 = f32(x[i + half]);
+          const float a = x1 * c[i], b = x2 * s[i], d = x2 * c[i], e = x1 * s[i];
+          y[i] = static_cast<scalar_t>(a - b);
+          y[i + half] = static_cast<scalar_t>(d + e);
+        }
+        for (int64_t i = rotary_dim; i < head_dim; ++i) y[i] = x[i];
+      }
+    });
+  });
+  return out;
+}
+
 // DenseLayerKV.write in one call: each row of key and value [rows, kv_heads, head_dim] into the flat slot
 // it maps to in the pool [num_blocks, block_size, kv_heads, head_dim], in place; a slot below 0 (a row
 // whose KV is not kept) is skipped, and every slot is checked before anything is written. key and value

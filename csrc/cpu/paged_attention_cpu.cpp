@@ -264,6 +264,7 @@ at::Tensor row_linear_codes(const at::Tensor& x, const at::Tensor& packed, const
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps);
 at::Tensor add_rms_norm_(at::Tensor& residual, const at::Tensor& x, const at::Tensor& weight, double eps);
 void rope_(at::Tensor& qk, const at::Tensor& cos, const at::Tensor& sin, int64_t heads, int64_t head_dim);
+at::Tensor rotate_keys(const at::Tensor& key, const at::Tensor& cos, const at::Tensor& sin, int64_t rotary_dim);
 at::Tensor argmax_rows(const at::Tensor& x);
 at::Tensor row_linear_bf16_argmax(const at::Tensor& x, const at::Tensor& packed, const c10::optional<at::Tensor>& bias,
                                   int64_t out_features, int64_t limit);
@@ -314,6 +315,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("add_rms_norm_", &add_rms_norm_, "residual += x in place, then rms_norm(residual)");
   m.def("kv_write_", &kv_write_, "rows of key and value into a dense pool's slots in place (slot < 0: skipped)");
   m.def("rope_", &rope_, "rotary embedding of the first heads * head_dim columns of each row, in place");
+  m.def("rotate_keys", &rotate_keys, "post-RoPE keys moved to new positions (RopeRotator.apply), a new tensor");
   m.def("row_linear_bf16_argmax", &row_linear_bf16_argmax, "argmax_rows(row_linear_bf16(x, ...)[:, :limit]) without the logits (AMX)");
   m.def("argmax_rows", &argmax_rows, "torch.argmax(x, dim=-1) of float32 or bf16 rows, vectorized: the same indices");
 }

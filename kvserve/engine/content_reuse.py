@@ -12,6 +12,7 @@ import torch
 from kvserve.config import ServeConfig
 from kvserve.engine.repair import Repairer
 from kvserve.errors import ConfigError, InvalidRequestError
+from kvserve.kernels import cpu_ext
 from kvserve.kvcache.manager import KVCacheManager
 from kvserve.kvcache.piece_index import PieceIndex
 from kvserve.kvcache.pieces import line_end_ids
@@ -62,6 +63,8 @@ def build_content_reuse(
     """The content matcher (always: it reports why content reuse is off) and, where the model's
     RoPE can be re-rotated, the repairer that moves matched KV in."""
     rotator, reason = check_content_reuse(parts.model)
+    if rotator is not None and torch.device(parts.info.device).type == "cpu":
+        rotator.ext = cpu_ext.load_or_none()  # moved keys rotated in one call a layer (bitwise the same)
     line_ends = line_end_ids(parts.tokenizer.token_texts()) if config.pieces == "lines" else frozenset()
     content = ContentMatcher(config, PieceIndex(kv.store), cost, rotator is not None, reason, line_ends)
     repairer = Repairer(parts.layers, rotator, torch.device(parts.info.device), kv) if rotator else None
