@@ -44,6 +44,7 @@ import math
 import os
 import random
 import re
+import shlex
 import statistics
 import sys
 import time
@@ -941,16 +942,14 @@ def verification(model: str, runs: list[dict], data: list[str], command: str) ->
     figures: dict[str, dict[str, dict[str, dict[str, float]]]] = {}
     agreement: dict[str, list[float]] = {}
     points: dict[str, dict[str, list[list]]] = {}
-    small = []
+    small: list[int] = []  # prompts of the measures run with fewer than the targets' sample
     for run in runs:
         if run["model"] != model or run["codecs"]:
             raise ValueError(f"--verify {model}: a saved run is of {run['model']} or of codecs")
         family = run["text"]
         for measure, table in run["tables"].items():
             if table["full prefill"]["n"] < need:
-                small.append(
-                    f"{family} {measure}: {table['full prefill']['n']} prompts < the targets' {need}"
-                )
+                small.append(table["full prefill"]["n"])
             for name, e in table.items():
                 fig = {
                     "x_full": round(e["x_full"], 4),
@@ -968,7 +967,8 @@ def verification(model: str, runs: list[dict], data: list[str], command: str) ->
                 )
     if not figures:
         raise ValueError(f"--verify {model}: the runs measured no candidate")
-    judged = {name: shortfalls(targets, f) + small for name, f in figures.items()}
+    few = [f"{min(small)} prompts per measure < the targets' {need}"] if small else []
+    judged = {name: shortfalls(targets, f) + few for name, f in figures.items()}
     for name in judged:
         if not agreement[name]:
             judged[name].append(
@@ -1214,7 +1214,7 @@ def main() -> None:
 def verify(ap: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     """--verify MODEL: run (or read, --verify-from) one run per task family, judge, write the entry."""
     model = args.model = args.verify
-    command = "scripts/bench_reuse_quality.py " + " ".join(sys.argv[1:])
+    command = "scripts/bench_reuse_quality.py " + shlex.join(sys.argv[1:])
     if args.verify_from:
         paths = args.verify_from.split(",")
         runs = []
