@@ -38,6 +38,7 @@ import torch
 
 from kvserve.request import Request, ReuseOptions, SamplingParams
 from kvserve.scheduler.sequence import Sequence
+from kvserve.scheduler.verified import AUTO_SOURCE
 
 MAX_PENDING = 64
 HISTORY = 4096  # audited results kept per strategy for the quantiles
@@ -178,7 +179,7 @@ class Auditor:
         """Trace `seq` from its first token on."""
         assert seq.report is not None  # it was served
         report = seq.report
-        auto = (report.preset or "").startswith("auto:")
+        auto = (report.preset or "").startswith(AUTO_SOURCE)
         self.tracing[seq.request_id] = Trace(report.strategy or "", list(report.hit_keys), auto)
 
     def observe(

@@ -28,7 +28,7 @@ from kvserve.scheduler.batch import ContentHit, ReusePlan
 from kvserve.scheduler.cost import CostModel, Work
 from kvserve.scheduler.repair import positions, query_positions, selective_positions
 from kvserve.scheduler.sequence import Sequence
-from kvserve.scheduler.verified import AutoWatch, VerifiedPreset, verified_preset
+from kvserve.scheduler.verified import AUTO_SOURCE, AutoWatch, VerifiedPreset, verified_preset
 
 TAKEN = "taken"
 DECLINED_SAVING = "declined: saves too little"
@@ -232,7 +232,7 @@ class ContentMatcher:
             if isinstance(verified, str):
                 return verified
             preset = verified.options
-            source = f"auto: {verified.describe()}"
+            source = AUTO_SOURCE + verified.describe()
 
         def pick(name: str) -> Any:
             for source in (opts, preset):

@@ -42,6 +42,9 @@ from kvserve.request import ReuseOptions
 log = logging.getLogger(__name__)
 
 PRESETS_FILE = Path(__file__).with_name("verified_presets.json")
+# how a plan repaired with auto's preset names its source (ReusePlan.preset): the audits the watch
+# judges are those of plans whose source starts with it
+AUTO_SOURCE = "auto: "
 # the ReuseOptions fields a preset may set (a preset never sets `reuse` or `audit`)
 PRESET_FIELDS = (
     "recompute_strategy",
