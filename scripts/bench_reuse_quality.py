@@ -15,7 +15,8 @@ json module"); nothing is tuned to one set: --seed draws another:
 Every prompt is a fixed system header, 3-6 documents in a new order, and the question. Every document
 is first met inside other prompts: seeding prompts (served exactly on the reuse engine, and indexed
 for content matching) carry each document before any scored prompt, so the cache holds its KV as computed in another context, and no
-document is warmed alone. Full prefill runs on an engine with caching off; each strategy runs on one
+document is warmed alone (--source warmed: each document is warmed alone after the system header
+instead, as /v1/warm; --source both: the seeding prompts, then the warms). Full prefill runs on an engine with caching off; each strategy runs on one
 engine holding the seeded cache, with every plan taken (--reuse-min-saving -10: this measures the
 strategies, not the cost model's choice); strategies are interleaved per prompt.
 
@@ -64,29 +65,49 @@ from kvserve.quant.choice import ACCURACY_FILE, REAL  # noqa: E402
 from kvserve.request import RequestOutput, ReuseOptions  # noqa: E402
 from kvserve.scheduler.verified import PRESET_FIELDS, PRESETS_FILE, shortfalls, targets_for  # noqa: E402
 
-STRATEGIES: dict[str, ReuseOptions | None] = {
-    "full prefill": None,
-    "none": ReuseOptions(reuse="any", recompute_strategy="none"),
-    "selective R=16": ReuseOptions(reuse="any", recompute_strategy="selective", recompute_tokens=16),
-    "cacheblend 0.15": ReuseOptions(reuse="any", recompute_strategy="cacheblend", recompute_ratio=0.15),
-    "cacheblend 0.30": ReuseOptions(reuse="any", recompute_strategy="cacheblend", recompute_ratio=0.30),
-    # query-aware: the run starts (R tokens), then `ratio` of the rest by the question's attention
-    "query R=4 0.15": ReuseOptions(
-        reuse="any", recompute_strategy="query", recompute_tokens=4, recompute_ratio=0.15
-    ),
-    "query R=4 0.30": ReuseOptions(
-        reuse="any", recompute_strategy="query", recompute_tokens=4, recompute_ratio=0.30
-    ),
-    "query R=4 0.45": ReuseOptions(
-        reuse="any", recompute_strategy="query", recompute_tokens=4, recompute_ratio=0.45
-    ),
-    "query R=4 0.60": ReuseOptions(
-        reuse="any", recompute_strategy="query", recompute_tokens=4, recompute_ratio=0.60
-    ),
-    "query R=4 0.15 L8": ReuseOptions(
-        reuse="any", recompute_strategy="query", recompute_tokens=4, recompute_ratio=0.15, blend_check_layer=8
-    ),
-}
+# the strategies a run compares by default; any name strategy() parses can be asked for
+STRATEGIES = [
+    "full prefill",
+    "none",
+    "selective R=16",
+    "cacheblend 0.15",
+    "cacheblend 0.30",
+    "query R=4 0.15",  # query-aware: the run starts (R tokens), then `ratio` of the rest by the question's attention
+    "query R=4 0.30",
+    "query R=4 0.45",
+    "query R=4 0.60",
+    "query R=4 0.15 L8",
+]
+STRATEGY_NAMES = ("none", "selective", "cacheblend", "query")
+
+
+def strategy(name: str) -> ReuseOptions | None:
+    """The request options a strategy name stands for: "full prefill" (None: an engine with caching
+    off), or a recompute strategy and its settings in any order: "R=n" (recompute_tokens), a ratio
+    ("0.15"), "Ln" (blend_check_layer), "seam=n" (blend_seam_tokens). Raises ValueError."""
+    if name == "full prefill":
+        return None
+    kind, *settings = name.split()
+    if kind not in STRATEGY_NAMES:
+        raise ValueError(
+            f"unknown strategy {kind!r} in {name!r}; known: full prefill, {', '.join(STRATEGY_NAMES)}"
+        )
+    fields: dict = {"reuse": "any", "recompute_strategy": kind}
+    for s in settings:
+        key, _, value = s.partition("=")
+        try:
+            if s.startswith("R="):
+                fields["recompute_tokens"] = int(value)
+            elif s.startswith("seam="):
+                fields["blend_seam_tokens"] = int(value)
+            elif re.fullmatch(r"L\d+", s):
+                fields["blend_check_layer"] = int(s[1:])
+            else:
+                fields["recompute_ratio"] = float(s)
+        except ValueError:
+            raise ValueError(f"cannot read {s!r} in strategy {name!r} (R=n, a ratio, Ln, seam=n)") from None
+    return ReuseOptions(**fields)
+
 
 # ---------------------------------------------------------------------------------------------
 # the task: documents with planted facts
@@ -426,9 +447,13 @@ def run_measure(
     # contexts. reuse "any" under the engine's default strategy (auto), on a model with no verified
     # preset, serves exactly and indexes the prompt's pieces; reuse "prefix" (before) served exactly but indexed nothing, so documents were
     # first found in scored prompts only.
-    for g in groups:
-        out = serve(llm, enc.prompt(docs, g, seed_q), ReuseOptions(reuse="any"), 1)
-        assert out.num_approx_cached_tokens == 0, "a seeding prompt was served approximately"
+    if args.source in ("prompts", "both"):
+        for g in groups:
+            out = serve(llm, enc.prompt(docs, g, seed_q), ReuseOptions(reuse="any"), 1)
+            assert out.num_approx_cached_tokens == 0, "a seeding prompt was served approximately"
+    if args.source in ("warmed", "both"):  # each document alone after the system header, as /v1/warm
+        for d in docs:
+            llm.warm(enc.head + d.ids + enc.sep)
     seeding_s = time.perf_counter() - t0
     prompts = make_prompts(measure, docs, args.prompts, rng)
     serve(cold, enc.prompt(docs, prompts[0].doc_ids, "warm-up")[:64], None, 1)  # code paths only
@@ -926,7 +951,8 @@ def partial_writer(args: argparse.Namespace, results: dict, measure: str) -> Cal
 
 
 # --verify: the candidates and measures a preset is verified on (kvserve/scheduler/verified.py)
-VERIFY_CANDIDATES = "query R=4 0.45,query R=4 0.30,cacheblend 0.15"
+# R=4 and R=8: no R kept more answers everywhere (docs/blend.md, Repair levers); the verification picks
+VERIFY_CANDIDATES = "query R=4 0.15,query R=8 0.15,query R=4 0.45,cacheblend 0.15"
 VERIFY_MEASURES = "lookup,multihop,recall"
 FULL_SAMPLE = {"qwen2.5-coder-1.5b": 100}  # prompts per measure the targets are stated at (else 200)
 
@@ -987,7 +1013,7 @@ def verification(model: str, runs: list[dict], data: list[str], command: str) ->
         if passed
         else min(judged, key=lambda n: (len(judged[n]), -worst_accuracy(n)))
     )
-    opts = STRATEGIES[best]
+    opts = strategy(best)
     assert opts is not None
     pareto = {
         family: {
@@ -1064,9 +1090,17 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument(
         "--pieces",
-        default="content",
+        default="lines",
         choices=("content", "lines", "fixed"),
         help="the reuse engine's --pieces",
+    )
+    ap.add_argument(
+        "--source",
+        default="prompts",
+        choices=("prompts", "warmed", "both"),
+        help="where the reused KV comes from: seeding prompts that show each document inside other "
+        "documents (the default), each document warmed alone after the system header (/v1/warm), or "
+        "both (the seeding prompts first, then the warms)",
     )
     ap.add_argument(
         "--codecs",
@@ -1172,12 +1206,12 @@ def main() -> None:
         ap.error("--prompts must be >= 1 and --docs >= 6 (a prompt holds up to 6 documents)")
     if args.threads:
         torch.set_num_threads(args.threads)
-    names = args.strategies.split(",") if args.strategies else list(STRATEGIES)
-    unknown = [n for n in names if n not in STRATEGIES]
-    if unknown:
-        ap.error(f"unknown strategies {unknown}; known: {list(STRATEGIES)}")
+    names = args.strategies.split(",") if args.strategies else STRATEGIES
+    try:
+        strategies = {"full prefill": None, **{n: strategy(n) for n in names if n != "full prefill"}}
+    except ValueError as e:
+        ap.error(str(e))
     codecs = [c for c in args.codecs.split(",") if c]
-    strategies = {"full prefill": None, **{n: STRATEGIES[n] for n in names if n != "full prefill"}}
     results: dict = {
         "model": args.model,
         "machine": describe(),
@@ -1189,7 +1223,9 @@ def main() -> None:
         "tables": {},
         "raw": {},
     }
-    print(f"## {args.model}, --pieces {args.pieces}, {args.text} text; {results['machine']}")
+    print(
+        f"## {args.model}, --pieces {args.pieces}, --source {args.source}, {args.text} text; {results['machine']}"
+    )
     for k, measure in enumerate(args.measures.split(",")):
         rng = random.Random(args.seed * 1000 + k)
         if codecs:
@@ -1231,10 +1267,12 @@ def verify(ap: argparse.ArgumentParser, args: argparse.Namespace) -> None:
             )
         args.measures = args.measures if args.measures != ap.get_default("measures") else VERIFY_MEASURES
         names = (args.strategies or VERIFY_CANDIDATES).split(",")
-        unknown = [n for n in names if n not in STRATEGIES or STRATEGIES[n] is None]
-        if unknown:
-            ap.error(f"unknown candidates {unknown}; known: {list(STRATEGIES)[1:]}")
-        strategies = {"full prefill": None, **{n: STRATEGIES[n] for n in names}}
+        if "full prefill" in names:
+            ap.error("--verify: full prefill is the reference, not a candidate")
+        try:
+            strategies = {"full prefill": None, **{n: strategy(n) for n in names}}
+        except ValueError as e:
+            ap.error(str(e))
         stem, ext = os.path.splitext(args.json)
         paths, runs = [], []
         for family in ("generated", "real"):

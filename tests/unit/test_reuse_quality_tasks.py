@@ -275,3 +275,20 @@ def test_free_form_is_read_against_the_int8_kv_floor_of_the_accuracy_file():
     assert f"ROUGE-L {runs['freeform']['accuracy']['int8']:.3f}" in line
     assert f"keeps {runs['lookup']['x_reference']['int8']:.3f}x" in line
     assert rq.int8_floor("no-such-model").startswith("(no int8 KV free-form run on no-such-model")
+
+
+def test_strategy_names_read_as_request_options():
+    assert rq.strategy("full prefill") is None
+    opts = rq.strategy("query R=8 0.15 L3 seam=2")
+    assert (opts.reuse, opts.recompute_strategy, opts.recompute_tokens, opts.recompute_ratio) == (
+        "any",
+        "query",
+        8,
+        0.15,
+    )
+    assert (opts.blend_check_layer, opts.blend_seam_tokens) == (3, 2)
+    assert rq.strategy("cacheblend 0.3").recompute_tokens is None  # unset: the server's
+    for bad in ("blend 0.15", "query R=x", "query fast"):
+        with pytest.raises(ValueError):
+            rq.strategy(bad)
+    assert all(rq.strategy(n) is not None for n in rq.STRATEGIES[1:])
