@@ -249,7 +249,7 @@ class ServeConfig:
         },
     )
     pieces: str = field(
-        default="content",
+        default="lines",
         metadata={
             "help": "pieces for content matching: content (content-defined cuts), lines (content-defined "
             "cuts and one after every line end, so documents that start on a new line are reused whole) "

@@ -65,8 +65,14 @@ def build_content_reuse(
     rotator, reason = check_content_reuse(parts.model)
     if rotator is not None and torch.device(parts.info.device).type == "cpu":
         rotator.ext = cpu_ext.load_or_none()  # moved keys rotated in one call a layer (bitwise the same)
-    line_ends = line_end_ids(parts.tokenizer.token_texts()) if config.pieces == "lines" else frozenset()
-    content = ContentMatcher(config, PieceIndex(kv.store), cost, rotator is not None, reason, line_ends)
+    content = ContentMatcher(
+        config,
+        PieceIndex(kv.store),
+        cost,
+        rotator is not None,
+        reason,
+        lambda: line_end_ids(parts.tokenizer.token_texts()),
+    )
     repairer = Repairer(parts.layers, rotator, torch.device(parts.info.device), kv) if rotator else None
     require_content_reuse(config.reuse, rotator, reason)
     if config.reuse == "any" and config.recompute_strategy == "auto":

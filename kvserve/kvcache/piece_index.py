@@ -1,7 +1,8 @@
 """PieceIndex: content hash of a prompt piece -> where its KV lives in the cache.
 
 A piece is a token range [start_pos, start_pos + num_tokens) of an earlier prompt whose KV is held
-by cached chunks (listed by prefix hash). It owns nothing. The index is bounded by the store: when the
+by cached chunks (listed by prefix hash). It owns nothing. One copy per content hash: a warmed one
+before one met inside another prompt, else the newest. The index is bounded by the store: when the
 store evicts a chunk, every piece pointing into it is dropped (ChunkStore.on_drop), so each entry
 points into cached chunks only.
 """
@@ -24,6 +25,7 @@ class Piece:
     chunk_hashes: tuple[bytes, ...]  # the cached chunks covering the range, in order
     first_chunk_pos: int  # position of the first token of chunk_hashes[0]
     source_id: int  # the registering sequence: consecutive pieces of one source form a run
+    warmed: bool = False  # registered by a warm (/v1/warm): computed without other documents around it
 
 
 @dataclass(frozen=True)
@@ -44,8 +46,13 @@ class PieceIndex:
         return len(self._pieces)
 
     def add(self, piece: Piece) -> None:
-        """Index a piece whose chunks are all cached; the newest copy of a content hash wins."""
+        """Index a piece whose chunks are all cached. A warmed copy of a content hash wins over one
+        met inside another prompt (repairs kept more answers from warmed documents, docs/blend.md);
+        else the newest copy wins."""
         assert all(h in self.store for h in piece.chunk_hashes), "piece points at uncached chunks"
+        old = self._pieces.get(piece.content_hash)
+        if old is not None and old.warmed and not piece.warmed:
+            return
         self._remove(piece.content_hash)
         self._pieces[piece.content_hash] = piece
         for h in piece.chunk_hashes:

@@ -15,8 +15,10 @@ matched at all (`guarded`).
 
 from __future__ import annotations
 
+import functools
 import itertools
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -64,13 +66,11 @@ class ContentMatcher:
         cost: CostModel,
         enabled: bool,
         disabled_reason: str = "",
-        line_ends: frozenset[int] = frozenset(),
+        line_ends: Callable[[], frozenset[int]] = frozenset,
     ):
         self.config = config
         self.index = index
-        self.cutter = PieceCutter(
-            config.pieces, config.chunk_size, config.piece_min_tokens, config.piece_max_tokens, line_ends
-        )
+        self._line_ends = line_ends  # --pieces lines: the tokenizer's line-ending ids, found at the first cut
         self.enabled = enabled  # the model supports moving KV and the start-up self-check passed
         self.disabled_reason = disabled_reason
         self.chunk_size = config.chunk_size
@@ -84,6 +84,14 @@ class ContentMatcher:
         self.auto = AutoWatch(verified_preset(config.model, config.verified_presets))
         self._prompts: dict[str, PromptPieces] = {}  # request id -> its pieces (prepared, not finished)
         self._source_ids = itertools.count(1)
+
+    @functools.cached_property
+    def cutter(self) -> PieceCutter:
+        """Made at the first prompt cut: finding the line ends decodes every token (0.8 s for SmolLM2's
+        49,152), which a server that never cuts a prompt should not pay at start-up."""
+        cfg = self.config
+        line_ends = self._line_ends() if cfg.pieces == "lines" else frozenset()
+        return PieceCutter(cfg.pieces, cfg.chunk_size, cfg.piece_min_tokens, cfg.piece_max_tokens, line_ends)
 
     def _key(self, seq: Sequence, start: int, end: int) -> bytes:
         return content_hash(seq.cache.root_hash.hex(), seq.token_ids[start:end])
@@ -274,6 +282,7 @@ class ContentMatcher:
                     chunk_hashes=tuple(chunk_hashes[first : last + 1]),
                     first_chunk_pos=first * self.chunk_size,
                     source_id=prompt.source_id,
+                    warmed=seq.request.warm_only,
                 )
             )
             prompt.num_registered += 1

@@ -250,3 +250,27 @@ def test_line_pieces_reuse_documents_on_their_own_lines_whole():
             assert out.num_recomputed_tokens == reused["lines"] and out.token_ids == ref.token_ids
             assert (logits - ref_logits).abs().max().item() <= 1e-4
     assert reused["content"] < reused["lines"], reused
+
+
+def test_a_warmed_document_stays_the_source_over_copies_in_later_prompts():
+    """The index keeps a document's warmed copy (computed after nothing but what was warmed) over a
+    copy a later prompt computed inside other documents: repairs from warmed KV kept more answers on
+    real text (docs/blend.md). Without a warmed copy the newest wins."""
+    llm = make()
+    doc = corpus_token_ids(llm, 3 * CHUNK, seed=80)
+    other = corpus_token_ids(llm, 3 * CHUNK, seed=81)
+    index, exact = llm.engine.content.index, ReuseOptions(reuse="any")  # auto: served exactly, indexed
+    llm.warm(doc)
+    sources = []
+    for seed in (82, 83):  # the document inside other prompts, after other headers
+        prompt = corpus_token_ids(llm, 2 * CHUNK, seed=seed) + doc + other + [4, 5, 6]
+        (out,) = llm.generate([prompt], GREEDY, reuse=exact)
+        assert out.num_approx_cached_tokens == 0
+        # the other document's pieces point into the newest prompt
+        other_pieces = [p for p in index._pieces.values() if p.start_pos >= 5 * CHUNK]
+        assert len(other_pieces) == 3 and len({p.source_id for p in other_pieces}) == 1
+        sources.append(other_pieces[0].source_id)
+    assert sources[0] != sources[1]
+    # the warmed copy of each of the document's pieces survived both prompts
+    assert sorted(p.start_pos for p in index._pieces.values() if p.warmed) == [0, CHUNK, 2 * CHUNK]
+    llm.engine.check_integrity()
