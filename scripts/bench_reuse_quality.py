@@ -63,7 +63,7 @@ from kvserve import LLM, SamplingParams  # noqa: E402
 from kvserve.engine.audit import MAX_PENDING  # noqa: E402
 from kvserve.quant.choice import ACCURACY_FILE, REAL  # noqa: E402
 from kvserve.request import RequestOutput, ReuseOptions  # noqa: E402
-from kvserve.scheduler.verified import PRESET_FIELDS, PRESETS_FILE, shortfalls, targets_for  # noqa: E402
+from kvserve.scheduler.verified import FAMILIES, PRESET_FIELDS, PRESETS_FILE, shortfalls, targets_for  # noqa: E402
 
 # the strategies a run compares by default; any name strategy() parses can be asked for
 STRATEGIES = [
@@ -434,7 +434,13 @@ def run_measure(
     rng: random.Random,
 ) -> dict:
     """One measure: fresh documents, seeding, then every prompt under every strategy."""
-    llm = LLM(model=args.model, max_cache_bytes=4_000_000_000, reuse_min_saving=-10.0, pieces=args.pieces)
+    llm = LLM(
+        model=args.model,
+        max_cache_bytes=4_000_000_000,
+        reuse_min_saving=-10.0,
+        pieces=args.pieces,
+        audit_max_kl=args.audit_max_kl,
+    )
     cold = LLM(model=args.model, enable_prefix_caching=False, max_cache_bytes=500_000_000)
     enc = Encoder(llm.tokenizer)
     docs = make_real_docs(args.docs, rng) if args.text == "real" else make_docs(args.docs, rng)
@@ -503,6 +509,7 @@ def run_measure(
         "docs": len(docs),
         "seeding_prompts": len(groups),
         "seeding_s": seeding_s,
+        "guard_skips": llm.engine.content.num_guard_skips,  # matches of guarded documents not reused
         "avg_prompt_tokens": statistics.fmean(len(p.ids) for p in prompts),
         "samples": samples[: args.keep_samples],
     }
@@ -1080,7 +1087,7 @@ def main() -> None:
     ap.add_argument(
         "--text",
         default="generated",
-        choices=("generated", "real"),
+        choices=FAMILIES,
         help="the documents: generated filler around each planted fact, or excerpts of real documentation "
         "(Python's reference topics, stdlib docstrings, installed packages' descriptions) around it",
     )
@@ -1093,6 +1100,15 @@ def main() -> None:
         default="lines",
         choices=("content", "lines", "fixed"),
         help="the reuse engine's --pieces",
+    )
+    ap.add_argument(
+        "--audit-max-kl",
+        type=float,
+        default=1e9,
+        help="the reuse engine's --audit-max-kl: an audit whose mean KL exceeds it stops reuse of the "
+        "prompt's documents (the guard). Off by default: the bench audits every --audit-every'th prompt "
+        "(a quarter) to measure agreement, not the 2 %% a server samples, and a guard tripped that often "
+        "turns off reuse of most documents (docs/blend.md)",
     )
     ap.add_argument(
         "--source",
@@ -1171,6 +1187,12 @@ def main() -> None:
         default=str(PRESETS_FILE),
         help="with --verify: the verified-presets file to write (the package's by default; a server reads "
         "another with --verified-presets)",
+    )
+    ap.add_argument(
+        "--families",
+        default=",".join(FAMILIES),
+        help="with --verify: the task families to run now (a run in parts; judge the saved runs with "
+        "--verify-from)",
     )
     ap.add_argument(
         "--verify-from",
@@ -1275,7 +1297,10 @@ def verify(ap: argparse.ArgumentParser, args: argparse.Namespace) -> None:
             ap.error(str(e))
         stem, ext = os.path.splitext(args.json)
         paths, runs = [], []
-        for family in ("generated", "real"):
+        families = args.families.split(",")
+        if not families or not set(families) <= set(FAMILIES):
+            ap.error(f"--families: some of {', '.join(FAMILIES)}")
+        for family in families:
             args.text = family
             run = {
                 "model": model,
@@ -1300,6 +1325,11 @@ def verify(ap: argparse.ArgumentParser, args: argparse.Namespace) -> None:
                     json.dump(run, f, indent=1)
             paths.append(path)
             runs.append(run)
+        if set(families) != set(FAMILIES):  # a run in parts: judged once every family is saved
+            print(
+                f"\nsaved {', '.join(paths)}; judge every family's run with --verify {model} --verify-from FILES"
+            )
+            return
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     data = [os.path.relpath(os.path.abspath(p), root) for p in paths]
     entry = verification(model, runs, data, command)

@@ -73,6 +73,8 @@ def build_content_reuse(
         reason,
         lambda: line_end_ids(parts.tokenizer.token_texts()),
     )
+    if config.reuse == "any" and rotator is not None:
+        _ = content.cutter  # every request is cut: find the line ends now, not in the first one's TTFT
     repairer = Repairer(parts.layers, rotator, torch.device(parts.info.device), kv) if rotator else None
     require_content_reuse(config.reuse, rotator, reason)
     if config.reuse == "any" and config.recompute_strategy == "auto":

@@ -87,8 +87,9 @@ class ContentMatcher:
 
     @functools.cached_property
     def cutter(self) -> PieceCutter:
-        """Made at the first prompt cut: finding the line ends decodes every token (0.8 s for SmolLM2's
-        49,152), which a server that never cuts a prompt should not pay at start-up."""
+        """Made at the first prompt cut (at start-up when the server's --reuse is any): finding the line
+        ends decodes every token (0.8 s for SmolLM2's 49,152), which a server that cuts no prompt
+        should not pay."""
         cfg = self.config
         line_ends = self._line_ends() if cfg.pieces == "lines" else frozenset()
         return PieceCutter(cfg.pieces, cfg.chunk_size, cfg.piece_min_tokens, cfg.piece_max_tokens, line_ends)

@@ -274,3 +274,16 @@ def test_a_warmed_document_stays_the_source_over_copies_in_later_prompts():
     # the warmed copy of each of the document's pieces survived both prompts
     assert sorted(p.start_pos for p in index._pieces.values() if p.warmed) == [0, CHUNK, 2 * CHUNK]
     llm.engine.check_integrity()
+
+
+def test_line_ends_are_found_at_the_first_cut_or_at_start_up_under_reuse_any():
+    """Finding the line ends decodes every token: a server that cuts no prompt skips it, one whose
+    requests are all cut (--reuse any) pays it at start-up, not in its first request's TTFT."""
+    prefix = LLM(model="tiny-random-llama", pieces="lines", max_cache_bytes=50_000_000)
+    assert "cutter" not in vars(prefix.engine.content)
+    prefix.generate([[5, 6, 7, 8]], GREEDY)  # served by prefix: nothing cut
+    assert "cutter" not in vars(prefix.engine.content)
+    prefix.warm(corpus_token_ids(prefix, 2 * CHUNK, seed=90))  # a warm is cut for content matches
+    assert vars(prefix.engine.content)["cutter"].line_ends
+    anywhere = LLM(model="tiny-random-llama", pieces="lines", reuse="any", max_cache_bytes=50_000_000)
+    assert vars(anywhere.engine.content)["cutter"].line_ends
