@@ -61,6 +61,7 @@ from machine import describe  # noqa: E402
 
 from kvserve import LLM, SamplingParams  # noqa: E402
 from kvserve.engine.audit import MAX_PENDING  # noqa: E402
+from kvserve.errors import InvalidRequestError  # noqa: E402
 from kvserve.quant.choice import ACCURACY_FILE, REAL  # noqa: E402
 from kvserve.request import RequestOutput, ReuseOptions  # noqa: E402
 from kvserve.scheduler.verified import FAMILIES, PRESET_FIELDS, PRESETS_FILE, shortfalls, targets_for  # noqa: E402
@@ -78,7 +79,6 @@ STRATEGIES = [
     "query R=4 0.60",
     "query R=4 0.15 L8",
 ]
-STRATEGY_NAMES = ("none", "selective", "cacheblend", "query")
 
 
 def strategy(name: str) -> ReuseOptions | None:
@@ -88,13 +88,9 @@ def strategy(name: str) -> ReuseOptions | None:
     if name == "full prefill":
         return None
     kind, *settings = name.split()
-    if kind not in STRATEGY_NAMES:
-        raise ValueError(
-            f"unknown strategy {kind!r} in {name!r}; known: full prefill, {', '.join(STRATEGY_NAMES)}"
-        )
     fields: dict = {"reuse": "any", "recompute_strategy": kind}
     for s in settings:
-        key, _, value = s.partition("=")
+        value = s.partition("=")[2]
         try:
             if s.startswith("R="):
                 fields["recompute_tokens"] = int(value)
@@ -106,7 +102,10 @@ def strategy(name: str) -> ReuseOptions | None:
                 fields["recompute_ratio"] = float(s)
         except ValueError:
             raise ValueError(f"cannot read {s!r} in strategy {name!r} (R=n, a ratio, Ln, seam=n)") from None
-    return ReuseOptions(**fields)
+    try:
+        return ReuseOptions(**fields)  # checks the strategy's name and the settings' ranges
+    except InvalidRequestError as e:
+        raise ValueError(f"strategy {name!r}: {e.message}") from None
 
 
 # ---------------------------------------------------------------------------------------------
