@@ -887,7 +887,7 @@ def plot(results: dict, path: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    measures = [m for m in ("lookup", "multihop", "recall", "freeform") if m in results["tables"]]
+    measures = [m for m in MEASURES if m in results["tables"]]
     fig, axes = plt.subplots(1, len(measures), figsize=(5.5 * len(measures), 4.5), squeeze=False)
     for ax, m in zip(axes[0], measures, strict=True):
         if results.get("codecs"):
@@ -960,6 +960,29 @@ def partial_writer(args: argparse.Namespace, results: dict, measure: str) -> Cal
 # R=4 and R=8: no R kept more answers everywhere (docs/blend.md, Repair levers); the verification picks
 VERIFY_CANDIDATES = "query R=4 0.15,query R=8 0.15,query R=4 0.45,cacheblend 0.15"
 VERIFY_MEASURES = "lookup,multihop,recall"
+MEASURES = ("lookup", "multihop", "recall", "freeform")  # a measure's prompts: seed * 1000 + its place here
+# what a saved family run must share with a new one for the two to be one run (--verify --measures adds to it)
+SAME_RUN = (
+    "prompts",
+    "docs",
+    "seed",
+    "pieces",
+    "source",
+    "audit_every",
+    "audit_max_kl",
+    "block_size",
+    "dtype",
+)
+
+
+def measure_rng(seed: int, measure: str) -> random.Random:
+    """The prompts of `measure`: the same whichever other measures run beside it, so a measure run alone
+    (a stopped verification's last one) draws what it would have drawn in the full run."""
+    if measure not in MEASURES:
+        raise ValueError(f"unknown measure {measure!r}: one of {', '.join(MEASURES)}")
+    return random.Random(seed * 1000 + MEASURES.index(measure))
+
+
 FULL_SAMPLE = {"qwen2.5-coder-1.5b": 100}  # prompts per measure the targets are stated at (else 200)
 
 
@@ -1247,8 +1270,8 @@ def main() -> None:
     print(
         f"## {args.model}, --pieces {args.pieces}, --source {args.source}, {args.text} text; {results['machine']}"
     )
-    for k, measure in enumerate(args.measures.split(",")):
-        rng = random.Random(args.seed * 1000 + k)
+    for measure in args.measures.split(","):
+        rng = measure_rng(args.seed, measure)
         if codecs:
             result = run_codecs(measure, args, codecs, rng, partial_writer(args, results, measure))
         else:
@@ -1266,6 +1289,27 @@ def main() -> None:
                 json.dump(results, f, indent=1)
     if args.plot:
         plot(results, args.plot)
+
+
+def earlier_run(path: str, run: dict, names: list[str]) -> dict | None:
+    """The saved family run at `path` when it is the same run as `run` (same model, family, candidates
+    and SAME_RUN settings), so that measures run now join the ones it holds; None when there is none or
+    it differs (then it is overwritten)."""
+    if not os.path.exists(path):
+        return None
+    with open(path) as f:
+        saved = json.load(f)
+    same = (
+        saved["model"] == run["model"]
+        and saved["text"] == run["text"]
+        and all(saved["args"].get(k) == run["args"].get(k) for k in SAME_RUN)
+        and all(set(table) == {"full prefill", *names} for table in saved["tables"].values())
+    )
+    if not same:
+        return None
+    print(f"adding to {path} (it holds {', '.join(saved['tables'])})", flush=True)
+    commands = saved.get("commands", [saved["command"]])
+    return {**saved, "args": run["args"], "commands": [*commands, run["command"]]}
 
 
 def verify(ap: argparse.ArgumentParser, args: argparse.Namespace) -> None:
@@ -1314,12 +1358,13 @@ def verify(ap: argparse.ArgumentParser, args: argparse.Namespace) -> None:
                 "command": command,
             }
             print(f"## --verify {model}: {family} text, --pieces {args.pieces}; {run['machine']}", flush=True)
-            for k, measure in enumerate(args.measures.split(",")):
-                result = run_measure(measure, args, strategies, random.Random(args.seed * 1000 + k))
+            path = f"{stem}_{family}{ext or '.json'}"
+            run = earlier_run(path, run, names) or run
+            for measure in args.measures.split(","):
+                result = run_measure(measure, args, strategies, measure_rng(args.seed, measure))
                 run["tables"][measure] = table = summarise(measure, result)
                 run["raw"][measure] = result
                 print_table(measure, result, table, model)
-                path = f"{stem}_{family}{ext or '.json'}"
                 with open(path, "w") as f:
                     json.dump(run, f, indent=1)
             paths.append(path)

@@ -292,3 +292,32 @@ def test_strategy_names_read_as_request_options():
         with pytest.raises(ValueError):
             rq.strategy(bad)
     assert all(rq.strategy(n) is not None for n in rq.STRATEGIES[1:])
+
+
+def test_a_measure_run_alone_draws_the_prompts_it_draws_beside_the_others():
+    assert rq.measure_rng(0, "recall").random() != rq.measure_rng(0, "lookup").random()
+    assert rq.measure_rng(0, "recall").random() == random.Random(2).random()  # its place in a full run
+    with pytest.raises(ValueError, match="unknown measure"):
+        rq.measure_rng(0, "summary")
+
+
+def test_a_verification_measure_joins_its_family_run_only_when_the_settings_match(tmp_path: Path, capsys):
+    """A stopped verification goes on measure by measure (--verify --measures recall): the saved family
+    run takes the new measure only when it is the same run (prompts, seed, pieces, candidates ...)."""
+    args = {k: 1 for k in rq.SAME_RUN}
+    saved = {
+        "model": "m",
+        "text": "real",
+        "args": args,
+        "command": "first",
+        "tables": {"lookup": {"full prefill": {}, "query R=4 0.15": {}}},
+        "raw": {"lookup": {}},
+    }
+    path = tmp_path / "run_real.json"
+    path.write_text(json.dumps(saved))
+    new = {"model": "m", "text": "real", "args": dict(args), "command": "second", "tables": {}, "raw": {}}
+    joined = rq.earlier_run(str(path), new, ["query R=4 0.15"])
+    assert joined is not None and "lookup" in joined["tables"] and joined["commands"] == ["first", "second"]
+    assert rq.earlier_run(str(path), new, ["query R=8 0.15"]) is None  # other candidates
+    assert rq.earlier_run(str(path), {**new, "args": {**args, "prompts": 2}}, ["query R=4 0.15"]) is None
+    assert rq.earlier_run(str(tmp_path / "none.json"), new, ["query R=4 0.15"]) is None
