@@ -9,6 +9,7 @@ points into cached chunks only.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -32,7 +33,17 @@ class Piece:
 class PieceHit:
     piece: Piece
     chunks: list[CachedChunk]
-    src_slots: list[int]  # pool slot of each token, in order
+    block_size: int
+
+    @functools.cached_property
+    def src_slots(self) -> list[int]:
+        """The pool slot of each token, in order: worked out when a taken plan moves the KV, not for
+        the matches of plans that are declined."""
+        # the chunks, each chunk_size tokens but the last, are one block table from first_chunk_pos
+        blocks = torch.tensor([b for chunk in self.chunks for b in chunk.block_ids])
+        start = self.piece.start_pos - self.piece.first_chunk_pos
+        positions = torch.arange(start, start + self.piece.num_tokens)
+        return slot_mapping(blocks, positions, self.block_size).tolist()
 
 
 class PieceIndex:
@@ -44,6 +55,9 @@ class PieceIndex:
 
     def __len__(self) -> int:
         return len(self._pieces)
+
+    def __contains__(self, content_hash: bytes) -> bool:
+        return content_hash in self._pieces
 
     def add(self, piece: Piece) -> None:
         """Index a piece whose chunks are all cached. A warmed copy of a content hash wins over one
@@ -88,9 +102,4 @@ class PieceIndex:
             return None
         live = [c for c in map(self.store.get, piece.chunk_hashes) if c is not None]
         assert len(live) == len(piece.chunk_hashes), "the index holds a piece of an evicted chunk"
-        # the chunks, each chunk_size tokens but the last, are one block table from first_chunk_pos
-        blocks = torch.tensor([b for chunk in live for b in chunk.block_ids])
-        start = piece.start_pos - piece.first_chunk_pos
-        positions = torch.arange(start, start + piece.num_tokens)
-        slots = slot_mapping(blocks, positions, self.store.pool.block_size).tolist()
-        return PieceHit(piece, live, slots)
+        return PieceHit(piece, live, self.store.pool.block_size)

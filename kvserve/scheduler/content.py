@@ -54,6 +54,7 @@ class PromptPieces:
     """A prompt's pieces for content matching and how many are indexed so far."""
 
     pieces: list[tuple[int, int]]
+    keys: list[bytes]  # each piece's content hash, salted with the request's namespace
     source_id: int  # unique per prompt: identifies runs of pieces from one prompt (piece_index.py)
     num_registered: int = 0
 
@@ -94,9 +95,6 @@ class ContentMatcher:
         line_ends = self._line_ends() if cfg.pieces == "lines" else frozenset()
         return PieceCutter(cfg.pieces, cfg.chunk_size, cfg.piece_min_tokens, cfg.piece_max_tokens, line_ends)
 
-    def _key(self, seq: Sequence, start: int, end: int) -> bytes:
-        return content_hash(seq.cache.root_hash.hex(), seq.token_ids[start:end])
-
     def _mode(self, seq: Sequence) -> str:
         opts = seq.request.reuse
         return opts.reuse if opts is not None and opts.reuse is not None else self.config.reuse
@@ -105,9 +103,11 @@ class ContentMatcher:
         """Cut the prompt into pieces if it will be indexed (warmed, or opted into content reuse): kept
         here by request id until `forget`."""
         if self.enabled and (seq.request.warm_only or self._mode(seq) == "any"):
-            self._prompts[seq.request_id] = PromptPieces(
-                self.cutter.cut(seq.request.prompt_token_ids), next(self._source_ids)
-            )
+            tokens = seq.request.prompt_token_ids
+            pieces = self.cutter.cut(tokens)
+            salt = seq.cache.root_hash.hex()
+            keys = [content_hash(salt, tokens[start:end]) for start, end in pieces]
+            self._prompts[seq.request_id] = PromptPieces(pieces, keys, next(self._source_ids))
 
     def request_ids(self) -> set[str]:
         return set(self._prompts)
@@ -122,18 +122,18 @@ class ContentMatcher:
         exact_only = seq.request.warm_only or seq.request.sampling_params.prompt_logprobs is not None
         return self.enabled and not exact_only and self._mode(seq) == "any"
 
-    def find_hits(self, seq: Sequence, prefix_len: int) -> list[ContentHit]:
-        """Cached pieces after the exact prefix; the last prompt token is always computed."""
-        hits = []
+    def find_matches(self, seq: Sequence, prefix_len: int) -> list[tuple[int, bytes]]:
+        """(start, content key) of the indexed pieces after the exact prefix; the last prompt token is
+        always computed."""
         prompt = self._prompts.get(seq.request_id)
-        for start, end in prompt.pieces if prompt is not None else ():
-            if start < prefix_len or end > seq.num_prompt_tokens - 1:
-                continue
-            key = self._key(seq, start, end)
-            hit = self.index.lookup(key)
-            if hit is not None:
-                hits.append(ContentHit(start, hit, key))
-        return hits
+        if prompt is None:
+            return []
+        last = seq.num_prompt_tokens - 1
+        return [
+            (start, key)
+            for (start, end), key in zip(prompt.pieces, prompt.keys, strict=True)
+            if start >= prefix_len and end <= last and key in self.index
+        ]
 
     # --- cost-aware choice -------------------------------------------------------------------------
     def _steps(self, *rows: int) -> int:
@@ -187,18 +187,21 @@ class ContentMatcher:
 
     def consider(self, seq: Sequence, prefix_len: int) -> Choice | None:
         """What to do with the prompt's matches after the exact prefix (None: there are none). No
-        side effects: admission may consider a sequence several times before it starts."""
-        found = self.find_hits(seq, prefix_len)
+        side effects: admission may consider a sequence several times before it starts. A match
+        declined before planning (guarded, or `auto` serving exactly) costs a set lookup per piece."""
+        found = self.find_matches(seq, prefix_len)
         if not found:
             return None
-        hits = [h for h in found if h.key not in self.guarded]
-        if not hits:
+        matches = [(start, key) for start, key in found if key not in self.guarded]
+        if not matches:
             return Choice(None, DECLINED_GUARD, 0.0, len(found))
-        plan = self.plan(seq, prefix_len, hits)
-        if isinstance(plan, str):
-            return Choice(None, plan, 0.0, len(found) - len(hits))
+        repair = self.repair_for(seq)
+        if isinstance(repair, str):
+            return Choice(None, repair, 0.0, len(found) - len(matches))
+        hits = [ContentHit(start, self.index.lookup(key), key) for start, key in matches]
+        plan = self.plan(seq, prefix_len, hits, repair)
         outcome, saving = self.choose(plan, seq.num_prompt_tokens)
-        return Choice(plan if outcome == TAKEN else None, outcome, saving, len(found) - len(hits))
+        return Choice(plan if outcome == TAKEN else None, outcome, saving, len(found) - len(matches))
 
     def record(self, seq: Sequence, choice: Choice) -> None:
         """The decision at a sequence's first admission with matches (a re-admission keeps it)."""
@@ -225,27 +228,30 @@ class ContentMatcher:
             return DECLINED_FELL_BACK
         return DECLINED_UNVERIFIED if self.auto.preset is None else DECLINED_PIECES
 
-    def plan(self, seq: Sequence, prefix_len: int, hits: list[ContentHit]) -> ReusePlan | str:
-        """The request's repair (its fields, else the server's); `auto` is the preset verified on
-        this model (scheduler/verified.py). A str: `auto`, serving exactly, and why."""
+    def repair_for(self, seq: Sequence) -> tuple[str, Any] | str:
+        """Where the request's repair comes from and the verified preset's options (None unless
+        `auto` picked it); a str: `auto` serves exactly, and why."""
+        opts = seq.request.reuse
+        if opts is not None and opts.recompute_strategy is not None:
+            return "named by the request", None
+        if self.config.recompute_strategy != "auto":
+            return f"the server's --recompute-strategy {self.config.recompute_strategy}", None
+        verified = self.auto_preset()
+        if isinstance(verified, str):
+            return verified
+        return AUTO_SOURCE + verified.describe(), verified.options
+
+    def plan(
+        self, seq: Sequence, prefix_len: int, hits: list[ContentHit], repair: tuple[str, Any]
+    ) -> ReusePlan:
+        """The request's repair (its fields, else the preset's, else the server's) over `hits`."""
         opts = seq.request.reuse
         cfg = self.config
-        named = opts is not None and opts.recompute_strategy is not None
-        preset = None
-        if named:
-            source = "named by the request"
-        elif cfg.recompute_strategy != "auto":
-            source = f"the server's --recompute-strategy {cfg.recompute_strategy}"
-        else:
-            verified = self.auto_preset()
-            if isinstance(verified, str):
-                return verified
-            preset = verified.options
-            source = AUTO_SOURCE + verified.describe()
+        source, preset = repair
 
         def pick(name: str) -> Any:
-            for source in (opts, preset):
-                value = getattr(source, name, None) if source is not None else None
+            for given in (opts, preset):
+                value = getattr(given, name, None) if given is not None else None
                 if value is not None:
                     return value
             return getattr(cfg, name)
@@ -277,7 +283,7 @@ class ContentMatcher:
             first, last = start // self.chunk_size, (end - 1) // self.chunk_size
             self.index.add(
                 Piece(
-                    content_hash=self._key(seq, start, end),
+                    content_hash=prompt.keys[prompt.num_registered],
                     start_pos=start,
                     num_tokens=end - start,
                     chunk_hashes=tuple(chunk_hashes[first : last + 1]),

@@ -236,19 +236,24 @@ def presets_file(tmp_path, verified: bool, pieces: str = "fixed", agreement: flo
 def test_auto_serves_matches_exactly_on_a_model_no_repair_is_verified_on(tmp_path):
     """--reuse any with the default strategy (auto): no preset is verified on this model (the package's
     file has none; a file listing it as measured and missed is the same), so a prompt with content
-    matches is served exactly and the plan says why; a request that names a strategy opts into it and
-    usage says so."""
+    matches is served exactly and the plan says why, without looking the matched pieces' KV up (a
+    declined plan costs nothing but a set lookup per piece); a request that names a strategy opts into
+    it and usage says so."""
     for presets in ("", presets_file(tmp_path, verified=False)):
         llm, cold = make(reuse="any", verified_presets=presets), make(enable_prefix_caching=False)
         assert llm.engine.config.recompute_strategy == "auto" and llm.engine.content.auto.preset is None
         docs = warmed(llm)
+        index = llm.engine.content.index
+        looked_up = []
+        lookup = index.lookup
+        index.lookup = lambda key: looked_up.append(key) or lookup(key)
         prompt = rag_prompt(llm, docs, [2, 0, 1], seed=12)
         (ref,) = cold.generate([prompt], GREEDY)
         (out,) = llm.generate([prompt], GREEDY)
         assert out.reuse_plan == "declined: no repair verified on this model" and out.reuse_preset is None
-        assert out.num_approx_cached_tokens == 0 and out.token_ids == ref.token_ids
+        assert out.num_approx_cached_tokens == 0 and out.token_ids == ref.token_ids and not looked_up
         (named,) = llm.generate([rag_prompt(llm, docs, [1, 2, 0], seed=13)], GREEDY, reuse=NONE)
-        assert named.reuse_plan == "taken" and named.num_approx_cached_tokens > 0
+        assert named.reuse_plan == "taken" and named.num_approx_cached_tokens > 0 and looked_up
         assert named.reuse_preset == "named by the request"
         assert llm.stats().content_reuse.plans["declined: no repair verified on this model"] == 1
 
