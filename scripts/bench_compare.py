@@ -43,6 +43,7 @@ SYSTEMS = (
     "kvserve-nested-fp16",
     "kvserve-nested-fp8",
     "kvserve-any",
+    "kvserve-reuse-any",
     "kvboost-default",
     "kvboost-tuned",
     "llamacpp",

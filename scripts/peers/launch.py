@@ -154,6 +154,14 @@ def systems(workload: str) -> dict[str, System]:
             workloads=("rag",),
             note="bf16 KV, approximate reuse of documents in new orders (cacheblend 0.15, content chunking)",
         ),
+        "kvserve-reuse-any": System(
+            "kvserve-reuse-any",
+            _kvserve("--reuse", "any"),
+            workloads=("rag",),
+            note="defaults with --reuse any (--recompute-strategy auto: a repair only where one is verified "
+            "for the model, else every match served exactly); beside kvserve-auto, what content reuse "
+            "costs when it does not pay",
+        ),
         "kvboost-default": System(
             "kvboost-default",
             _kvboost(),
