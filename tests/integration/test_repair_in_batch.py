@@ -233,6 +233,19 @@ def presets_file(tmp_path, verified: bool, pieces: str = "fixed", agreement: flo
     return str(path)
 
 
+def counted_lookups(index) -> list[bytes]:
+    """The content keys `index` looks up from now on (the matches whose KV a plan would move)."""
+    keys: list[bytes] = []
+    lookup = index.lookup
+
+    def counted(key: bytes):
+        keys.append(key)
+        return lookup(key)
+
+    index.lookup = counted
+    return keys
+
+
 def test_auto_serves_matches_exactly_on_a_model_no_repair_is_verified_on(tmp_path):
     """--reuse any with the default strategy (auto): no preset is verified on this model (the package's
     file has none; a file listing it as measured and missed is the same), so a prompt with content
@@ -243,10 +256,7 @@ def test_auto_serves_matches_exactly_on_a_model_no_repair_is_verified_on(tmp_pat
         llm, cold = make(reuse="any", verified_presets=presets), make(enable_prefix_caching=False)
         assert llm.engine.config.recompute_strategy == "auto" and llm.engine.content.auto.preset is None
         docs = warmed(llm)
-        index = llm.engine.content.index
-        looked_up = []
-        lookup = index.lookup
-        index.lookup = lambda key: looked_up.append(key) or lookup(key)
+        looked_up = counted_lookups(llm.engine.content.index)
         prompt = rag_prompt(llm, docs, [2, 0, 1], seed=12)
         (ref,) = cold.generate([prompt], GREEDY)
         (out,) = llm.generate([prompt], GREEDY)
