@@ -96,10 +96,9 @@ class PieceIndex:
             len(s.chunk_hashes) for s in self._pieces.values()
         )
 
-    def lookup(self, content_hash: bytes) -> PieceHit | None:
-        piece = self._pieces.get(content_hash)
-        if piece is None:
-            return None
+    def lookup(self, content_hash: bytes) -> PieceHit:
+        """The indexed piece's chunks (KeyError when `content_hash` is not indexed: ask `in` first)."""
+        piece = self._pieces[content_hash]
         live = [c for c in map(self.store.get, piece.chunk_hashes) if c is not None]
         assert len(live) == len(piece.chunk_hashes), "the index holds a piece of an evicted chunk"
         return PieceHit(piece, live, self.store.pool.block_size)
