@@ -1105,7 +1105,7 @@ def print_verification(model: str, entry: dict) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--model", default="smollm2-135m")
-    ap.add_argument("--measures", default="lookup,multihop,recall,freeform")
+    ap.add_argument("--measures", default=",".join(MEASURES))
     ap.add_argument(
         "--text",
         default="generated",
@@ -1223,6 +1223,8 @@ def main() -> None:
         "running",
     )
     args = ap.parse_args()
+    if unknown := set(args.measures.split(",")) - set(MEASURES):
+        ap.error(f"--measures: unknown {', '.join(sorted(unknown))} (some of {', '.join(MEASURES)})")
     if args.verify:
         verify(ap, args)
         return
