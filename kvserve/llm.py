@@ -106,7 +106,7 @@ class LLM:
         return self.engine.unpin(self.to_token_ids(prompt, add_generation_prompt=False), cache_salt)
 
     def stats(self) -> EngineStats:
-        return EngineStats.of(self.engine)
+        return self.engine.stats()
 
 
 def run_to_completion(engine: Engine, requests: Sequence[Request]) -> dict[str, RequestOutput]:

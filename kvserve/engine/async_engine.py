@@ -27,7 +27,6 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvserve.engine.engine import Engine
-from kvserve.engine.stats import EngineStats
 from kvserve.errors import InvalidRequestError, OverloadedError
 from kvserve.request import FinishReason, Request, RequestOutput
 from kvserve.structured import GrammarWorker
@@ -123,7 +122,7 @@ class AsyncEngine:
         self.recovering: str | None = None
         self._thread: threading.Thread | None = None
         # replaced (never mutated) by the worker; built here while no worker runs
-        self.snapshot = EngineStats.of(engine)
+        self.snapshot = engine.stats()
         self._published_at = 0.0
         self._publish_cost_s = 0.0
         self.grammars = GrammarWorker(engine.grammars, max_pending=MAX_PENDING_GRAMMARS)
@@ -336,7 +335,7 @@ class AsyncEngine:
         if not force and now - self._published_at < PUBLISH_EVERY_COST * self._publish_cost_s:
             return
         try:
-            snapshot = EngineStats.of(self.engine)
+            snapshot = self.engine.stats()
         except Exception:  # stats must never take the worker down
             log.exception("building the engine stats failed")
             return

@@ -103,6 +103,16 @@ class AuditSummary:
     mean_kl_max: float
 
 
+@dataclass(frozen=True)
+class AuditStats:
+    audit: dict[str, AuditSummary]  # per repair strategy: mean and first-token KL quantiles, agreement
+    num_audits_pending: int
+    num_audits_dropped: int  # not run: too many waited, or the recompute ended without logits
+    num_audits_requested: int  # requests served with approximate reuse that asked for one (audit: true)
+    num_audits_over_budget: int  # of those, served without one: past --audit-requests-per-minute, not sampled
+    num_guard_fired: int  # audits whose mean KL is over --audit-max-kl (documents no longer matched)
+
+
 def first_token_kl(full: torch.Tensor, served: torch.Tensor) -> float:
     """KL(full || served) of the two next-token distributions, in nats."""
     p_log = torch.log_softmax(full.float(), dim=-1)
@@ -295,3 +305,13 @@ class Auditor:
                 *_quantiles(a.mean_kl),
             )
         return out
+
+    def stats(self) -> AuditStats:
+        return AuditStats(
+            audit=self.summary(),
+            num_audits_pending=len(self.pending),
+            num_audits_dropped=self.num_dropped,
+            num_audits_requested=self.num_requested,
+            num_audits_over_budget=self.num_over_budget,
+            num_guard_fired=self.num_guard_fired,
+        )

@@ -30,7 +30,7 @@ from kvserve.engine.model_runner import ModelRunner
 from kvserve.engine.output import OutputProcessor
 from kvserve.engine.pins import WarmPins
 from kvserve.engine.precision import PRECISIONS, PrecisionPolicy
-from kvserve.engine.stats import EngineStats
+from kvserve.engine.stats import ContentReuseStats, EngineStats, fields_of
 from kvserve.engine.update import StepUpdate
 from kvserve.errors import InvalidRequestError
 from kvserve.kvcache.manager import KVCacheManager
@@ -403,4 +403,28 @@ class Engine:
         books.close()
 
     def stats(self) -> EngineStats:
-        return EngineStats.of(self)
+        """Each part's own report, put together (one pass over the cached chunks)."""
+        info = self.info
+        pool, store = self.kv.stats(info.bytes_per_token * info.block_size, self.config.max_cache_bytes)
+        held, decoded, reused = (
+            sum(x) for x in zip(*(s.decoded_stats() for s in self.storages), strict=True)
+        )
+        return EngineStats(
+            model=self.config.model,
+            kv_codec=info.kv_codec,
+            bytes_per_token=info.bytes_per_token,
+            pool=pool,
+            store=store,
+            content_reuse=ContentReuseStats.of(self.content.stats(), self.auditor.stats()),
+            **fields_of(self.scheduler.stats()),
+            num_generated_tokens=self.outputs.num_generated_tokens,
+            num_steps=self.num_steps,
+            weights=self.precision.stats(info.weight_bytes, info.num_params),
+            tiers=self.tiers.stats(store) if self.tiers is not None else [],
+            decoded_bytes=held,
+            num_decoded_blocks=decoded,
+            num_decoded_reused=reused,
+            num_step_failures=self.num_step_failures,
+            num_engine_restarts=self.num_restarts,
+            last_restart_reason=self.last_restart_reason,
+        )

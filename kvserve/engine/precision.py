@@ -22,7 +22,9 @@ precision they ran at ("fp16", "fp8" or "fp16+fp8").
 from __future__ import annotations
 
 import math
+import time
 from collections import Counter, deque
+from dataclasses import dataclass
 
 from kvserve.config import ServeConfig
 from kvserve.scheduler.batch import ScheduledSeq
@@ -33,6 +35,24 @@ PRECISIONS = ("fp16", "fp8")
 
 WINDOW_S = 10.0  # first tokens older than this no longer count for the p90
 CALM_FRACTION = 0.7  # back to fp16 only when the p90 is this far under the objective
+
+
+@dataclass(frozen=True)
+class WeightStats:
+    """The model's weights: what they take, and with NestedFP the precisions requests were served at."""
+
+    precision: str  # --weight-precision: dense, fp16, fp8 or auto
+    mode: str | None  # what a request admitted now gets (auto moves it); None with dense weights
+    weight_bytes: int
+    num_params: int
+    num_switches: int  # auto: fp16 <-> fp8 moves so far
+    ttft_p90_s: float | None  # auto: the recent time-to-first-token p90 it judges by
+    requests: dict[str, int]  # requests admitted, by precision
+    generated_tokens: dict[str, int]  # tokens generated, by the precision of the step that computed them
+
+    @property
+    def bytes_per_param(self) -> float:
+        return self.weight_bytes / self.num_params if self.num_params else 0.0
 
 
 class PrecisionPolicy:
@@ -102,6 +122,18 @@ class PrecisionPolicy:
 
     def observe_ttft(self, seconds: float, now: float) -> None:
         self._ttfts.append((now, seconds))
+
+    def stats(self, weight_bytes: int, num_params: int) -> WeightStats:
+        return WeightStats(
+            precision=self.setting,
+            mode=self.mode,
+            weight_bytes=weight_bytes,
+            num_params=num_params,
+            num_switches=self.num_switches,
+            ttft_p90_s=self.ttft_p90(time.monotonic()) if self.setting == "auto" else None,
+            requests=dict(self.requests),
+            generated_tokens=dict(self.tokens),
+        )
 
     def ttft_p90(self, now: float) -> float | None:
         recent = sorted(s for t, s in self._ttfts if now - t <= WINDOW_S)

@@ -510,7 +510,7 @@ class KVCacheManager:
     # --- facts -------------------------------------------------------------------------------------
     def stats(self, bytes_per_block: float, max_cache_bytes: int) -> tuple[PoolStats, StoreStats]:
         """The pool's blocks by state and the store's counters (one pass over the cached chunks)."""
-        return cache_stats(self, bytes_per_block, max_cache_bytes)
+        return cache_stats(self.pool, self.store, bytes_per_block, max_cache_bytes)
 
     # --- invariants --------------------------------------------------------------------------------
     def check_integrity(self, admitted: list[str]) -> None:

@@ -7,12 +7,9 @@ from __future__ import annotations
 import heapq
 from collections import Counter
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
+from kvserve.kvcache.block_pool import BlockPool
 from kvserve.kvcache.chunk_store import ChunkStore
-
-if TYPE_CHECKING:
-    from kvserve.kvcache.manager import KVCacheManager
 
 
 @dataclass(frozen=True)
@@ -66,17 +63,17 @@ class StoreStats:
     cached_bytes: int
     max_cache_bytes: int
     num_evicted_chunks: int
+    num_chunk_hits: int  # acquisitions of cached chunks by requests that reuse them
     top_chunks: tuple[ChunkRow, ...] = ()  # the most reused (TOP_CHUNKS), then the most recent
 
 
 def cache_stats(
-    kv: KVCacheManager, bytes_per_block: float, max_cache_bytes: int
+    pool: BlockPool, store: ChunkStore, bytes_per_block: float, max_cache_bytes: int
 ) -> tuple[PoolStats, StoreStats]:
-    pool, store = kv.pool, kv.store
     pool_stats = PoolStats(
         num_blocks=pool.num_blocks,
         num_free_blocks=pool.num_free_blocks,
-        num_evictable_blocks=num_evictable_blocks(kv),
+        num_evictable_blocks=num_evictable_blocks(pool, store),
         block_size=pool.block_size,
         pool_tokens=pool.num_blocks * pool.block_size,
     )
@@ -90,16 +87,16 @@ def cache_stats(
         cached_bytes=int(store.num_cached_blocks * bytes_per_block),
         max_cache_bytes=max_cache_bytes,
         num_evicted_chunks=store.num_evicted_chunks,
+        num_chunk_hits=store.num_chunk_hits,
         top_chunks=top_chunks(store),
     )
     return pool_stats, store_stats
 
 
-def num_evictable_blocks(kv: KVCacheManager) -> int:
+def num_evictable_blocks(pool: BlockPool, store: ChunkStore) -> int:
     """Blocks whose every owner is a cached chunk that eviction can reclaim: no running user, not
     pinned, and no used or pinned chunk below it (only leaves are evicted, so such a descendant keeps
     its ancestors); and the sliding-window parts of unpinned chunks that no request reads."""
-    store = kv.store
     kept: set[bytes] = set()
     for chunk in store.chunks():
         h: bytes | None = chunk.prefix_hash if chunk.num_users or chunk.pinned else None
@@ -113,7 +110,7 @@ def num_evictable_blocks(kv: KVCacheManager) -> int:
             holders.update(chunk.all_block_ids)
         elif not chunk.pinned:  # a sliding-window part is dropped on its own (ChunkStore.drop_windows)
             holders.update(chunk.window_blocks)
-    ref_counts = kv.pool.ref_counts
+    ref_counts = pool.ref_counts
     return sum(1 for block, n in holders.items() if ref_counts[block] == n)
 
 

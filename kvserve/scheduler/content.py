@@ -59,6 +59,22 @@ class PromptPieces:
     num_registered: int = 0
 
 
+@dataclass(frozen=True)
+class MatcherStats:
+    available: bool
+    reason: str
+    default_reuse: str
+    recompute_strategy: str
+    auto: dict[str, Any]  # auto's verified preset and its online watch (scheduler/verified.py: AutoWatch)
+    pieces: str
+    num_indexed_pieces: int
+    num_approx_hit_tokens: int
+    num_recomputed_tokens: int
+    plans: dict[str, int]  # prompts with content matches by decision: "taken" or "declined: <why>"
+    num_guarded_documents: int
+    num_guard_skips: int  # matches skipped because their document is guarded
+
+
 class ContentMatcher:
     def __init__(
         self,
@@ -268,6 +284,23 @@ class ContentMatcher:
             seam_tokens=int(pick("blend_seam_tokens")),
             recompute_ratio=float(pick("recompute_ratio")),
             preset=source,
+        )
+
+    def stats(self) -> MatcherStats:
+        cfg = self.config
+        return MatcherStats(
+            available=self.enabled,
+            reason=self.disabled_reason,
+            default_reuse=cfg.reuse,
+            recompute_strategy=cfg.recompute_strategy,
+            auto=self.auto.stats(),
+            pieces=cfg.pieces,
+            num_indexed_pieces=len(self.index),
+            num_approx_hit_tokens=self.num_hit_tokens,
+            num_recomputed_tokens=self.num_recomputed_tokens,
+            plans=dict(self.plans),
+            num_guarded_documents=len(self.guarded),
+            num_guard_skips=self.num_guard_skips,
         )
 
     def register(self, seq: Sequence, num_held_tokens: int, chunk_hashes: list[bytes]) -> None:

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 
 from kvserve.kvcache.hashing import chunk_prefix_hashes
 from kvserve.kvcache.manager import KVCacheManager
@@ -49,6 +50,19 @@ from kvserve.scheduler.slowdown import SlowdownLimit, is_decoding
 # and admissions): a request that arrives meanwhile waits for at most one such step, however many
 # audits are queued (about 0.1 s for SmolLM2 on 2 cores) before it is scheduled
 BACKGROUND_ROWS = 128
+
+
+@dataclass(frozen=True)
+class SchedulerStats:
+    num_query_tokens: int  # prompt tokens looked up in the prefix cache
+    num_hit_tokens: int  # of those, found
+    num_preemptions: int
+    num_running: int  # client requests only; background sequences (audits) are counted apart
+    num_waiting: int
+    num_prompt_tokens_computed: int
+    # background sequences (audits' full recomputes): running (admitted in idle steps) and waiting
+    num_background_running: int
+    num_background_waiting: int
 
 
 class Scheduler:
@@ -312,6 +326,20 @@ class Scheduler:
         self.background.clear()
         for request_id in self.repairs.request_ids():
             self.repairs.drop(request_id)
+
+    # --- facts -------------------------------------------------------------------------------------
+    def stats(self) -> SchedulerStats:
+        background = sum(seq.request.background for seq in self.running)
+        return SchedulerStats(
+            num_query_tokens=self.admissions.prefix.num_query_tokens,
+            num_hit_tokens=self.admissions.prefix.num_hit_tokens,
+            num_preemptions=self.num_preemptions,
+            num_running=len(self.running) - background,
+            num_waiting=len(self.waiting),
+            num_prompt_tokens_computed=self.chunks.num_prompt_tokens_computed,
+            num_background_running=background,
+            num_background_waiting=len(self.background),
+        )
 
     # --- invariants --------------------------------------------------------------------------------
     def check_integrity(self) -> None:

@@ -15,10 +15,11 @@ from kvserve.errors import ConfigError
 from kvserve.kvcache.chunk_store import CachedChunk
 from kvserve.kvcache.kv_storage import LayerKV
 from kvserve.kvcache.manager import KVCacheManager
+from kvserve.kvcache.stats import StoreStats
 from kvserve.scheduler.scheduler import Scheduler
 from kvserve.scheduler.sequence import SeqStatus, Sequence
 from kvserve.tiers.entry import token_ids_hash
-from kvserve.tiers.manager import KVTiers, LoadItem, LoadJob
+from kvserve.tiers.manager import KVTiers, LoadItem, LoadJob, TierStats
 
 if TYPE_CHECKING:
     from kvserve.engine.builder import RuntimeInfo
@@ -114,6 +115,11 @@ class EngineTiers:
         """Forget every sequence (the engine's rebuild); loads still running are imported when they end."""
         self._loading.clear()
         self._arrived.clear()
+
+    def stats(self, hot: StoreStats) -> list[TierStats]:
+        """The hot pool (`hot`: the chunk store's counters) and each tier below it."""
+        row = TierStats("hot", hot.cached_bytes, hot.num_chunks, hot.num_chunk_hits, 0, 0.0, 0.0, 0, 0, 0, 0)
+        return [row, *self.tiers.stats()]
 
     def _only_loads_left(self) -> bool:
         s = self.scheduler

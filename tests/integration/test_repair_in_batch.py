@@ -471,7 +471,7 @@ def test_a_request_preempts_an_audit_holding_the_blocks_it_needs():
     the server hung (the CI dashboard test). Requests preempt background work for memory."""
     llm = make(audit_rate=1.0, max_cache_bytes=64 * 16 * 1024)  # a 64-block pool, 16 of them pinned
     _audit_running(llm)
-    free = llm.engine.pool.num_free_blocks + num_evictable_blocks(llm.engine.kv)
+    free = llm.engine.pool.num_free_blocks + num_evictable_blocks(llm.engine.pool, llm.engine.store)
     long = corpus_token_ids(llm, (free + 4) * 16, seed=50)  # needs more than is free or evictable
     _serve_then_audit(llm, long, "the blocks")
 

@@ -39,7 +39,7 @@ def test_evictable_blocks_count_as_free_in_usage(llm: LLM) -> None:
     assert pinned.pool.num_evictable_blocks == before.pool.num_evictable_blocks
     assert pinned.pool.usage == pytest.approx(before.pool.usage + blocks / pinned.pool.num_blocks)
     assert llm.unpin(_ids(1000, 4 * CHUNK)) == 4
-    assert num_evictable_blocks(engine.kv) == after.pool.num_evictable_blocks
+    assert num_evictable_blocks(engine.pool, engine.store) == after.pool.num_evictable_blocks
     engine.check_integrity()
 
 
@@ -49,15 +49,15 @@ def test_blocks_shared_with_a_running_request_are_not_evictable(llm: LLM) -> Non
     engine = llm.engine
     prefix = _ids(3000, 2 * CHUNK)
     llm.warm(prefix, pin=False)
-    evictable = num_evictable_blocks(engine.kv)
+    evictable = num_evictable_blocks(engine.pool, engine.store)
     engine.add_request(Request("user", prefix + [7, 8], SamplingParams(max_tokens=50, ignore_eos=True)))
     engine.step()  # admitted: its prefix chunks are in use
     in_use = 2 * CHUNK // engine.pool.block_size
-    assert num_evictable_blocks(engine.kv) == evictable - in_use
+    assert num_evictable_blocks(engine.pool, engine.store) == evictable - in_use
     engine.abort_request("user")
     while engine.has_unfinished_requests():
         engine.step()
-    assert num_evictable_blocks(engine.kv) == evictable
+    assert num_evictable_blocks(engine.pool, engine.store) == evictable
 
 
 def test_stats_value_and_its_dict(llm: LLM) -> None:
