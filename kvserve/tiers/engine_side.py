@@ -19,7 +19,8 @@ from kvserve.kvcache.stats import StoreStats
 from kvserve.scheduler.scheduler import Scheduler
 from kvserve.scheduler.sequence import SeqStatus, Sequence
 from kvserve.tiers.entry import token_ids_hash
-from kvserve.tiers.manager import KVTiers, LoadItem, LoadJob, TierStats
+from kvserve.tiers.loads import LoadItem, LoadJob
+from kvserve.tiers.manager import KVTiers, TierStats
 
 if TYPE_CHECKING:
     from kvserve.engine.builder import RuntimeInfo

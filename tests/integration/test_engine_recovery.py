@@ -27,7 +27,7 @@ from kvserve.engine.engine import Engine
 from kvserve.engine.integrity import IntegrityError
 from kvserve.metrics import Metrics
 from kvserve.request import Request
-from kvserve.tiers.manager import LoadJob
+from kvserve.tiers.loads import LoadJob
 from tests.integration.helpers import corpus_token_ids
 
 TINY = "tiny-random-llama"
