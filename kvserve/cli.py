@@ -106,7 +106,7 @@ def serve(config: ServeConfig, log_level: str) -> None:
 
     from kvserve.api.read_deadline import deadline_protocol
     from kvserve.api.server import create_app
-    from kvserve.engine.builder import resolve_device
+    from kvserve.engine.choose import resolve_device
     from kvserve.kernels.host_allocator import keep_freed_memory
     from kvserve.serving import freeze_startup_heap, start_backend
 

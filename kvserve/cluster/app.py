@@ -33,8 +33,8 @@ def replica_config(config: ServeConfig) -> ServeConfig:
     """`config` with `--dtype auto` decided once, here, for CPU replicas: each would otherwise time
     its own bf16 and fp32 linears and they could disagree, and then answers would depend on the
     replica, the shared tier would split by namespace and the ingress would report replica 0's.
-    On GPUs auto is a rule of the device's capability (builder.resolve_dtype), the same everywhere."""
-    from kvserve.engine.builder import resolve_device, resolve_dtype
+    On GPUs auto is a rule of the device's capability (engine/choose.py resolve_dtype), the same everywhere."""
+    from kvserve.engine.choose import resolve_device, resolve_dtype
 
     if config.dtype != "auto" or resolve_device(config.device).type != "cpu":
         return config

@@ -17,7 +17,7 @@ from kvserve.attention.cuda_backend import CudaBackend
 from kvserve.attention.reference import ReferenceBackend
 from kvserve.attention.registry import BACKENDS, backend_class, create_backend
 from kvserve.attention.triton_backend import TritonBackend
-from kvserve.engine.builder import resolve_device, resolve_dtype
+from kvserve.engine.choose import resolve_device, resolve_dtype
 from kvserve.errors import ConfigError
 from kvserve.kernels.checks import check_paged_args
 
@@ -161,47 +161,47 @@ def test_dtype_auto_avoids_emulated_bfloat16_on_older_gpus(monkeypatch: pytest.M
 def test_dtype_auto_on_cpu_follows_the_hardware_and_a_timing(monkeypatch: pytest.MonkeyPatch):
     """No native bf16 units: float32 without timing anything. With them: bfloat16 only when the measured
     linear is faster. The test suite's pin (KVSERVE_AUTO_CPU_DTYPE) and --dtype override both."""
-    from kvserve.engine import builder
+    from kvserve.engine import choose
     from kvserve.kernels import cpu_features
 
-    monkeypatch.delenv(builder.AUTO_CPU_DTYPE_ENV, raising=False)
+    monkeypatch.delenv(choose.AUTO_CPU_DTYPE_ENV, raising=False)
     timed: list[torch.dtype] = []
     speed = {torch.float32: 2.0, torch.bfloat16: 1.0}
-    monkeypatch.setattr(builder, "_linear_seconds", lambda dtype: timed.append(dtype) or speed[dtype])
+    monkeypatch.setattr(choose, "_linear_seconds", lambda dtype: timed.append(dtype) or speed[dtype])
     monkeypatch.setattr(cpu_features, "bf16_units", lambda: "")
-    builder.choose_cpu_dtype.cache_clear()
+    choose.choose_cpu_dtype.cache_clear()
     assert resolve_dtype("auto", CPU) == torch.float32 and timed == []
-    assert "no native bf16" in builder.choose_cpu_dtype()[1]
+    assert "no native bf16" in choose.choose_cpu_dtype()[1]
 
     monkeypatch.setattr(cpu_features, "bf16_units", lambda: "AVX-512 BF16")
-    builder.choose_cpu_dtype.cache_clear()
+    choose.choose_cpu_dtype.cache_clear()
     assert resolve_dtype("auto", CPU) == torch.bfloat16
     # the linear's path where the extension loads: "(AMX tiles)" or "(AVX512_BF16 lanes)"
     assert re.fullmatch(
-        r"AVX-512 BF16; bf16 linear( \(.+\))? measured 2.0x faster than fp32", builder.choose_cpu_dtype()[1]
+        r"AVX-512 BF16; bf16 linear( \(.+\))? measured 2.0x faster than fp32", choose.choose_cpu_dtype()[1]
     )
-    assert timed == [torch.float32, torch.bfloat16] * builder.TIMING_ROUNDS  # alternating rounds
+    assert timed == [torch.float32, torch.bfloat16] * choose.TIMING_ROUNDS  # alternating rounds
     # load on the machine during one round (here the first bf16 timing, 10x slower) does not decide
-    rounds = iter([2.0, 10.0] + [2.0, 1.0] * (builder.TIMING_ROUNDS - 1))
-    monkeypatch.setattr(builder, "_linear_seconds", lambda dtype: next(rounds))
-    builder.choose_cpu_dtype.cache_clear()
+    rounds = iter([2.0, 10.0] + [2.0, 1.0] * (choose.TIMING_ROUNDS - 1))
+    monkeypatch.setattr(choose, "_linear_seconds", lambda dtype: next(rounds))
+    choose.choose_cpu_dtype.cache_clear()
     assert resolve_dtype("auto", CPU) == torch.bfloat16
-    monkeypatch.setattr(builder, "_linear_seconds", lambda dtype: timed.append(dtype) or speed[dtype])
+    monkeypatch.setattr(choose, "_linear_seconds", lambda dtype: timed.append(dtype) or speed[dtype])
     speed[torch.bfloat16] = 3.0
-    builder.choose_cpu_dtype.cache_clear()
+    choose.choose_cpu_dtype.cache_clear()
     assert resolve_dtype("auto", CPU) == torch.float32
     assert resolve_dtype("bfloat16", CPU) == torch.bfloat16  # --dtype overrides
-    builder.choose_cpu_dtype.cache_clear()
+    choose.choose_cpu_dtype.cache_clear()
 
-    monkeypatch.setenv(builder.AUTO_CPU_DTYPE_ENV, "bfloat16")
+    monkeypatch.setenv(choose.AUTO_CPU_DTYPE_ENV, "bfloat16")
     assert resolve_dtype("auto", CPU) == torch.bfloat16
-    monkeypatch.setenv(builder.AUTO_CPU_DTYPE_ENV, "float64")
+    monkeypatch.setenv(choose.AUTO_CPU_DTYPE_ENV, "float64")
     with pytest.raises(ConfigError, match="float32 or bfloat16"):
         resolve_dtype("auto", CPU)
 
 
 def test_the_cpu_timing_runs_the_kernel_the_model_would_use():
-    from kvserve.engine import builder
+    from kvserve.engine import choose
 
     for dtype in (torch.float32, torch.bfloat16):
-        assert 0 < builder._linear_seconds(dtype) < 5
+        assert 0 < choose._linear_seconds(dtype) < 5

@@ -50,15 +50,15 @@ def test_dtype_auto_is_decided_once_for_every_replica(monkeypatch: pytest.Monkey
     differently; the driver now decides once and hands every replica the same explicit dtype."""
     from kvserve.cluster.app import replica_config
     from kvserve.config import ServeConfig
-    from kvserve.engine import builder
+    from kvserve.engine import choose
 
     calls = []
 
     def decide(name: str, device):  # type: ignore[no-untyped-def]
         calls.append(name)
-        return builder.DTYPES["bfloat16"]
+        return choose.DTYPES["bfloat16"]
 
-    monkeypatch.setattr(builder, "resolve_dtype", decide)
+    monkeypatch.setattr(choose, "resolve_dtype", decide)
     chosen = replica_config(ServeConfig(device="cpu"))
     assert chosen.dtype == "bfloat16" and calls == ["auto"]
     assert replica_config(ServeConfig(device="cpu", dtype="float32")).dtype == "float32"
