@@ -20,7 +20,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.routing import Match
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from kvserve.api.protocol import FIELD_NAMES, FORMS, SURROGATE_FREE, no_surrogates
+from kvserve.api.protocol import FIELD_NAMES, FORMS
+from kvserve.api.strict import SURROGATE_FREE, no_surrogates
 from kvserve.errors import InvalidRequestError, KVServeError
 from kvserve.request import RANGES
 

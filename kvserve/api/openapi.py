@@ -15,7 +15,7 @@ from pydantic import BaseModel, ConfigDict
 from pydantic.json_schema import models_json_schema
 
 from kvserve.api.middleware import OPEN_PATHS
-from kvserve.api.protocol import TOKEN_ID_MARK
+from kvserve.api.strict import TOKEN_ID_MARK
 
 
 class _Open(BaseModel):

@@ -1,27 +1,23 @@
 """OpenAI request models and their conversion to SamplingParams.
 
-Types are strict (`"5"` is not an integer, `true` is not a token id, `"yes"` is not a boolean), numbers
-are finite and inside their documented range (kvserve.request.RANGES, also stated in the OpenAPI
-document), unknown fields are 400s that name them, and no string may hold a lone UTF-16 surrogate
-(JSON allows "\\ud800"; no tokenizer, hash or response can carry it). Token ids are checked against
-the vocabulary once, by the engine's intake when a request is submitted (engine/intake.py); the
-ids of /detokenize and of /v1/warm's prompt_token_ids by their routes, which name their fields."""
+Every model is strict (strict.py: types, ranges, unknown fields, lone surrogates). Token ids are
+checked against the vocabulary once, by the engine's intake when a request is submitted
+(engine/intake.py); the ids of /detokenize and of /v1/warm's prompt_token_ids by their routes, which
+name their fields."""
 
 from __future__ import annotations
 
 import dataclasses
-import json
 import re
 from typing import Annotated, Any, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
-from pydantic_core import PydanticCustomError
+from pydantic import BaseModel, Field
 
+from kvserve.api.strict import Body, Strict, Text, TokenId, TokenIds, bounded, ranged
 from kvserve.errors import InvalidRequestError
 from kvserve.request import RANGES, REUSE_OPTION_NAMES, ReuseOptions, SamplingParams, StructuredOutput
 
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
-TOKEN_ID_MARK = "x-kvserve-token-id"  # the OpenAPI document bounds these by the served vocabulary
 
 # what a field with several accepted forms takes (validation errors quote it)
 FORMS = {
@@ -31,114 +27,28 @@ FORMS = {
     "tool_choice": '"none", "auto", "required" or {"type": "function", "function": {"name": ...}}',
 }
 
-TokenId = Annotated[int, Field(json_schema_extra={TOKEN_ID_MARK: True})]
-TokenIds = Annotated[list[TokenId], Field(min_length=1)]
-Text = Annotated[str, Field(min_length=1)]
-_SURROGATE = re.compile("[\ud800-\udfff]")
 
-
-def _ranged(name: str, description: str = "", default: Any = None) -> Any:
-    """A parameter limited to RANGES[name] (validated here and stated in the OpenAPI document)."""
-    r = RANGES[name]
-    return Field(
-        default=default,
-        description=f"{description} Range {r}.".strip(),
-        gt=r.low if r.low_open else None,
-        ge=None if r.low_open else r.low,
-        le=r.high,
-    )
-
-
-def _bounded(name: str) -> Any:
-    """RANGES[name] as Annotated metadata (for the values of a dict)."""
-    r = RANGES[name]
-    return Field(gt=r.low if r.low_open else None, ge=None if r.low_open else r.low, le=r.high)
-
-
-def _first_surrogate(value: Any) -> int | None:
-    """Index of the first lone surrogate in a string, or in the strings inside lists and dicts."""
-    if isinstance(value, str):
-        match = _SURROGATE.search(value)
-        return match.start() if match else None
-    if isinstance(value, (dict, list)) and value and _surrogate_free(value):
-        return None  # the usual case, found at C speed: walking a 400 KB schema in Python takes 0.1 s
-    if isinstance(value, dict):
-        value = [*value.keys(), *value.values()]
-    if isinstance(value, list) and value and not isinstance(value[0], int):  # token ids: skip
-        for item in value:
-            found = _first_surrogate(item)
-            if found is not None:
-                return found
-    return None
-
-
-SURROGATE_FREE = "surrogate_free"  # validation context key: the body's text holds no surrogate
-_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
-
-
-def no_surrogates(raw: bytes) -> bool:
-    """True when no string parsed from this JSON body can hold a surrogate: the body is ASCII (so a
-    surrogate could only come as a \\udXXX escape) and has no such escape. 0.3 ms for 400 KB, against
-    4 ms for walking the parsed body (a literal backslash before "ud8" says False: then walk it)."""
-    return raw.isascii() and _SURROGATE_ESCAPE.search(raw) is None
-
-
-def _surrogate_free(value: dict[Any, Any] | list[Any]) -> bool:
-    """True when no string inside holds a surrogate: ASCII JSON escapes every surrogate as "\\udXXX"
-    (False also for a paired one, an emoji, or a literal backslash before "ud": then walk it)."""
-    try:
-        return "\\ud" not in json.dumps(value)
-    except (TypeError, ValueError):  # not JSON data: walk it
-        return False
-
-
-class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
-    # what a body of this kind must hold, for the message when it is missing
-    expects: ClassVar[str] = "a JSON object"
-
-
-class _Body(_Strict):
-    """A request body. Its fields are checked for lone surrogates here, each once with what it
-    holds: the models inside a body are only ever validated as part of it (checked at every level,
-    a 600 KB json_schema cost 35 ms of event loop)."""
-
-    @field_validator("*", mode="before")
-    @classmethod
-    def _valid_unicode(cls, value: Any, info: ValidationInfo) -> Any:
-        if info.context and info.context.get(SURROGATE_FREE):  # the raw body was checked (no_surrogates)
-            return value
-        at = _first_surrogate(value)
-        if at is not None:
-            raise PydanticCustomError(
-                "unicode_surrogate",
-                "{field} contains a lone UTF-16 surrogate (character {at}); send valid Unicode text",
-                {"field": info.field_name, "at": at},
-            )
-        return value
-
-
-class StreamOptions(_Strict):
+class StreamOptions(Strict):
     include_usage: bool = False
 
 
-class TextPart(_Strict):
+class TextPart(Strict):
     type: Literal["text"]
     text: str
 
 
-class FunctionCall(_Strict):
+class FunctionCall(Strict):
     name: str
     arguments: str = Field(description="The arguments as JSON text.")
 
 
-class ToolCall(_Strict):
+class ToolCall(Strict):
     id: str
     type: Literal["function"]
     function: FunctionCall
 
 
-class ChatMessage(_Strict):
+class ChatMessage(Strict):
     """One turn. `content` may be null or absent only in an assistant message with `tool_calls`;
     a `tool` message answers the call named by `tool_call_id` (kvserve.api.tools.check_messages)."""
 
@@ -161,7 +71,7 @@ class ChatMessage(_Strict):
         return out
 
 
-class FunctionDefinition(_Strict):
+class FunctionDefinition(Strict):
     name: str = Field(pattern=r"^[a-zA-Z0-9_-]{1,64}$")
     description: str | None = None
     parameters: dict[str, Any] | None = Field(
@@ -170,21 +80,21 @@ class FunctionDefinition(_Strict):
     strict: bool | None = None
 
 
-class Tool(_Strict):
+class Tool(Strict):
     type: Literal["function"]
     function: FunctionDefinition
 
 
-class NamedFunction(_Strict):
+class NamedFunction(Strict):
     name: str
 
 
-class NamedToolChoice(_Strict):
+class NamedToolChoice(Strict):
     type: Literal["function"]
     function: NamedFunction
 
 
-class JsonSchemaFormat(_Strict):
+class JsonSchemaFormat(Strict):
     name: str = Field(pattern=r"^[a-zA-Z0-9_-]{1,64}$")
     description: str | None = None
     schema_: dict[str, Any] | None = Field(
@@ -193,7 +103,7 @@ class JsonSchemaFormat(_Strict):
     strict: bool | None = None  # accepted; the output always follows the schema
 
 
-class ResponseFormat(_Strict):
+class ResponseFormat(Strict):
     """OpenAI's response_format: text (free), json_object (any JSON object) or json_schema."""
 
     type: Literal["text", "json_object", "json_schema"]
@@ -213,25 +123,25 @@ class ResponseFormat(_Strict):
         return StructuredOutput.of_schema(schema)
 
 
-class _Sampling(_Body):
+class _Sampling(Body):
     """Parameters shared by /v1/completions and /v1/chat/completions."""
 
     model: str | None = None
-    max_tokens: int | None = _ranged("max_tokens", "Tokens to generate at most.")
-    temperature: float | None = _ranged("temperature", "0 = greedy; below 0.01 counts as 0.01.")
-    top_p: float | None = _ranged("top_p")
-    top_k: int | None = _ranged("top_k", "-1 or 0 = off.")
-    min_p: float | None = _ranged("min_p")
-    n: int = _ranged("n", "Samples per prompt.", default=1)
+    max_tokens: int | None = ranged("max_tokens", "Tokens to generate at most.")
+    temperature: float | None = ranged("temperature", "0 = greedy; below 0.01 counts as 0.01.")
+    top_p: float | None = ranged("top_p")
+    top_k: int | None = ranged("top_k", "-1 or 0 = off.")
+    min_p: float | None = ranged("min_p")
+    n: int = ranged("n", "Samples per prompt.", default=1)
     stop: Text | Annotated[list[Text], Field(max_length=8)] | None = Field(
         default=None, description=FORMS["stop"]
     )
     stop_token_ids: list[TokenId] | None = None
-    seed: int | None = _ranged("seed", "n > 1 samples use seed, seed+1, ...")
-    presence_penalty: float | None = _ranged("presence_penalty")
-    frequency_penalty: float | None = _ranged("frequency_penalty")
-    repetition_penalty: float | None = _ranged("repetition_penalty", "1 = off.")
-    logit_bias: dict[str, Annotated[float, _bounded("logit_bias")]] | None = Field(
+    seed: int | None = ranged("seed", "n > 1 samples use seed, seed+1, ...")
+    presence_penalty: float | None = ranged("presence_penalty")
+    frequency_penalty: float | None = ranged("frequency_penalty")
+    repetition_penalty: float | None = ranged("repetition_penalty", "1 = off.")
+    logit_bias: dict[str, Annotated[float, bounded("logit_bias")]] | None = Field(
         default=None, description=f"Token id (a decimal string) -> bias in {RANGES['logit_bias']}."
     )
     ignore_eos: bool = False
@@ -243,10 +153,10 @@ class _Sampling(_Body):
     # kvserve extensions: opt in to content reuse (approximate) and tune its repair
     reuse: Literal["prefix", "any"] | None = None
     recompute_strategy: Literal["none", "selective", "cacheblend", "query"] | None = None
-    recompute_tokens: int | None = _ranged("recompute_tokens")
-    recompute_ratio: float | None = _ranged("recompute_ratio")
-    blend_check_layer: int | None = _ranged("blend_check_layer")
-    blend_seam_tokens: int | None = _ranged("blend_seam_tokens")
+    recompute_tokens: int | None = ranged("recompute_tokens")
+    recompute_ratio: float | None = ranged("recompute_ratio")
+    blend_check_layer: int | None = ranged("blend_check_layer")
+    blend_seam_tokens: int | None = ranged("blend_seam_tokens")
     audit: bool | None = Field(
         default=None,
         description="With approximate reuse: recompute the prompt in full when the server is idle and "
@@ -312,7 +222,7 @@ class CompletionRequest(_Sampling):
         | TokenIds
         | Annotated[list[TokenIds], Field(min_length=1)]
     ) = Field(description=FORMS["prompt"])
-    logprobs: int | None = _ranged(
+    logprobs: int | None = ranged(
         "logprobs",
         "Log probabilities of the chosen and the top alternative tokens (with echo, of the prompt's too).",
     )
@@ -356,9 +266,9 @@ class ChatCompletionRequest(_Sampling):
     expects: ClassVar[str] = "a JSON object with messages (and model, max_tokens, ...)"
 
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
-    max_completion_tokens: int | None = _ranged("max_tokens", "Tokens to generate at most.")
+    max_completion_tokens: int | None = ranged("max_tokens", "Tokens to generate at most.")
     logprobs: bool = False
-    top_logprobs: int | None = _ranged("logprobs", "Alternatives per token (with logprobs=true).")
+    top_logprobs: int | None = ranged("logprobs", "Alternatives per token (with logprobs=true).")
     tools: Annotated[list[Tool], Field(min_length=1)] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = Field(
         default=None,
@@ -379,7 +289,7 @@ class ChatCompletionRequest(_Sampling):
         return [m.as_dict() for m in self.messages]
 
 
-class WarmRequest(_Body):
+class WarmRequest(Body):
     """Exactly one of text, prompt_token_ids or messages (rendered as a chat prefix)."""
 
     expects: ClassVar[str] = "a JSON object with exactly one of text, prompt_token_ids or messages"
@@ -400,7 +310,7 @@ class WarmRequest(_Body):
             )
 
 
-class TokenizeRequest(_Body):
+class TokenizeRequest(Body):
     expects: ClassVar[str] = "a JSON object with exactly one of prompt or messages"
 
     model: str | None = None
@@ -413,14 +323,14 @@ class TokenizeRequest(_Body):
             raise InvalidRequestError("give exactly one of prompt or messages", param="prompt")
 
 
-class DetokenizeRequest(_Body):
+class DetokenizeRequest(Body):
     expects: ClassVar[str] = "a JSON object with tokens (a list of token ids)"
 
     model: str | None = None
     tokens: list[TokenId]
 
 
-REQUEST_MODELS: tuple[type[_Strict], ...] = (
+REQUEST_MODELS: tuple[type[Strict], ...] = (
     CompletionRequest,
     ChatCompletionRequest,
     WarmRequest,

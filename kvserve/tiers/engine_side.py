@@ -44,7 +44,9 @@ def build_tiers(
             f"({info.kv_layout}); use the disk or Redis tier, or kv_cold_bytes=0",
             param="kv_cold_bytes",
         )
-    if info.kv_cold_codec is not None:  # resolved and checked at start-up (engine/choose.py resolve_cold_codec)
+    if (
+        info.kv_cold_codec is not None
+    ):  # resolved and checked at start-up (engine/choose.py resolve_cold_codec)
         from kvserve.tiers.cold import ColdArea
 
         cold = ColdArea(layers, info.kv_cold_codec, config.kv_cold_bytes, device=info.device)

@@ -121,13 +121,13 @@ def test_server_state_parses_bodies_on_the_body_thread(monkeypatch):
 def test_no_surrogates_is_exact_where_it_says_true():
     """no_surrogates answers True only for ASCII bodies without a \\udXXX (D800-DFFF) escape: then no
     parsed string can hold a surrogate. Every other body is walked (False is always safe)."""
-    from kvserve.api.protocol import _first_surrogate, no_surrogates
+    from kvserve.api.strict import first_surrogate, no_surrogates
 
     cases = [b'{"a": "x"}', b'{"a": "\\u00e9"}', b'{"a": "\\ud800"}', b'{"a": "\\uDBFF\\uDFFF"}',
              b'{"a": ["\\\\ud800"]}', "{\"a\": \"\u00e9\"}".encode()]  # fmt: skip
     for raw in cases:
         if no_surrogates(raw):
-            assert _first_surrogate(json.loads(raw)) is None, raw
+            assert first_surrogate(json.loads(raw)) is None, raw
     assert no_surrogates(b'{"a": "x"}') and not no_surrogates(b'{"a": "\\ud800"}')
 
 
