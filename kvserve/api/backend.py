@@ -18,7 +18,7 @@ from kvserve.request import Request, RequestOutput
 
 
 class OutputStream(Protocol):
-    """The outputs of one submission, in engine order (kvserve.engine.async_engine.RequestStream)."""
+    """The outputs of one submission, in engine order (kvserve.engine.stream.RequestStream)."""
 
     @property
     def finished(self) -> bool: ...

@@ -76,7 +76,7 @@ def _cause(error: BaseException) -> BaseException:
 
 
 class ClusterStream:
-    """A replica's outputs, read like kvserve.engine.async_engine.RequestStream."""
+    """A replica's outputs, read like kvserve.engine.stream.RequestStream."""
 
     def __init__(self, outputs: Any, request_ids: list[str], metrics: Metrics):
         self._outputs = outputs  # ray.serve.handle.DeploymentResponseGenerator

@@ -22,11 +22,11 @@ import queue
 import threading
 import time
 from collections.abc import Callable
-from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
 
 from kvserve.engine.engine import Engine
+from kvserve.engine.stream import RequestStream, call_soon, ignore, settle, settled
 from kvserve.errors import InvalidRequestError, OverloadedError
 from kvserve.request import FinishReason, Request, RequestOutput
 from kvserve.structured import GrammarWorker
@@ -46,42 +46,6 @@ MAX_PENDING_GRAMMARS = 32
 
 Command = Callable[[Engine], Any]
 OutputObserver = Callable[[RequestOutput, float], None]
-
-
-class RequestStream:
-    """The outputs of one submission (one or more Requests), in engine order.
-
-    `async for out in stream` yields RequestOutput deltas and ends after every request finished."""
-
-    def __init__(self, request_ids: list[str], loop: asyncio.AbstractEventLoop, engine: AsyncEngine):
-        self.request_ids = list(request_ids)
-        self._unfinished = set(request_ids)
-        self._queue: asyncio.Queue[RequestOutput] = asyncio.Queue()
-        self._loop = loop
-        self._engine = engine
-
-    @property
-    def finished(self) -> bool:
-        return not self._unfinished
-
-    def put_threadsafe(self, out: RequestOutput) -> None:
-        _call_soon(self._loop, self._queue.put_nowait, out)
-
-    def __aiter__(self) -> RequestStream:
-        return self
-
-    async def __anext__(self) -> RequestOutput:
-        if not self._unfinished:
-            raise StopAsyncIteration
-        out = await self._queue.get()
-        if out.finished:
-            self._unfinished.discard(out.request_id)
-        return out
-
-    def abort(self, reason: str = "aborted") -> None:
-        """Abort the unfinished requests (non-blocking; takes effect before the next engine step)."""
-        if self._unfinished:
-            self._engine.abort(list(self._unfinished), reason)
 
 
 @dataclass
@@ -172,7 +136,7 @@ class AsyncEngine:
             self.engine.check_request(request)
         await self._compile_grammars(requests)
         self._reserve(len(requests))
-        stream = RequestStream([r.request_id for r in requests], asyncio.get_running_loop(), self)
+        stream = RequestStream([r.request_id for r in requests], asyncio.get_running_loop(), self.abort)
         try:
             await self.call(lambda engine: self._add_all(engine, requests, stream))
         except asyncio.CancelledError:  # the add still runs on the worker: undo it there, in order
@@ -186,7 +150,7 @@ class AsyncEngine:
         future: asyncio.Future[Any] = loop.create_future()
 
         def done(result: Any, error: BaseException | None) -> None:
-            _call_soon(loop, _settle, future, result, error)
+            call_soon(loop, settle, future, result, error)
 
         self._post(fn, done)
         return await future
@@ -196,7 +160,7 @@ class AsyncEngine:
             for rid in request_ids:
                 engine.abort_request(rid, reason)
 
-        self._post(run, _ignore)
+        self._post(run, ignore)
 
     async def unpin(self, token_ids: list[int], cache_salt: str | None) -> int:
         result: int = await self.call(lambda engine: engine.unpin(token_ids, cache_salt))
@@ -216,7 +180,7 @@ class AsyncEngine:
             raise
         for compiled in compiles:
             if compiled is not None:  # None: cached
-                await _settled(compiled, loop)
+                await settled(compiled, loop)
 
     def _reserve(self, n: int) -> None:
         if n > self.max_request_slots:  # never admitted, however empty the queue: not an overload
@@ -394,39 +358,3 @@ class AsyncEngine:
             except Exception:
                 log.exception("metrics observer failed")
         stream.put_threadsafe(out)
-
-
-def _call_soon(loop: asyncio.AbstractEventLoop, fn: Callable[..., Any], *args: Any) -> None:
-    try:
-        loop.call_soon_threadsafe(fn, *args)
-    except RuntimeError:  # the loop is closed: nobody is waiting any more
-        log.debug("event loop closed; dropped a result")
-
-
-def _settle(future: asyncio.Future[Any], result: Any, error: BaseException | None) -> None:
-    if future.done():
-        return
-    if error is not None:
-        future.set_exception(error)
-    else:
-        future.set_result(result)
-
-
-def _settled(compiled: Future[None], loop: asyncio.AbstractEventLoop) -> asyncio.Future[None]:
-    """An asyncio future that settles as `compiled` does (cancelled: the server is shutting down);
-    cancelling it leaves `compiled` alone."""
-    waiter: asyncio.Future[None] = loop.create_future()
-
-    def done(f: Future[None]) -> None:
-        shutting_down = OverloadedError(
-            "the server is shutting down; retry on another instance", code="shutting_down"
-        )
-        _call_soon(loop, _settle, waiter, None, shutting_down if f.cancelled() else f.exception())
-
-    compiled.add_done_callback(done)
-    return waiter
-
-
-def _ignore(result: Any, error: BaseException | None) -> None:
-    if error is not None:
-        log.warning("engine command failed: %s", error)
