@@ -26,7 +26,6 @@ Rules:
 from __future__ import annotations
 
 import logging
-import socket
 import threading
 import time
 from collections import Counter
@@ -46,8 +45,8 @@ from kvserve.tiers.entry import (
     TierKey,
     decode_entry_view,
     encode_entry,
-    entry_buffer,
 )
+from kvserve.tiers.redis_gets import RawGets
 
 log = logging.getLogger("kvserve.tiers")
 
@@ -129,8 +128,7 @@ class RedisTier:
         if not retry_after_s >= 0:
             raise ConfigError(f"retry_after_s must be >= 0 (got {retry_after_s})", param="retry_after_s")
         self._client = _client(url, socket_timeout_s)
-        self._local = threading.local()  # each thread's own connection for GETs (_get_raw)
-        self._generation = 0  # connections made before the last outage are dead
+        self._gets = RawGets(self._client)  # each thread's own connection for GETs
         self.url = redact_url(url)
         self.socket_timeout_s = socket_timeout_s
         self.retry_after_s = retry_after_s
@@ -156,9 +154,9 @@ class RedisTier:
             return None
         start_s = time.perf_counter()
         try:
-            data = self._get_raw(redis_key(key))
+            data = self._gets.get(redis_key(key))
         except _UNREACHABLE as e:
-            self._drop_raw_connection()
+            self._gets.drop()
             self._mark_down(e)
             self._count(misses=1, fallbacks=1)
             return None
@@ -242,49 +240,10 @@ class RedisTier:
         """Disconnect. Later calls are answered as while Redis is down, without the network."""
         with self._lock:
             self._closed = True
-        self._drop_raw_connection()
+        self._gets.drop()
         self._client.close()
 
     # ---------------------------------------------------------------------------- private
-    def _get_raw(self, name: bytes) -> memoryview | None:
-        """GET `name`, its reply read straight from the socket into an `entry_buffer` (redis-py's
-        reader copies a large reply through growing buffers: 16 GETs of 2.9 MB took 58-87 ms that
-        way, 13-25 ms this way). The connection is this thread's own, made by the client's pool with
-        its options (address, TLS, AUTH, db, timeouts) and used for nothing else, so no reader of
-        redis-py's holds bytes of its replies. A RESP error reply raises redis.ResponseError; a
-        broken or timed-out socket raises OSError (or redis's ConnectionError when connecting)."""
-        conn = getattr(self._local, "conn", None)
-        if conn is not None and getattr(self._local, "generation", -1) != self._generation:
-            self._drop_raw_connection()  # made before an outage: its socket is dead
-            conn = None
-        if conn is None:
-            conn = self._client.connection_pool.make_connection()
-            conn.connect()
-            self._local.conn, self._local.generation = conn, self._generation
-        conn.send_command("GET", name)
-        sock: socket.socket | None = getattr(conn, "_sock", None)  # redis-py's Connection socket
-        if sock is None:
-            raise ConnectionResetError("redis connection has no socket")
-        line = _read_line(sock)
-        kind, rest = line[:1], line[1:]
-        if kind == b"-":
-            raise redis.ResponseError(rest.decode("utf-8", "replace"))
-        if kind == b"_" or (kind == b"$" and rest == b"-1"):  # nil (RESP3 or RESP2)
-            return None
-        if kind != b"$":
-            self._drop_raw_connection()
-            raise redis.RedisError(f"unexpected reply to GET: {line[:40]!r}")
-        size = int(rest)
-        buf = entry_buffer(size + 2)  # the value and its CRLF
-        _recv_exactly(sock, buf)
-        return buf[:size]
-
-    def _drop_raw_connection(self) -> None:
-        conn = getattr(self._local, "conn", None)
-        self._local.conn = None
-        if conn is not None:
-            conn.disconnect()
-
     def _may_call(self) -> bool:
         """Whether this call may use Redis: always while up; while down, only the first call
         once the retry time has come, and only if its probe succeeds (the others answer at once)."""
@@ -336,7 +295,7 @@ class RedisTier:
             down_s = time.monotonic() - self._down_since_s
             if was_down:
                 self._counts["reconnects"] += 1
-                self._generation += 1  # the threads' GET connections are replaced on their next GET
+                self._gets.renew()  # the threads' GET connections are replaced on their next GET
         if was_down:
             # connections made before the outage are dead: drop the idle ones now (they reconnect on
             # their next use)
@@ -406,25 +365,3 @@ class RedisTier:
 
 
 __all__ = ["KEY_PREFIX", "RedisTier", "RedisTierStats", "redact_url", "redis_key"]
-
-
-def _read_line(sock: socket.socket) -> bytes:
-    """One RESP line without its CRLF (short: a type byte and a length or a message)."""
-    line = bytearray()
-    while not line.endswith(b"\r\n"):
-        byte = sock.recv(1)
-        if not byte:
-            raise ConnectionResetError("redis closed the connection")
-        line += byte
-        if len(line) > 65536:
-            raise redis.RedisError("a RESP line over 64 KiB")
-    return bytes(line[:-2])
-
-
-def _recv_exactly(sock: socket.socket, view: memoryview) -> None:
-    got = 0
-    while got < len(view):
-        n = sock.recv_into(view[got:])
-        if n == 0:
-            raise ConnectionResetError("redis closed the connection mid-reply")
-        got += n

@@ -227,7 +227,8 @@ def test_int8_decode_reads_codes_in_place(monkeypatch):
     read and the dense copy all raise. Open blocks hold stale codes, scales and zeros (as a reused
     block would), which the kernel must ignore in favour of the shadow."""
     from kvserve.attention import triton_backend
-    from kvserve.kvcache.quantized_storage import PackedBlocks, QuantizedLayerKV
+    from kvserve.kvcache.packed_blocks import PackedBlocks
+    from kvserve.kvcache.quantized_storage import QuantizedLayerKV
 
     query, kv, meta = _int8_pool([(1, 40), (1, 33)], 6, 2, 64, 16, torch.float16)
     open_blocks = torch.tensor(sorted(kv.open_k.slots))
@@ -481,7 +482,8 @@ def test_mxfp4_decode_reads_codes_in_place(monkeypatch):
     copy all raise."""
     from kvserve.attention import triton_backend
     from kvserve.kernels.paged_kv import paged_kv
-    from kvserve.kvcache.quantized_storage import PackedBlocks, QuantizedLayerKV
+    from kvserve.kvcache.packed_blocks import PackedBlocks
+    from kvserve.kvcache.quantized_storage import QuantizedLayerKV
 
     query, kv, meta = _mxfp4_pool([(1, 40), (1, 33)], 6, 2, 64, 16, torch.float16)
     view = paged_kv(kv, torch.float16)

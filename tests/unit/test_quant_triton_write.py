@@ -13,7 +13,7 @@ if not torch.cuda.is_available():
 pytest.importorskip("triton")
 
 from kvserve.kernels.triton.quant_write import fp8_quant_write, int8_value_quant_write  # noqa: E402
-from kvserve.kvcache.quantized_storage import PackedBlocks  # noqa: E402
+from kvserve.kvcache.packed_blocks import PackedBlocks  # noqa: E402
 from kvserve.quant.registry import make_codec  # noqa: E402
 
 pytestmark = pytest.mark.triton

@@ -79,7 +79,7 @@ def test_round_trip_miss_and_stats(tier: RedisTier):
 
 
 def test_large_values_and_another_db_through_the_raw_reader(redis_server: RedisServer):
-    """GETs read replies straight from a connection of their own (RedisTier._get_raw): it selects
+    """GETs read replies straight from a connection of their own (redis_gets.py RawGets): it selects
     the URL's db like the client's, and multi-megabyte values arrive whole, their payload aligned."""
     tier = RedisTier(redis_server.url.rsplit("/", 1)[0] + "/3")
     other_db = redis.Redis.from_url(redis_server.url.rsplit("/", 1)[0] + "/3")
