@@ -20,7 +20,8 @@ import torch
 
 from kvserve.attention.testing import make_batch, quantized_copy
 from kvserve.kernels.paged_kv import paged_kv
-from kvserve.kernels.triton.paged_decode import MXFP4_BLOCK_N, paged_decode
+from kvserve.kernels.triton.kv_formats import MXFP4_BLOCK_N
+from kvserve.kernels.triton.paged_decode import paged_decode
 
 
 def pool_bytes(view, meta, block_size: int) -> int:

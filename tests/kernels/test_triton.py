@@ -20,7 +20,7 @@ tl = pytest.importorskip("triton.language")
 from kvserve.attention.reference import ReferenceBackend  # noqa: E402
 from kvserve.attention.testing import make_batch  # noqa: E402
 from kvserve.attention.triton_backend import TritonBackend  # noqa: E402
-from kvserve.kernels.triton.paged_decode import (  # noqa: E402
+from kvserve.kernels.triton.kv_formats import (  # noqa: E402
     e2m1_to_fp16,
     e4m3_native_to_fp16,
     e4m3_to_fp16,

@@ -20,7 +20,7 @@ import triton.language as tl
 
 from kvserve.kernels.checks import check_paged_args, check_scales
 from kvserve.kernels.triton.common import LOG2E, dot_fp32
-from kvserve.kernels.triton.paged_decode import e4m3_native_to_fp16, e4m3_to_fp16, e4m3_to_fp32, native_fp8
+from kvserve.kernels.triton.kv_formats import e4m3_native_to_fp16, e4m3_to_fp16, e4m3_to_fp32, native_fp8
 from kvserve.kernels.triton.reductions import reduce_max, reduce_sum
 
 # FP8_CONVERT 0, 1, 2: e4m3_to_fp16 (integer bits), e4m3_native_to_fp16 (the hardware cvt), e4m3_to_fp32
