@@ -94,7 +94,7 @@ def test_parse_body_answers_as_fastapi_does(model, bodies):
 
 def test_server_state_parses_bodies_on_the_body_thread(monkeypatch):
     """ServerState.body hands the bytes to parse_body on its own thread, never on the event loop's."""
-    import kvserve.api.server as server
+    import kvserve.api.state as server
 
     seen: list[str] = []
 
