@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import gc
 import hashlib
 import json
 import math
@@ -433,6 +434,9 @@ def run_measure(
     rng: random.Random,
 ) -> dict:
     """One measure: fresh documents, seeding, then every prompt under every strategy."""
+    # the last measure's two engines, unreachable but held by reference cycles until a collection: on
+    # the 1.5B (a 4 GB pool and its weights each) two more beside them ran a 24 GiB machine out of memory
+    gc.collect()
     llm = LLM(
         model=args.model,
         max_cache_bytes=4_000_000_000,
@@ -544,6 +548,7 @@ def run_codecs(
         return result
 
     for codec in codecs:
+        gc.collect()  # the last codec's engine (held by reference cycles) before the next is built
         llm = LLM(
             model=args.model,
             enable_prefix_caching=False,
