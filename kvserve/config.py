@@ -8,12 +8,23 @@ eos ids, chosen backend) live in `engine.RuntimeInfo`, never here.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from dataclasses import dataclass, field, fields
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
+from kvserve.config_slices import (
+    CacheConfig,
+    ModelConfig,
+    ReuseConfig,
+    SchedulerConfig,
+    ServerConfig,
+    TierConfig,
+)
 from kvserve.config_types import check_types
 from kvserve.errors import ConfigError
+
+S = TypeVar("S")
 
 
 @dataclass(frozen=True)
@@ -338,6 +349,35 @@ class ServeConfig:
 
     def replace(self, **overrides: Any) -> ServeConfig:
         return from_dict({**dataclasses.asdict(self), **overrides})
+
+    # --- each part's slice (config_slices.py) ----------------------------------------------------
+    def slice(self, kind: type[S]) -> S:
+        """The fields of slice `kind` (a dataclass of config_slices.py), with this config's values."""
+        return kind(**{f.name: getattr(self, f.name) for f in fields(kind)})  # type: ignore[arg-type]
+
+    @functools.cached_property
+    def model_config(self) -> ModelConfig:
+        return self.slice(ModelConfig)
+
+    @functools.cached_property
+    def cache_config(self) -> CacheConfig:
+        return self.slice(CacheConfig)
+
+    @functools.cached_property
+    def tier_config(self) -> TierConfig:
+        return self.slice(TierConfig)
+
+    @functools.cached_property
+    def reuse_config(self) -> ReuseConfig:
+        return self.slice(ReuseConfig)
+
+    @functools.cached_property
+    def scheduler_config(self) -> SchedulerConfig:
+        return self.slice(SchedulerConfig)
+
+    @functools.cached_property
+    def server_config(self) -> ServerConfig:
+        return self.slice(ServerConfig)
 
 
 _CHOICES: dict[str, tuple[str, ...]] = {

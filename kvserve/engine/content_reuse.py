@@ -66,7 +66,10 @@ def build_content_reuse(
     if rotator is not None and torch.device(parts.info.device).type == "cpu":
         rotator.ext = cpu_ext.load_or_none()  # moved keys rotated in one call a layer (bitwise the same)
     content = ContentMatcher(
-        config,
+        config.reuse_config,
+        config.model,
+        config.chunk_size,
+        config.max_num_batched_tokens,
         PieceIndex(kv.store),
         cost,
         rotator is not None,

@@ -51,7 +51,7 @@ class Engine:
         self.model, self.tokenizer, self.info = parts.model, parts.tokenizer, parts.info
         self.layers, self.storages = parts.layers, parts.storages
         self.kv = KVCacheManager.create(
-            config, self.info.num_blocks, [s.on_block_freed for s in self.storages], parts.layout
+            config.cache_config, self.info.num_blocks, [s.on_block_freed for s in self.storages], parts.layout
         )
         self.pool, self.store = self.kv.pool, self.kv.store
         self.pins = WarmPins(self.store, config.chunk_size, config.block_size, config.max_pinned_fraction)
@@ -60,7 +60,7 @@ class Engine:
         self.content, self.repairer = build_content_reuse(config, parts, self.kv, self.cost)
         per_token = all(layer.per_token for layer in self.layers)
         self.scheduler = build_scheduler(config, self.kv, self.content, self.cost, per_token)
-        tiers = build_tiers(config, self.kv, self.layers, self.info)
+        tiers = build_tiers(config.tier_config, self.kv, self.layers, self.info)
         self.tiers = EngineTiers(tiers, self.scheduler, config.demote_after_s) if tiers else None
         self.runner = ModelRunner(
             self.model,
@@ -71,7 +71,7 @@ class Engine:
             vocab_size=self.info.vocab_size,
             layout=parts.layout,
         )
-        self.precision = PrecisionPolicy(config)
+        self.precision = PrecisionPolicy(config.model_config)
         self.outputs = OutputProcessor(self.tokenizer, self.info.eos_token_ids, self.info.max_model_len)
         self.grammars = GrammarCompiler(self.tokenizer.hf, self.info.vocab_size, self.info.eos_token_ids)
         self.intake = Intake(

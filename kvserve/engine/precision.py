@@ -26,7 +26,7 @@ import time
 from collections import Counter, deque
 from dataclasses import dataclass
 
-from kvserve.config import ServeConfig
+from kvserve.config_slices import ModelConfig
 from kvserve.scheduler.batch import ScheduledSeq
 from kvserve.scheduler.registration import ChunkRegistrar
 from kvserve.scheduler.sequence import Sequence
@@ -56,7 +56,7 @@ class WeightStats:
 
 
 class PrecisionPolicy:
-    def __init__(self, config: ServeConfig):
+    def __init__(self, config: ModelConfig):
         self.setting = config.weight_precision  # dense, fp16, fp8 or auto
         self.slo_s = config.slo_ttft_ms / 1000.0
         self.queue_depth = config.fp8_queue_depth

@@ -32,7 +32,7 @@ from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from kvserve.config import ServeConfig
+from kvserve.config_slices import CacheConfig
 from kvserve.kvcache.block_pool import BlockPool
 from kvserve.kvcache.chunk_store import CachedChunk, ChunkStore
 from kvserve.kvcache.hashing import block_keys, blocks_hash, chunk_prefix_hashes, tail_hash
@@ -69,7 +69,7 @@ class KVCacheManager:
     @classmethod
     def create(
         cls,
-        config: ServeConfig,
+        config: CacheConfig,
         num_blocks: int,
         on_free: list[Callable[[int], None]],
         layout: KVLayout | None = None,

@@ -22,7 +22,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any
 
-from kvserve.config import ServeConfig
+from kvserve.config_slices import ReuseConfig
 from kvserve.kvcache.hashing import content_hash
 from kvserve.kvcache.piece_index import Piece, PieceIndex
 from kvserve.kvcache.pieces import PieceCutter
@@ -78,7 +78,10 @@ class MatcherStats:
 class ContentMatcher:
     def __init__(
         self,
-        config: ServeConfig,
+        config: ReuseConfig,
+        model: str,  # the model's name: auto's verified preset is looked up by it
+        chunk_size: int,
+        max_num_batched_tokens: int,
         index: PieceIndex,
         cost: CostModel,
         enabled: bool,
@@ -86,11 +89,12 @@ class ContentMatcher:
         line_ends: Callable[[], frozenset[int]] = frozenset,
     ):
         self.config = config
+        self.max_num_batched_tokens = max_num_batched_tokens
         self.index = index
         self._line_ends = line_ends  # --pieces lines: the tokenizer's line-ending ids, found at the first cut
         self.enabled = enabled  # the model supports moving KV and the start-up self-check passed
         self.disabled_reason = disabled_reason
-        self.chunk_size = config.chunk_size
+        self.chunk_size = chunk_size
         self.cost = cost
         self.num_hit_tokens = 0  # reused through content matches (before repair)
         self.num_recomputed_tokens = 0
@@ -98,7 +102,7 @@ class ContentMatcher:
         self.guarded: set[bytes] = set()  # content keys the audit guard stopped reusing
         self.num_guard_skips = 0  # matches skipped because their document is guarded
         # what --recompute-strategy auto repairs with, watched by the online audits
-        self.auto = AutoWatch(verified_preset(config.model, config.verified_presets))
+        self.auto = AutoWatch(verified_preset(model, config.verified_presets))
         self._prompts: dict[str, PromptPieces] = {}  # request id -> its pieces (prepared, not finished)
         self._source_ids = itertools.count(1)
 
@@ -109,7 +113,7 @@ class ContentMatcher:
         should not pay."""
         cfg = self.config
         line_ends = self._line_ends() if cfg.pieces == "lines" else frozenset()
-        return PieceCutter(cfg.pieces, cfg.chunk_size, cfg.piece_min_tokens, cfg.piece_max_tokens, line_ends)
+        return PieceCutter(cfg.pieces, self.chunk_size, cfg.piece_min_tokens, cfg.piece_max_tokens, line_ends)
 
     def _mode(self, seq: Sequence) -> str:
         opts = seq.request.reuse
@@ -154,7 +158,7 @@ class ContentMatcher:
     # --- cost-aware choice -------------------------------------------------------------------------
     def _steps(self, *rows: int) -> int:
         """Steps the passes of these many rows take, one after the other, under the step budget."""
-        budget = self.config.max_num_batched_tokens
+        budget = self.max_num_batched_tokens
         return sum(-(-r // budget) for r in rows if r > 0)
 
     def exact_work(self, prefix_len: int, n: int) -> Work:

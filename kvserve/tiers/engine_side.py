@@ -10,7 +10,7 @@ from __future__ import annotations
 import time
 from typing import TYPE_CHECKING
 
-from kvserve.config import ServeConfig
+from kvserve.config_slices import TierConfig
 from kvserve.errors import ConfigError
 from kvserve.kvcache.chunk_store import CachedChunk
 from kvserve.kvcache.kv_storage import LayerKV
@@ -30,7 +30,7 @@ LOAD_WAIT_S = 0.005  # a step with nothing to run but loads waits this long for 
 
 
 def build_tiers(
-    config: ServeConfig, kv: KVCacheManager, layers: list[LayerKV], info: RuntimeInfo
+    config: TierConfig, kv: KVCacheManager, layers: list[LayerKV], info: RuntimeInfo
 ) -> KVTiers | None:
     """The tiers the config asks for (None: none). A bad codec, directory or URL is a ConfigError."""
     if not (config.kv_cold_bytes or config.kv_disk_dir or config.kv_redis_url):

@@ -119,3 +119,20 @@ def test_a_missing_unreadable_or_broken_file_is_one_line_naming_it(tmp_path: Pat
             make_config(path)
         assert info.value.message.startswith(message), info.value.message
         assert "\n" not in info.value.message
+
+
+def test_every_field_is_in_exactly_one_slice_with_the_configs_value():
+    import dataclasses
+
+    from kvserve.config_slices import SLICES
+
+    owners: dict[str, list[str]] = {}
+    for kind in SLICES:
+        for f in dataclasses.fields(kind):
+            owners.setdefault(f.name, []).append(kind.__name__)
+    assert {name: len(kinds) for name, kinds in owners.items() if len(kinds) != 1} == {}
+    assert set(owners) == {f.name for f in dataclasses.fields(ServeConfig)}
+    config = ServeConfig(block_size=32, chunk_size=64, reuse="any", kv_redis_url="redis://h:1/0")
+    assert config.cache_config.block_size == 32 and config.cache_config.chunk_size == 64
+    assert config.reuse_config.reuse == "any" and config.tier_config.kv_redis_url == "redis://h:1/0"
+    assert config.replace(block_size=16).cache_config.block_size == 16  # a new config, its own slices

@@ -31,7 +31,7 @@ LAYERS = [
     ["kvcache"],
     ["quant"],
     ["config", "request", "tokenizer"],
-    ["config_types"],
+    ["config_types", "config_slices"],
     ["errors", "redact"],
 ]
 LEVEL = {unit: level for level, units in enumerate(LAYERS) for unit in units}
@@ -143,3 +143,37 @@ def test_the_rules_read_lazy_imports_and_type_checking_ones_where_they_count():
     assert "kvserve.engine.builder" in TYPED_GRAPH["kvserve.tiers.engine_side"]
     assert "kvserve.tiers.manager" in GRAPH["kvserve.engine.stats"]
     assert any(m.startswith("kvserve.models.") for m in GRAPH["kvserve.engine.builder"])
+
+
+# The config slices a package between the engine and the config may read (kvserve/config_slices.py);
+# none of them reads ServeConfig
+SLICES_READ = {
+    "kvcache": {"CacheConfig"},
+    "scheduler": {"ReuseConfig", "SchedulerConfig", "CacheConfig"},
+    "tiers": {"TierConfig"},
+}
+BELOW_THE_ENGINE = {unit for unit, level in LEVEL.items() if LEVEL["engine"] < level < LEVEL["config"]}
+
+
+def config_names(module: str) -> set[str]:
+    """The names `module` imports from kvserve.config and kvserve.config_slices, each as module:name."""
+    tree = ast.parse(MODULES[module].read_text())
+    return {
+        f"{node.module}:{alias.name}"
+        for node in ast.walk(tree)
+        if isinstance(node, ast.ImportFrom) and node.module in ("kvserve.config", "kvserve.config_slices")
+        for alias in node.names
+    }
+
+
+def test_parts_below_the_engine_read_only_their_own_slice_of_the_config():
+    wrong = [
+        f"{module} imports {name}"
+        for module in sorted(MODULES)
+        if unit(module) in BELOW_THE_ENGINE
+        for name in sorted(config_names(module))
+        if not name.startswith("kvserve.config_slices:")
+        or name.split(":")[1] not in SLICES_READ.get(unit(module), set())
+    ]
+    assert not wrong, "\n".join(wrong)
+    assert config_names("kvserve.kvcache.manager") == {"kvserve.config_slices:CacheConfig"}

@@ -8,7 +8,7 @@ from kvserve.engine.precision import WINDOW_S, PrecisionPolicy
 
 
 def policy(**kw) -> PrecisionPolicy:
-    return PrecisionPolicy(ServeConfig(model="tiny-random-llama", **kw))
+    return PrecisionPolicy(ServeConfig(model="tiny-random-llama", **kw).model_config)
 
 
 def test_fixed_settings():
