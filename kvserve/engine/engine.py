@@ -54,7 +54,7 @@ class Engine:
             config.cache_config, self.info.num_blocks, [s.on_block_freed for s in self.storages], parts.layout
         )
         self.pool, self.store = self.kv.pool, self.kv.store
-        self.pins = WarmPins(self.store, config.chunk_size, config.block_size, config.max_pinned_fraction)
+        self.pins = WarmPins(self.kv, config.chunk_size, config.block_size, config.max_pinned_fraction)
         device = torch.device(self.info.device)
         self.cost = CostModel.of(self.model.config, len(self.layers))
         self.content, self.repairer = build_content_reuse(config, parts, self.kv, self.cost)

@@ -13,8 +13,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from kvserve.errors import InvalidRequestError
-from kvserve.kvcache.chunk_store import ChunkStore
 from kvserve.kvcache.hashing import owner_hash, prompt_chunk_hashes
+from kvserve.kvcache.manager import KVCacheManager
 from kvserve.scheduler.sequence import Sequence
 
 
@@ -29,8 +29,8 @@ class PinnedText:
 
 
 class WarmPins:
-    def __init__(self, store: ChunkStore, chunk_size: int, block_size: int, max_pinned_fraction: float):
-        self.store = store
+    def __init__(self, kv: KVCacheManager, chunk_size: int, block_size: int, max_pinned_fraction: float):
+        self.kv, self.store = kv, kv.store  # pins change through the manager; the store is read
         self.chunk_size, self.block_size = chunk_size, block_size
         self.max_pinned_fraction = max_pinned_fraction
         self._owners: dict[str, tuple[bytes, PinnedText]] = {}  # request id -> what a pinning warm pins
@@ -66,7 +66,7 @@ class WarmPins:
         finishes; InvalidRequestError past the cap (nothing is kept then)."""
         hashes, blocks = self._keys(seq)
         new = self.store.unpinned_blocks(hashes, blocks)
-        if not self.store.reserve_pins(new):
+        if not self.kv.book_pins(new):
             raise self._error(new)
         self._owners[seq.request_id] = (self.owner(seq.cache.root_hash, text.token_ids), text)
         self._booked[seq.request_id] = new
@@ -83,7 +83,7 @@ class WarmPins:
     def _unbook(self, request_id: str) -> None:
         booked = self._booked.pop(request_id, 0)
         if booked:
-            self.store.release_pin_reservation(booked)
+            self.kv.unbook_pins(booked)
 
     def pin(self, seq: Sequence) -> str | None:
         """Pin a finished warm's cached chunks under its owner; the error if that would pass the cap."""
@@ -92,10 +92,10 @@ class WarmPins:
         hashes, _ = self._keys(seq)
         chunks = [c for c in map(self.store.get, hashes) if c is not None]
         new = sum(len(c.all_block_ids) for c in chunks if not c.pinned)
-        if not self.store.reserve_pins(new):  # pins changed while it ran
+        if not self.kv.book_pins(new):  # pins changed while it ran
             return self._error(new).message
-        self.store.release_pin_reservation(new)
-        if self.store.pin(owner, [c.prefix_hash for c in chunks]):
+        self.kv.unbook_pins(new)
+        if self.kv.pin(owner, [c.prefix_hash for c in chunks]):
             self._pinned[owner] = text
         return None
 
@@ -123,4 +123,4 @@ class WarmPins:
         """Release the pins a warm of this text holds; returns how many chunks it pinned (0: none)."""
         owner = self.owner(root, token_ids)
         self._pinned.pop(owner, None)
-        return self.store.unpin(owner)
+        return self.kv.unpin(owner)

@@ -13,13 +13,17 @@ books. Its verbs, in a request's order:
   free     give back everything it holds (finished or preempted)
   import   a chunk loaded from a KV tier, written into fresh blocks and cached without a user
 
+and, outside any request: pin / unpin (warmed text, with `book_pins` for a warm about to run),
+`evict_idle` (the KV tiers' idle demotion) and `on_evict` (the tiers see each evicted chunk).
+
 With sliding-window layers (kvcache/layout.py) a request holds one block table per layer group, all
 of one length; a sliding group's entries before its window are -1 (given back by `slide`). Every
 count of blocks the scheduler sees (`num_new_blocks`, `grow`'s) is per group; the pool gives
 num_groups times as many.
 
 It is the only caller of the pool's `allocate` and `retain` (tests/unit/test_kv_ownership.py checks
-that); the chunk store releases the blocks of the chunks it drops. Per-request state (`Holding`) is
+that), and nothing outside kvcache/ calls a mutating method of the pool or the chunk store; the
+chunk store releases the blocks of the chunks it drops. Per-request state (`Holding`) is
 keyed by request id, so a `Sequence` holds only what the request is and where it stands.
 
 Ownership (invariant 3): a block's pool ref count == the holdings that hold it + 1 if a cached chunk
@@ -506,6 +510,34 @@ class KVCacheManager:
         finally:
             if held_parent is not None:
                 self.store.release(held_parent.prefix_hash)
+
+    # --- pins and eviction (what warms and the KV tiers change) ----------------------------------
+    def pin(self, owner: bytes, prefix_hashes: list[bytes]) -> int:
+        """`owner` pins the cached chunks among `prefix_hashes` (ChunkStore.pin): how many it pins now."""
+        return self.store.pin(owner, prefix_hashes)
+
+    def unpin(self, owner: bytes) -> int:
+        """Release every pin of `owner`; how many chunks it pinned (0: none)."""
+        return self.store.unpin(owner)
+
+    def book_pins(self, num_blocks: int) -> bool:
+        """Book room for `num_blocks` more pinned blocks (a pinning warm about to run); False past
+        --max-pinned-fraction (nothing booked then)."""
+        return self.store.reserve_pins(num_blocks)
+
+    def unbook_pins(self, num_blocks: int) -> None:
+        """Give back a booking of `book_pins`."""
+        self.store.release_pin_reservation(num_blocks)
+
+    def on_evict(self, hook: Callable[[CachedChunk], None]) -> None:
+        """Call `hook` with each cached chunk as it is evicted, its blocks still intact (the KV tiers
+        demote or write it)."""
+        self.store.on_evict.append(hook)
+
+    def evict_idle(self, unused_since: float) -> int:
+        """Evict the unused, unpinned chunks not used since `unused_since` (time.monotonic()), leaves
+        first; how many went."""
+        return self.store.evict_idle(unused_since)
 
     # --- facts -------------------------------------------------------------------------------------
     def stats(self, bytes_per_block: float, max_cache_bytes: int) -> tuple[PoolStats, StoreStats]:

@@ -1,6 +1,6 @@
 """KVTiers: the tiers below the hot pool (cold area, disk, Redis), wired to the chunk store.
 
-Where chunks go (engine thread, `ChunkStore.on_evict` and `on_register`):
+Where chunks go (engine thread, `KVCacheManager.on_evict` and `on_register`):
 - Evicted from the hot pool, for room or idle past `--demote-after-s`: a full chunk is demoted into
   the cold area (a lossy codec, cold.py) when there is one; an exact one is also written to disk
   under `--kv-disk-write evicted`.
@@ -99,7 +99,7 @@ class KVTiers:
         self.disk_write_all = disk_write_all
         self.shutdown_write_s = shutdown_write_s
         self.bpc = kv.blocks_per_chunk
-        self.store.on_evict.append(self._on_evict)
+        kv.on_evict(self._on_evict)
         self.layout = ChunkLayout(layers, self.bpc)
         self.num_export_errors = 0
         self.num_unexportable = 0  # chunks not written: their sliding-window part had left the pool
@@ -196,7 +196,7 @@ class KVTiers:
     # --- idle demotion ------------------------------------------------------------------------------
     def demote_idle(self, unused_since: float) -> int:
         """Evict (so demote, through `_on_evict`) the chunks idle since `unused_since`."""
-        return self.store.evict_idle(unused_since)
+        return self.kv.evict_idle(unused_since)
 
     # --- facts ---------------------------------------------------------------------------------------
     def stats(self) -> list[TierStats]:
