@@ -26,6 +26,11 @@ that), and nothing outside kvcache/ calls a mutating method of the pool or the c
 chunk store releases the blocks of the chunks it drops. Per-request state (`Holding`) is
 keyed by request id, so a `Sequence` holds only what the request is and where it stands.
 
+The order is enforced, not described: `admit` takes the Reservation `reserve` returned, once; a
+request's verbs (grow, commit, slide, ...) raise for a request that is not admitted, or no longer
+(after `free`); `slide` raises before the `commit` of the same tokens when the request registers
+chunks. The checks are assertions: on in tests and normal runs, off under `python -O`.
+
 Ownership (invariant 3): a block's pool ref count == the holdings that hold it + 1 if a cached chunk
 holds it; a cached chunk's user count == the holdings that use it; `check_integrity` verifies both.
 """
@@ -59,6 +64,16 @@ class Holding:
     num_chunks_in_store: int = 0  # leading chunks cached and held (matched, registered or adopted)
     in_flight: list[bytes] = field(default_factory=list)  # prompt chunks it computes and will register
     register_limit: int | None = None  # chunks from this index on hold approximate KV: never registered
+    num_committed_tokens: int = 0  # the latest `commit`'s num_computed (`slide` comes after it)
+
+
+@dataclass
+class Reservation:
+    """What `reserve` held for one admission: `admit` takes it, once."""
+
+    chunks: list[bytes]  # the held chunks' prefix hashes: matched, sources, the partial hit's
+    num_new_blocks: int
+    admitted: bool = False
 
 
 @dataclass(frozen=True)
@@ -84,10 +99,13 @@ class KVCacheManager:
         pool.on_free.extend(on_free)
         max_pinned = int(config.max_pinned_fraction * num_blocks)
         store = ChunkStore(pool, config.chunk_size, config.eviction_policy, max_pinned, layout)
-        return cls(pool, store, layout)
+        return cls(pool, store, layout, registers=config.enable_prefix_caching)
 
-    def __init__(self, pool: BlockPool, store: ChunkStore, layout: KVLayout | None = None):
+    def __init__(
+        self, pool: BlockPool, store: ChunkStore, layout: KVLayout | None = None, registers: bool = True
+    ):
         self.pool, self.store = pool, store
+        self.registers = registers  # requests commit what they compute (prefix caching on)
         self.layout = layout if layout is not None else KVLayout.single()
         self.num_groups = self.layout.num_groups
         self.num_full_groups = self.layout.num_full_groups
@@ -168,16 +186,16 @@ class KVCacheManager:
         return self.pool.num_blocks - self.store.num_pinned_blocks + shared_pinned
 
     # --- reserve -----------------------------------------------------------------------------------
-    def reserve(self, chunks: list[CachedChunk], num_new_blocks: int) -> bool:
-        """Hold `chunks` (so eviction spares them) and make room for `num_new_blocks`; on failure undo
-        and return False."""
+    def reserve(self, chunks: list[CachedChunk], num_new_blocks: int) -> Reservation | None:
+        """Hold `chunks` (so eviction spares them) and make room for `num_new_blocks`: the Reservation
+        `admit` takes; on failure undo and return None."""
         for chunk in chunks:
             self.store.acquire(chunk)
         if self.make_room(num_new_blocks * self.num_groups, keep={c.prefix_hash for c in chunks}):
-            return True
+            return Reservation([c.prefix_hash for c in chunks], num_new_blocks)
         for chunk in chunks:
             self.store.release(chunk.prefix_hash)
-        return False
+        return None
 
     def make_room(self, num_blocks: int, keep: set[bytes] | None = None) -> bool:
         """Free `num_blocks` pool blocks: drop unread sliding-window parts of cached chunks (not those
@@ -219,16 +237,21 @@ class KVCacheManager:
     def admit(
         self,
         request_id: str,
+        reservation: Reservation,
         matched: list[CachedChunk],
         sources: list[CachedChunk],
-        num_new_blocks: int,
         partial: tuple[CachedChunk, int] | None = None,
     ) -> Holding:
-        """Open the request's holding after `reserve` succeeded for matched + sources (+ the partial
+        """Open the request's holding with what `reserve` held for matched + sources (+ the partial
         hit's chunk): it shares the matched chunks' blocks (a sliding group only those its next row can
-        read) and the first blocks of `partial` (`match_blocks`), and gets `num_new_blocks` fresh ones
+        read) and the first blocks of `partial` (`match_blocks`), and gets the reservation's new blocks
         in each layer group."""
         assert request_id not in self._held, f"{request_id} is admitted twice"
+        assert not reservation.admitted, f"admit {request_id}: its reservation was admitted already"
+        held_chunks = [c.prefix_hash for c in matched + sources + ([partial[0]] if partial else [])]
+        assert reservation.chunks == held_chunks, f"admit {request_id}: not the chunks `reserve` held"
+        reservation.admitted = True
+        num_new_blocks = reservation.num_new_blocks
         num_cached = len(matched) * self.chunk_size + (partial[1] * self.block_size if partial else 0)
         tables = []
         for g in range(self.num_groups):
@@ -268,7 +291,7 @@ class KVCacheManager:
     def grow(self, request_id: str, num_tokens: int) -> bool:
         """Give the request blocks for `num_tokens` tokens, evicting unused cached chunks if it must;
         False (nothing changed but evictions) when the pool cannot give them now."""
-        held = self._held[request_id]
+        held = self._holding(request_id, "grow")
         need = cdiv(num_tokens, self.block_size) - len(held.tables[0])
         if need <= 0:
             return True
@@ -280,10 +303,13 @@ class KVCacheManager:
 
     def slide(self, request_id: str, num_computed: int) -> None:
         """The request computed `num_computed` tokens: its sliding groups give back the blocks before
-        the window of its next row (position `num_computed`). Called after `commit`, which had the
-        store take its own ref on what it caches."""
-        held = self._held.get(request_id)
-        if held is None or not self.windowed:
+        the window of its next row (position `num_computed`). After the `commit` of those tokens, which
+        had the store take its own ref on what it caches."""
+        held = self._holding(request_id, "slide")
+        assert not self.registers or num_computed <= held.num_committed_tokens, (
+            f"slide {request_id} to {num_computed} tokens before their commit"
+        )
+        if not self.windowed:
             return
         for g, table in enumerate(held.tables):
             first = min(self._first_needed(g, num_computed), len(table))
@@ -304,7 +330,8 @@ class KVCacheManager:
         """Register the request's completed chunks (up to its register limit) in the store; returns
         those it inserted. `prefix_hashes` (the request's) is extended with the hashes of chunks of
         generated tokens."""
-        held = self._held[request_id]
+        held = self._holding(request_id, "commit")
+        held.num_committed_tokens = num_computed
         num_full = num_computed // self.chunk_size
         if held.register_limit is not None:
             num_full = min(num_full, held.register_limit)
@@ -359,7 +386,7 @@ class KVCacheManager:
         document's end), for content matches. Returns its hash and its last block when this call
         cached it and it ends mid-block (to seal), or None when it may not be cached (its chunks
         before it are not all in the store, or its KV is approximate)."""
-        held = self._held[request_id]
+        held = self._holding(request_id, "commit_tail")
         full = len(prefix_hashes)
         if not tail or held.num_chunks_in_store < full or held.register_limit is not None:
             return None
@@ -394,7 +421,7 @@ class KVCacheManager:
         the pool's unit, not on a chunk. Returns the entry cached, or None: no whole block, KV not
         exact (a register limit), its chunks not all in the store, sliding-window layers (tails take
         one layer group), or every one of its blocks already findable."""
-        held = self._held[request_id]
+        held = self._holding(request_id, "commit_blocks")
         num_full = num_computed // self.chunk_size
         if self.num_groups != 1 or held.register_limit is not None or held.num_chunks_in_store < num_full:
             return None
@@ -422,7 +449,7 @@ class KVCacheManager:
 
     def mark_in_flight(self, request_id: str, hashes: list[bytes]) -> None:
         """The request will compute and register these chunks: twins wait for them."""
-        held = self._held[request_id]
+        held = self._holding(request_id, "mark_in_flight")
         held.in_flight = list(hashes)
         self.in_flight.update(hashes)
 
@@ -430,7 +457,7 @@ class KVCacheManager:
         """From chunk `num_chunks` on, the request's KV must not be cached (it is not what its root
         hash names: approximate, or computed at another weight precision): lower its register limit
         and stop holding what it no longer registers in flight (twins compute those instead)."""
-        held = self._held[request_id]
+        held = self._holding(request_id, "limit")
         if held.register_limit is not None:
             num_chunks = min(num_chunks, held.register_limit)
         held.register_limit = num_chunks
@@ -440,10 +467,15 @@ class KVCacheManager:
 
     def release_chunks(self, request_id: str, hashes: set[bytes]) -> None:
         """Stop using these cached chunks (a repair's sources, once their KV is copied)."""
-        held = self._held[request_id]
+        held = self._holding(request_id, "release_chunks")
         for h in hashes:
             held.used_chunks.remove(h)
             self.store.release(h)
+
+    def _holding(self, request_id: str, verb: str) -> Holding:
+        held = self._held.get(request_id)
+        assert held is not None, f"{verb} {request_id}: it is not admitted (admit first; nothing after free)"
+        return held
 
     def _landed(self, held: Holding, h: bytes) -> None:
         if h in held.in_flight:

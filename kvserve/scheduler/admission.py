@@ -11,7 +11,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from kvserve.kvcache.chunk_store import CachedChunk
-from kvserve.kvcache.manager import KVCacheManager, cdiv
+from kvserve.kvcache.manager import KVCacheManager, Reservation, cdiv
 from kvserve.scheduler.batch import ContentHit
 from kvserve.scheduler.content import Choice, ContentMatcher
 from kvserve.scheduler.repair import Repair, Repairs, make_repair
@@ -40,6 +40,7 @@ class Admission:
     # how many (KVCacheManager.match_blocks): an exact hit that ends on a block, not a chunk
     partial: tuple[CachedChunk, int] | None = None
     num_cached_tokens: int = 0  # the matched chunks' tokens and the partial hit's
+    reservation: Reservation | None = None  # what `Admissions.reserve` held for it
 
     @property
     def sources(self) -> list[CachedChunk]:
@@ -132,8 +133,9 @@ class Admissions:
 
     def reserve(self, adm: Admission) -> bool:
         """Hold the matched chunks and the hits' sources (so eviction spares them) and make room for
-        the new blocks; on failure nothing is held."""
-        return self.kv.reserve(adm.held_chunks, adm.num_new_blocks)
+        the new blocks (`adm.reservation`, what `start` admits with); on failure nothing is held."""
+        adm.reservation = self.kv.reserve(adm.held_chunks, adm.num_new_blocks)
+        return adm.reservation is not None
 
     def can_ever_fit(self, adm: Admission) -> bool:
         num_partial = adm.partial[1] if adm.partial else 0
@@ -145,7 +147,8 @@ class Admissions:
         content hits."""
         rid = seq.request_id
         num_cached = adm.num_cached_tokens
-        self.kv.admit(rid, adm.matched, adm.sources, adm.num_new_blocks, adm.partial)
+        assert adm.reservation is not None, f"start {rid} before its reservation"
+        self.kv.admit(rid, adm.reservation, adm.matched, adm.sources, adm.partial)
         seq.num_computed_tokens = num_cached
         if seq.report is None:  # its first admission
             seq.report = ReuseReport(num_exact_cached_tokens=num_cached)

@@ -62,8 +62,9 @@ def run(kv: KVCacheManager, rid: str, tokens: list[int], step: int = 4) -> list[
     hs = hashes(tokens)
     matched = kv.match(hs)
     done = len(matched) * CHUNK
-    assert kv.reserve(matched, 0)
-    kv.admit(rid, matched, [], 0)
+    r = kv.reserve(matched, 0)
+    assert r
+    kv.admit(rid, r, matched, [])
     while done < len(tokens):
         done = min(done + step, len(tokens))
         assert kv.grow(rid, done)
@@ -123,8 +124,9 @@ def test_a_hit_shares_only_the_window_of_the_sliding_group():
     hs = run(kv, "a", tokens)
     kv.free("a")
     matched = kv.match(hs[:3])  # 24 tokens: the next row reads 19..24, blocks 4 and 5
-    assert kv.reserve(matched, 1)
-    kv.admit("b", matched, [], 1)
+    r = kv.reserve(matched, 1)
+    assert r
+    kv.admit("b", r, matched, [])
     full, sliding = kv.block_tables("b")
     assert full[:6] == [b for c in matched for b in c.block_ids]
     assert sliding[:4] == [-1] * 4 and sliding[4:6] == matched[2].window_blocks

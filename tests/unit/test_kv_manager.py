@@ -3,6 +3,8 @@ room, tier imports, and the ownership invariant after each verb."""
 
 from __future__ import annotations
 
+import pytest
+
 from kvserve.kvcache.block_pool import BlockPool
 from kvserve.kvcache.chunk_store import ChunkStore
 from kvserve.kvcache.hashing import chunk_prefix_hashes
@@ -24,8 +26,9 @@ def hashes(tokens: list[int]) -> list[bytes]:
 def compute(kv: KVCacheManager, rid: str, tokens: list[int]) -> list[bytes]:
     """A request with no cache hit computes `tokens` and commits its full chunks."""
     hs = hashes(tokens)
-    assert kv.reserve([], -(-len(tokens) // 4))
-    kv.admit(rid, [], [], -(-len(tokens) // 4))
+    r = kv.reserve([], -(-len(tokens) // 4))
+    assert r
+    kv.admit(rid, r, [], [])
     kv.commit(rid, tokens, len(tokens), hs, ROOT)
     return hs
 
@@ -38,8 +41,9 @@ def test_a_second_request_shares_the_committed_prefix():
     assert len(kv.store) == 2 and kv.holding("a").num_chunks_in_store == 2
     matched = kv.match(hs)
     assert [c.prefix_hash for c in matched] == hs
-    assert kv.reserve(matched, 1)
-    kv.admit("b", matched, [], 1)
+    r = kv.reserve(matched, 1)
+    assert r
+    kv.admit("b", r, matched, [])
     assert kv.block_ids("b")[:4] == kv.block_ids("a")[:4] and kv.block_ids("b")[4] != kv.block_ids("a")[4]
     kv.check_integrity(["a", "b"])
     kv.free("a")
@@ -54,7 +58,7 @@ def test_grow_evicts_unused_chunks_and_says_no_when_it_cannot():
     compute(kv, "a", list(range(16)))  # 4 blocks, 2 chunks cached
     kv.free("a")
     assert kv.num_free_blocks == 4
-    kv.admit("b", [], [], 0)
+    kv.admit("b", kv.reserve([], 0), [], [])
     assert kv.grow("b", 32)  # 8 blocks: evicts both chunks
     assert len(kv.store) == 0 and len(kv.block_ids("b")) == 8
     assert not kv.grow("b", 36)  # a ninth block does not exist
@@ -75,7 +79,7 @@ def test_in_flight_and_limit():
     kv = make()
     tokens = list(range(24))
     hs = hashes(tokens)
-    kv.admit("a", [], [], 6)
+    kv.admit("a", kv.reserve([], 6), [], [])
     kv.mark_in_flight("a", hs)
     assert kv.in_flight == {h: 1 for h in hs}
     kv.limit("a", hs, 1)  # from chunk 1 on its KV is approximate: not registered, not in flight
@@ -112,8 +116,9 @@ def test_a_prompt_sharing_a_cached_chunks_first_blocks_reuses_them():
     partial = kv.match_blocks(hb, b, len(matched), ROOT, max_tokens=len(b) - 1)
     assert partial == (chunk_a1, 1)
     assert kv.match_blocks(hb, b, len(matched), ROOT, max_tokens=11) is None  # needs 12 tokens
-    assert kv.reserve([*matched, chunk_a1], 3)
-    kv.admit("b", matched, [], 3, partial)
+    r = kv.reserve([*matched, chunk_a1], 3)
+    assert r
+    kv.admit("b", r, matched, [], partial)
     assert kv.block_ids("b")[:3] == kv.block_ids("a")[:3]
     kv.commit("b", b, len(b), hb, ROOT)  # b's chunk 1 holds a's block and one of its own
     kv.check_integrity(["a", "b"])
@@ -173,8 +178,9 @@ def test_a_full_chunk_takes_the_block_keys_of_a_tail_it_extends():
     hb = hashes(b)
     matched = kv.match(hb)
     assert kv.match_blocks(hb, b, len(matched), ROOT, max_tokens=len(b) - 1) == (tail, 1)
-    assert kv.reserve(matched, 2)  # b computes chunk 2 itself (as one admitted beside a would)
-    kv.admit("b", matched, [], 2)
+    r = kv.reserve(matched, 2)  # b computes chunk 2 itself (as one admitted beside a would)
+    assert r
+    kv.admit("b", r, matched, [])
     kv.commit("b", b, len(b), hb, ROOT)
     full = kv.store.get(hb[2])
     assert full is not None and len(full.block_keys) == 1 and tail.block_keys == []
@@ -184,3 +190,30 @@ def test_a_full_chunk_takes_the_block_keys_of_a_tail_it_extends():
     assert kv.store.get(tail.prefix_hash) is None
     assert kv.match_blocks(hb, b[:20] + [9, 9, 9], len(matched), ROOT, max_tokens=22) == (full, 1)
     kv.check_integrity([])
+
+
+def test_the_verbs_order_is_enforced():
+    """Out of order, a verb raises (the manager's checks are assertions): an admission without the
+    reservation it was made for or with one already used, a request's verbs before admit or after
+    free, a slide before the commit of its tokens."""
+    kv = make()
+    tokens = list(range(20))
+    hs = compute(kv, "a", tokens)
+    with pytest.raises(AssertionError, match="commit b: it is not admitted"):
+        kv.commit("b", tokens, len(tokens), hs, ROOT)
+    matched = kv.match(hs)
+    r = kv.reserve(matched, 1)
+    assert r
+    with pytest.raises(AssertionError, match="not the chunks `reserve` held"):
+        kv.admit("b", r, [], [])
+    kv.admit("b", r, matched, [])
+    with pytest.raises(AssertionError, match="reservation was admitted already"):
+        kv.admit("c", r, matched, [])
+    with pytest.raises(AssertionError, match="slide b to 20 tokens before their commit"):
+        kv.slide("b", len(tokens))
+    kv.commit("b", tokens, len(tokens), list(hs), ROOT)
+    kv.slide("b", len(tokens))
+    kv.free("b")
+    with pytest.raises(AssertionError, match="grow b: it is not admitted"):
+        kv.grow("b", 24)
+    kv.check_integrity(["a"])
