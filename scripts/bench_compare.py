@@ -29,6 +29,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from bench_serving import QUICK, VLLM_SIZE, WORKLOADS, Size, agreement, bench_interleaved, bench_system  # noqa: E402
+from harness import fmt, slim  # noqa: E402
 from machine import machine  # noqa: E402
 
 BASELINE = "hf"
@@ -160,10 +161,6 @@ START, END = "<!-- results:start -->", "<!-- results:end -->"
 KVBOOST = ("kvboost-default", "kvboost-tuned")
 
 
-def _fmt(x, digits=3) -> str:
-    return "-" if x is None else f"{x:.{digits}f}"
-
-
 def _phases(data: dict) -> dict:
     """(system, workload, phase) -> summary, for available runs."""
     return {
@@ -189,11 +186,11 @@ def results_table(data: dict, workload: str) -> str:
         for ph in r["phases"]:
             s = ph["summary"]
             keyed.append(((ph["concurrency"], order),
-                f"| {ph['phase']} | {r['system']} | {_fmt(s['ttft_p50_s'])} "
-                f"| {_fmt(s['ttft_p95_s'])} | {_fmt(s['itl_p50_s'])} | {_fmt(s['e2e_p50_s'])} "
-                f"| {_fmt(s['output_tok_per_s'], 1)} | {s['errors']}/{s['requests']} | {s.get('resends', 0)} "
-                f"| {r.get('peak_rss_bytes', 0) / 2**20:.0f} | {_fmt(agree.get('exact'), 2)} "
-                f"| {_fmt(agree.get('prefix'), 2)} | {_fmt(r.get('loadavg_1m_before'), 1)} |",
+                f"| {ph['phase']} | {r['system']} | {fmt(s['ttft_p50_s'])} "
+                f"| {fmt(s['ttft_p95_s'])} | {fmt(s['itl_p50_s'])} | {fmt(s['e2e_p50_s'])} "
+                f"| {fmt(s['output_tok_per_s'], 1)} | {s['errors']}/{s['requests']} | {s.get('resends', 0)} "
+                f"| {r.get('peak_rss_bytes', 0) / 2**20:.0f} | {fmt(agree.get('exact'), 2)} "
+                f"| {fmt(agree.get('prefix'), 2)} | {fmt(r.get('loadavg_1m_before'), 1)} |",
             ))  # fmt: skip
     return "\n".join(rows + [row for _, row in sorted(keyed)])
 
@@ -216,9 +213,9 @@ def targets(data: dict) -> list[tuple[str, str, str, bool | None]]:
         ours = vals.get("kvserve", {}).get(key)
         theirs, who = _best(vals, peers, key, lower)
         if ours is None or theirs is None:
-            return out.append((label, _fmt(ours), "unavailable", None))
+            return out.append((label, fmt(ours), "unavailable", None))
         r = theirs / ours if lower else ours / theirs
-        out.append((label, _fmt(ours), f"{_fmt(theirs)} ({who}); ratio {r:.1f}x", r >= factor))
+        out.append((label, fmt(ours), f"{fmt(theirs)} ({who}); ratio {r:.1f}x", r >= factor))
 
     for w, phase in (("shared", "c1"), ("shared", "c4"), ("shared", "c8"), ("multiturn", "c1")):
         label = f"{w} {phase} TTFT p50 >= "
@@ -229,7 +226,7 @@ def targets(data: dict) -> list[tuple[str, str, str, bool | None]]:
     cold = at("cold", "c1")
     ours, base = (cold.get(s, {}).get("ttft_p50_s") for s in ("kvserve", "hf"))
     if ours is not None and base is not None:
-        out.append(("cold TTFT p50 within 10% of HF", _fmt(ours), _fmt(base), ours <= 1.1 * base))
+        out.append(("cold TTFT p50 within 10% of HF", fmt(ours), fmt(base), ours <= 1.1 * base))
     agree = {}
     for r in data["results"]:
         a = r.get("agreement") or {}
@@ -314,19 +311,6 @@ def plots(data: dict, img: Path) -> list[str]:
     fig.savefig(img / "bench_warm_cold.png", dpi=110)
     plt.close(fig)
     return ["bench_ttft_cdf.png", "bench_throughput.png", "bench_warm_cold.png"]
-
-
-def slim(data: dict) -> dict:
-    """The JSON committed beside the page: per-request timings, no output text."""
-    keep = ("id", "ttft_s", "e2e_s", "itl_s", "num_output_tokens", "error")
-    results = []
-    for r in data["results"]:
-        r = dict(r)
-        r["phases"] = [
-            {**p, "records": [{k: rec[k] for k in keep} for rec in p["records"]]} for p in r.get("phases", [])
-        ]
-        results.append(r)
-    return {"meta": data["meta"], "results": results}
 
 
 def write_report(data: dict, docs: Path) -> None:

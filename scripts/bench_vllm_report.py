@@ -7,8 +7,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from bench_compare import _fmt, slim
 from bench_serving import percentile
+from harness import fmt, slim
 
 DEFAULT_MODEL = "smollm2-135m"
 OURS = "kvserve-auto"
@@ -123,10 +123,10 @@ def target_rows(data: dict, model: str = DEFAULT_MODEL) -> list[str]:
         else:
             target = ", ".join(f"{n} {sign} {t}x" for n, t in zip(names, targets, strict=True))
         rows.append(
-            f"| {label} | {_fmt(ours)} | "
-            + " | ".join(_fmt(t) for t in theirs)
+            f"| {label} | {fmt(ours)} | "
+            + " | ".join(fmt(t) for t in theirs)
             + " | "
-            + " | ".join(f"{_fmt(r, 2)}x" for r in ratios)
+            + " | ".join(f"{fmt(r, 2)}x" for r in ratios)
             + f" | {target} | {met} |"
         )
     for label, w, phase, _, _, _ in measures(model):
@@ -165,9 +165,9 @@ def phase_rows(data: dict) -> list[str]:
         for ph in r["phases"]:
             v = ph["summary"]
             rows.append(
-                f"| {r['workload']} | {ph['phase']} | {r['system']} | {v['requests']} | {_fmt(v['ttft_p50_s'])} "
-                f"| {_fmt(v['ttft_p95_s'])} | {_fmt(v['itl_p50_s'], 4)} | {_fmt(v['output_tok_per_s'], 1)} "
-                f"| {v['errors']} | {v.get('resends', 0)} | {rss:.0f} | {_fmt(agree, 2)} |"
+                f"| {r['workload']} | {ph['phase']} | {r['system']} | {v['requests']} | {fmt(v['ttft_p50_s'])} "
+                f"| {fmt(v['ttft_p95_s'])} | {fmt(v['itl_p50_s'], 4)} | {fmt(v['output_tok_per_s'], 1)} "
+                f"| {v['errors']} | {v.get('resends', 0)} | {rss:.0f} | {fmt(agree, 2)} |"
             )
     return rows
 

@@ -177,3 +177,32 @@ def test_parts_below_the_engine_read_only_their_own_slice_of_the_config():
     ]
     assert not wrong, "\n".join(wrong)
     assert config_names("kvserve.kvcache.manager") == {"kvserve.config_slices:CacheConfig"}
+
+
+SCRIPTS = ROOT.parent / "scripts"
+
+
+def script_imports() -> dict[str, set[str]]:
+    """scripts/: each module (path relative to scripts/, dots for folders) -> the scripts' modules it
+    imports (they import each other by bare name, scripts/ being on their path; lazy imports too)."""
+    modules = {".".join(p.relative_to(SCRIPTS).with_suffix("").parts): p for p in SCRIPTS.rglob("*.py")}
+    graph: dict[str, set[str]] = {}
+    for module, path in modules.items():
+        found: set[str] = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom) and not node.level and node.module:
+                names = [node.module]
+            else:
+                continue
+            found.update(n for n in names if n in modules and n != module)
+        graph[module] = found
+    return graph
+
+
+def test_no_script_imports_its_way_back_to_itself():
+    graph = script_imports()
+    assert "harness" in graph["bench_compare"]  # the check sees the scripts' imports
+    cycle = find_cycle(graph)
+    assert cycle is None, " -> ".join(cycle or [])
