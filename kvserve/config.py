@@ -60,14 +60,6 @@ class ServeConfig(ServerConfig, SchedulerConfig, ReuseConfig, TierConfig, CacheC
     def reuse_config(self) -> ReuseConfig:
         return self.slice(ReuseConfig)
 
-    @functools.cached_property
-    def scheduler_config(self) -> SchedulerConfig:
-        return self.slice(SchedulerConfig)
-
-    @functools.cached_property
-    def server_config(self) -> ServerConfig:
-        return self.slice(ServerConfig)
-
 
 def validate(cfg: ServeConfig) -> None:
     """Raise ConfigError naming the field and the fix: the types, each slice's own checks, then the

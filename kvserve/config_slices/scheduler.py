@@ -45,4 +45,4 @@ class SchedulerConfig:
         if self.prefix_group_window_ms < 0:
             raise ConfigError(f"prefix_group_window_ms must be >= 0 (got {self.prefix_group_window_ms})")
         if self.batch_window_ms < 0:
-            raise ConfigError("batch_window_ms must be >= 0 and request_timeout_s > 0")
+            raise ConfigError(f"batch_window_ms must be >= 0 (got {self.batch_window_ms})")

@@ -61,7 +61,7 @@ class ServerConfig:
         if self.max_queue_size <= 0:
             raise ConfigError(f"max_queue_size must be positive (got {self.max_queue_size})")
         if self.request_timeout_s <= 0:
-            raise ConfigError("batch_window_ms must be >= 0 and request_timeout_s > 0")
+            raise ConfigError(f"request_timeout_s must be positive (got {self.request_timeout_s})")
         if not 0 < self.port < 65536:
             raise ConfigError(f"port must be in 1..65535 (got {self.port})")
         if not 0.0 < self.max_queue_share <= 1.0:

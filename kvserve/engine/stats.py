@@ -15,6 +15,7 @@ from kvserve.engine.audit import AuditStats
 from kvserve.engine.precision import WeightStats
 from kvserve.kvcache.stats import PoolStats, StoreStats
 from kvserve.scheduler.content import MatcherStats
+from kvserve.scheduler.scheduler import SchedulerStats
 from kvserve.tiers.manager import TierStats
 
 
@@ -34,22 +35,15 @@ def fields_of(value: Any) -> dict[str, Any]:
 
 
 @dataclass(frozen=True)
-class EngineStats:
+class EngineStats(SchedulerStats):
+    """The scheduler's counters (SchedulerStats: queries, hits, running, waiting, ...) and the rest."""
+
     model: str
     kv_codec: str
     bytes_per_token: float
     pool: PoolStats
     store: StoreStats
     content_reuse: ContentReuseStats
-    num_query_tokens: int  # prompt tokens looked up in the prefix cache
-    num_hit_tokens: int  # of those, found
-    num_preemptions: int
-    num_running: int  # client requests only; background sequences (audits) are counted apart
-    num_waiting: int
-    num_prompt_tokens_computed: int
-    # background sequences (audits' full recomputes): running (admitted in idle steps) and waiting
-    num_background_running: int
-    num_background_waiting: int
     num_generated_tokens: int
     num_steps: int
     weights: WeightStats

@@ -40,7 +40,7 @@ from kvserve.kvcache.chunk_store import CachedChunk
 from kvserve.kvcache.kv_storage import LayerKV
 from kvserve.kvcache.manager import KVCacheManager
 from kvserve.tiers.entry import TierKey
-from kvserve.tiers.loads import LoadItem, LoadJob, TierLoader, layer_blocks
+from kvserve.tiers.loads import TIERS, LoadItem, LoadJob, TierLoader, layer_blocks
 from kvserve.tiers.shutdown_write import ShutdownWrite, shutdown_order, write_hot_chunks
 from kvserve.tiers.worker import BackgroundQueue
 
@@ -201,7 +201,7 @@ class KVTiers:
     # --- facts ---------------------------------------------------------------------------------------
     def stats(self) -> list[TierStats]:
         rows: list[TierStats] = []
-        unfit = {tier: self.loader.counters(tier).unfit for tier in ("cold", "disk", "redis")}
+        unfit = {tier: self.loader.counters(tier).unfit for tier in TIERS}
         if self.cold is not None:
             c = self.cold.stats()
             dropped = self._demoter.num_dropped if self._demoter is not None else 0
