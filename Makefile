@@ -6,7 +6,7 @@ PY     := $(VENV)/bin/python
 PIP    := $(VENV)/bin/pip
 STAMP  := $(VENV)/.kvserve-setup
 ARGS   ?=
-CONTROL_PLANE := kvserve/config.py kvserve/config_slices kvserve/config_types.py kvserve/serving.py kvserve/request.py kvserve/errors.py kvserve/scheduler kvserve/kvcache kvserve/tiers kvserve/engine kvserve/api kvserve/structured kvserve/cluster
+CONTROL_PLANE := kvserve/config.py kvserve/config_slices kvserve/config_types.py kvserve/serving.py kvserve/request.py kvserve/errors.py kvserve/scheduler kvserve/reuse kvserve/kvcache kvserve/tiers kvserve/engine kvserve/api kvserve/structured kvserve/cluster
 
 .PHONY: setup serve test test-slow lint typecheck bench clean
 

@@ -219,7 +219,7 @@ class ReuseOptions:
 
 
 # every ReuseOptions field: what a request body may carry (api/protocol.py); all but `reuse` act on
-# approximate reuse only (engine/content_reuse.py: check_reuse_request)
+# approximate reuse only (reuse/build.py: check_reuse_request)
 REUSE_OPTION_NAMES = tuple(f.name for f in dataclasses.fields(ReuseOptions))
 
 

@@ -226,7 +226,7 @@ def warmed_suite(args: argparse.Namespace, results: dict) -> None:
 def audit_table(llm: LLM, offline: dict[str, tuple[str, float]]) -> dict[str, dict[str, float]]:
     """The online audit's KL per strategy next to the KL this script measured against a cache-off
     engine for the same requests."""
-    audited = {r.request_id: r.first_kl for r in llm.engine.auditor.results}
+    audited = {r.request_id: r.first_kl for r in llm.engine.reuse.auditor.results}
     print("\n| strategy | audited | audit KL p50 | p95 | max | offline KL p50 | p95 | max | max abs diff |")
     print("|---|---|---|---|---|---|---|---|---|")
     out = {}

@@ -23,7 +23,7 @@ strategies, not the cost model's choice); strategies are interleaved per prompt.
 Per measure and strategy: accuracy with a 95 % Wilson interval, accuracy relative to full prefill,
 TTFT p50 and relative to full prefill, compute fraction (token-layers computed / a full prefill's),
 and for freeform exact match and ROUGE-L. Every --audit-every'th prompt of each strategy is audited
-(engine/audit.py: its served tokens against a full prefill fed the same tokens); the audit's greedy
+(reuse/audit.py: its served tokens against a full prefill fed the same tokens); the audit's greedy
 agreement and mean KL per strategy are printed beside the task quality with their rank correlation.
 --plot draws quality against TTFT (the Pareto front).
 
@@ -61,11 +61,11 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from machine import describe  # noqa: E402
 
 from kvserve import LLM, SamplingParams  # noqa: E402
-from kvserve.engine.audit import MAX_PENDING  # noqa: E402
 from kvserve.errors import InvalidRequestError  # noqa: E402
 from kvserve.quant.choice import ACCURACY_FILE, REAL  # noqa: E402
 from kvserve.request import RequestOutput, ReuseOptions  # noqa: E402
-from kvserve.scheduler.verified import FAMILIES, PRESET_FIELDS, PRESETS_FILE, shortfalls, targets_for  # noqa: E402
+from kvserve.reuse.audit import MAX_PENDING  # noqa: E402
+from kvserve.reuse.verified import FAMILIES, PRESET_FIELDS, PRESETS_FILE, shortfalls, targets_for  # noqa: E402
 
 # the strategies a run compares by default; any name strategy() parses can be asked for
 STRATEGIES = [
@@ -495,12 +495,12 @@ def run_measure(
             if opts is not None:
                 record[name] = out.text
         samples.append(record)
-        if len(llm.engine.auditor.pending) >= MAX_PENDING // 2:
+        if len(llm.engine.reuse.auditor.pending) >= MAX_PENDING // 2:
             llm.engine.run_background()  # between prompts: no TTFT measured here waits on it
         if args.progress and (i + 1) % args.progress == 0:
             print(f"  {measure}: {i + 1}/{len(prompts)} prompts", file=sys.stderr, flush=True)
     llm.engine.run_background()  # the audits' recomputes, fed the served tokens
-    for result in llm.engine.auditor.results:
+    for result in llm.engine.reuse.auditor.results:
         name = audited.get(result.request_id)
         if name is not None:
             r = rows[name]
@@ -512,7 +512,7 @@ def run_measure(
         "docs": len(docs),
         "seeding_prompts": len(groups),
         "seeding_s": seeding_s,
-        "guard_skips": llm.engine.content.num_guard_skips,  # matches of guarded documents not reused
+        "guard_skips": llm.engine.reuse.matcher.num_guard_skips,  # matches of guarded documents not reused
         "avg_prompt_tokens": statistics.fmean(len(p.ids) for p in prompts),
         "samples": samples[: args.keep_samples],
     }
@@ -961,7 +961,7 @@ def partial_writer(args: argparse.Namespace, results: dict, measure: str) -> Cal
     return write
 
 
-# --verify: the candidates and measures a preset is verified on (kvserve/scheduler/verified.py)
+# --verify: the candidates and measures a preset is verified on (kvserve/reuse/verified.py)
 # R=4 and R=8: no R kept more answers everywhere (docs/blend.md, Repair levers); the verification picks
 VERIFY_CANDIDATES = "query R=4 0.15,query R=8 0.15,query R=4 0.45,cacheblend 0.15"
 VERIFY_MEASURES = "lookup,multihop,recall"

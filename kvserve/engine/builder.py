@@ -32,8 +32,7 @@ from kvserve.models.hf_adapter import ATTN_IMPLEMENTATION, check_supported, laye
 from kvserve.models.loader import model_fingerprint, resolve_model_path
 from kvserve.models.nested import weight_bytes as model_weight_bytes
 from kvserve.models.random_weights import is_random_model, load_random_model
-from kvserve.scheduler.content import ContentMatcher
-from kvserve.scheduler.cost import CostModel
+from kvserve.reuse import ContentReuse, CostModel
 from kvserve.scheduler.scheduler import Scheduler
 from kvserve.tokenizer import Tokenizer
 
@@ -299,7 +298,7 @@ def _eos_ids(model: torch.nn.Module, tokenizer: Tokenizer) -> tuple[int, ...]:
 
 
 def build_scheduler(
-    config: ServeConfig, kv: KVCacheManager, content: ContentMatcher, cost: CostModel, per_token: bool
+    config: ServeConfig, kv: KVCacheManager, reuse: ContentReuse, cost: CostModel, per_token: bool
 ) -> Scheduler:
     """The scheduler as the config sets it up; `per_token`: the KV storage encodes token by token (no
     block codec), so a prefill slice may end anywhere, else on a block boundary."""
@@ -309,7 +308,7 @@ def build_scheduler(
         config.max_num_batched_tokens,
         config.batch_window_ms / 1000.0,
         config.enable_prefix_caching,
-        content,
+        reuse,
         granularity=1 if per_token else config.block_size,
         cost=cost,
         decode_slowdown_limit=config.decode_slowdown_limit,

@@ -20,9 +20,7 @@ from collections.abc import Iterable
 import torch
 
 from kvserve.config import ServeConfig
-from kvserve.engine.audit import Auditor
 from kvserve.engine.builder import build_parts, build_scheduler
-from kvserve.engine.content_reuse import build_content_reuse
 from kvserve.engine.execute import StepExecute
 from kvserve.engine.intake import Intake
 from kvserve.engine.integrity import Books, IntegrityError
@@ -30,13 +28,13 @@ from kvserve.engine.model_runner import ModelRunner
 from kvserve.engine.output import OutputProcessor
 from kvserve.engine.pins import WarmPins
 from kvserve.engine.precision import PRECISIONS, PrecisionPolicy
-from kvserve.engine.stats import ContentReuseStats, EngineStats, fields_of
+from kvserve.engine.stats import EngineStats, fields_of
 from kvserve.engine.update import StepUpdate
 from kvserve.errors import InvalidRequestError
 from kvserve.kvcache.manager import KVCacheManager
 from kvserve.request import FinishReason, Request, RequestOutput, warm_request
+from kvserve.reuse import CostModel, build_content_reuse
 from kvserve.scheduler.batch import ScheduledBatch
-from kvserve.scheduler.cost import CostModel
 from kvserve.scheduler.sequence import Sequence
 from kvserve.structured import GrammarCompiler
 from kvserve.tiers.engine_side import IDLE_SWEEP_S, EngineTiers, build_tiers
@@ -57,9 +55,21 @@ class Engine:
         self.pins = WarmPins(self.kv, config.chunk_size, config.block_size, config.max_pinned_fraction)
         device = torch.device(self.info.device)
         self.cost = CostModel.of(self.model.config, len(self.layers))
-        self.content, self.repairer = build_content_reuse(config, parts, self.kv, self.cost)
+        self.reuse = build_content_reuse(
+            config.reuse_config,
+            config.model,
+            config.chunk_size,
+            config.max_num_batched_tokens,
+            self.model,
+            self.tokenizer,
+            self.layers,
+            device,
+            self.kv,
+            self.cost,
+            config.seed,
+        )
         per_token = all(layer.per_token for layer in self.layers)
-        self.scheduler = build_scheduler(config, self.kv, self.content, self.cost, per_token)
+        self.scheduler = build_scheduler(config, self.kv, self.reuse, self.cost, per_token)
         tiers = build_tiers(config.tier_config, self.kv, self.layers, self.info)
         self.tiers = EngineTiers(tiers, self.scheduler, config.demote_after_s) if tiers else None
         self.runner = ModelRunner(
@@ -79,19 +89,12 @@ class Engine:
             self.info,
             self.kv,
             self.scheduler,
-            self.content,
+            self.reuse,
             self.precision,
             self.grammars,
             self.pins,
         )
         self._seqs: dict[str, Sequence] = {}
-        self.auditor = Auditor(
-            config.audit_rate,
-            config.audit_max_kl,
-            config.seed,
-            config.audit_tokens,
-            config.audit_requests_per_minute,
-        )
         self._background: dict[str, Sequence] = {}  # audits' full recomputes (no client sees them)
         self._pending: list[RequestOutput] = []
         self.num_steps = 0
@@ -102,7 +105,7 @@ class Engine:
         self.execute = StepExecute(
             self,
             self.runner,
-            self.repairer,
+            self.reuse,
             self.precision,
             self.scheduler.chunks,
             self.cost,
@@ -111,9 +114,7 @@ class Engine:
         self.update = StepUpdate(
             self,
             self.scheduler,
-            self.repairer,
-            self.content,
-            self.auditor,
+            self.reuse,
             self.outputs,
             self.precision,
             self.grammars,
@@ -288,13 +289,13 @@ class Engine:
         if seq.request.background:  # done (the auditor recorded it), or ended early: failed, aborted
             if self._background.pop(seq.request_id, None) is not None:
                 self.scheduler.finish(seq, reason, error)
-                self.auditor.drop(seq.request_id)
+                self.reuse.background_done(seq.request_id)
                 self.precision.forget(seq.request_id)
             return
         if self._seqs.get(seq.request_id) is not seq:  # already finished
             return
         rid = seq.request_id
-        audit = self.auditor.end(seq, reason != FinishReason.ERROR, self.precision.last(rid))
+        audit = self.reuse.finished(seq, reason != FinishReason.ERROR, self.precision.last(rid))
         if audit is not None:
             self.add_background(audit)
         self.scheduler.finish(seq, reason, error)  # a no-op for one the scheduler finished (refused)
@@ -310,7 +311,7 @@ class Engine:
         timeout = self.config.request_timeout_s
         # background audits are not timed: no client waits on them, they run only while the engine is
         # idle (so under steady load they wait longer than any timeout), and at most MAX_PENDING of
-        # them hold memory (engine/audit.py). Timing them dropped every audit queued more than
+        # them hold memory (reuse/audit.py). Timing them dropped every audit queued more than
         # request_timeout_s before the first idle moment.
         for seq in list(self._seqs.values()):
             if now - seq.request.metrics.arrival_time > timeout:
@@ -363,14 +364,11 @@ class Engine:
         """Every owner forgets every request (nothing is released one by one: the counts are what
         failed); the KV cache manager starts over with every block free."""
         self.scheduler.reset()
-        for rid in self.content.request_ids():
-            self.content.forget(rid)
+        self.reuse.reset()
         for rid in self.precision.request_ids():
             self.precision.forget(rid)
         for rid in self.outputs.request_ids():
             self.outputs.forget(rid)
-        for rid in [*self.auditor.tracing, *self.auditor.pending]:
-            self.auditor.forget(rid)
         if self.tiers is not None:
             self.tiers.reset()
         self._seqs.clear()
@@ -392,12 +390,13 @@ class Engine:
         queued = [*s.running, *s.waiting, *s.background]
         books.same("scheduler's sequences", (seq.request_id for seq in queued), seqs | background)
         books.same("outputs", self.outputs.request_ids(), seqs)
-        books.within("content pieces", self.content.request_ids(), seqs | background)
+        reuse = self.reuse.request_ids()
+        books.within("content pieces", reuse["content pieces"], seqs | background)
         books.within("step precisions", self.precision.request_ids(), seqs | background)
-        books.within("repairs", s.repairs.request_ids(), {seq.request_id for seq in s.running})
+        books.within("repairs", reuse["repairs"], {seq.request_id for seq in s.running})
         books.within("warm pins' bookings", self.pins.request_ids(), seqs)
-        books.within("audit traces", self.auditor.tracing, seqs)
-        books.same("audit jobs", self.auditor.pending, background)
+        books.within("audit traces", reuse["audit traces"], seqs)
+        books.same("audit jobs", reuse["audit jobs"], background)
         if self.tiers is not None:
             books.within("tier loads", self.tiers.request_ids(), {seq.request_id for seq in s.waiting})
         books.close()
@@ -415,7 +414,7 @@ class Engine:
             bytes_per_token=info.bytes_per_token,
             pool=pool,
             store=store,
-            content_reuse=ContentReuseStats.of(self.content.stats(), self.auditor.stats()),
+            content_reuse=self.reuse.stats(),
             **fields_of(self.scheduler.stats()),
             num_generated_tokens=self.outputs.num_generated_tokens,
             num_steps=self.num_steps,

@@ -1,8 +1,8 @@
 """The step's execute: a scheduled batch through the model, one forward, or one per sequence when
 the batched forward fails.
 
-Before the forward, a content-reuse repair's first slice moves its matches' KV in (Repairer.begin)
-and a query-aware repair's slice gets its attention probe; the weight precision of each row is set
+Before the forward, content reuse moves a repair's matches' KV in at its first slice and gives a
+query-aware repair's slice its attention probe (ContentReuse.before_forward); the weight precision of each row is set
 (engine/precision.py). A fault while moving a request's KV fails that request alone; a fault in a
 batched forward is retried sequence by sequence, so only the sequence that causes it fails. Every
 batched forward's wall time and work feed the cost model that content reuse plans with.
@@ -17,9 +17,8 @@ from typing import Protocol
 from kvserve.engine.model_runner import ModelRunner, SampledRows
 from kvserve.engine.precision import PrecisionPolicy
 from kvserve.engine.prompt_logprobs import record
-from kvserve.engine.repair import Repairer
+from kvserve.reuse import ContentReuse, CostModel
 from kvserve.scheduler.batch import ScheduledBatch, ScheduledSeq
-from kvserve.scheduler.cost import CostModel
 from kvserve.scheduler.registration import ChunkRegistrar
 from kvserve.scheduler.sequence import Sequence
 
@@ -35,13 +34,13 @@ class StepExecute:
         self,
         host: FailHost,
         runner: ModelRunner,
-        repairer: Repairer | None,
+        reuse: ContentReuse,
         precision: PrecisionPolicy,
         chunks: ChunkRegistrar,
         cost: CostModel,
         chunk_size: int,
     ):
-        self.host, self.runner, self.repairer, self.precision = host, runner, repairer, precision
+        self.host, self.runner, self.reuse, self.precision = host, runner, reuse, precision
         self.chunks, self.cost, self.chunk_size = chunks, cost, chunk_size
 
     def run(self, items: list[ScheduledSeq]) -> list[tuple[list[ScheduledSeq], SampledRows]]:
@@ -50,17 +49,14 @@ class StepExecute:
         start = time.perf_counter()
         moved = 0
         for item in list(items):
-            repair = item.repair
-            if repair is not None and not repair.moved:  # a repair's first slice
-                assert self.repairer is not None
-                try:
-                    moved += self.repairer.begin(item.seq, repair)
-                except Exception as e:
-                    self.host.fail(item.seq, "moving its content matches' KV", e)
-                    items.remove(item)
-                    continue
-            if repair is not None and self.repairer is not None:
-                item.probe = self.repairer.probe(item)
+            if item.repair is None or item.positions is None:
+                continue
+            try:
+                num_moved, item.probe = self.reuse.before_forward(item.seq, item.repair, item.positions)
+                moved += num_moved
+            except Exception as e:
+                self.host.fail(item.seq, "moving its content matches' KV", e)
+                items.remove(item)
         if not items:
             return []
         self.precision.apply(items, self.chunks, self.chunk_size)

@@ -16,14 +16,13 @@ import torch
 
 from kvserve.config import ServeConfig
 from kvserve.engine.builder import RuntimeInfo
-from kvserve.engine.content_reuse import check_reuse_request
 from kvserve.engine.pins import PinnedText, WarmPins
 from kvserve.engine.precision import PRECISIONS, PrecisionPolicy
 from kvserve.errors import InvalidRequestError
 from kvserve.kvcache.hashing import root_hash
 from kvserve.kvcache.manager import KVCacheManager
 from kvserve.request import Request, check_token_ids
-from kvserve.scheduler.content import ContentMatcher
+from kvserve.reuse import ContentReuse, check_reuse_request
 from kvserve.scheduler.scheduler import Scheduler
 from kvserve.scheduler.sequence import SeqCache, Sequence
 from kvserve.structured import GrammarCompiler
@@ -36,13 +35,13 @@ class Intake:
         info: RuntimeInfo,
         kv: KVCacheManager,
         scheduler: Scheduler,
-        content: ContentMatcher,
+        reuse: ContentReuse,
         precision: PrecisionPolicy,
         grammars: GrammarCompiler,
         pins: WarmPins,
     ):
         self.config, self.info = config, info
-        self.kv, self.scheduler, self.content = kv, scheduler, content
+        self.kv, self.scheduler, self.reuse = kv, scheduler, reuse
         self.precision, self.grammars, self.pins = precision, grammars, pins
         self._rng = random.Random(config.seed)
 
@@ -53,7 +52,7 @@ class Intake:
         limit = self.info.max_model_len
         if not request.warm_only:
             check_reuse_request(
-                request.reuse, self.content.enabled, self.content.disabled_reason, self.config.reuse
+                request.reuse, self.reuse.enabled, self.reuse.disabled_reason, self.config.reuse
             )
         if n == 0 and not request.warm_only:
             raise InvalidRequestError("the prompt is empty; send at least one token", param="prompt")
@@ -135,7 +134,7 @@ class Intake:
         # a pinning warm's owner names the text as sent (DELETE /v1/warm sends it again)
         pinning = request.warm_only and request.pin
         pinned = PinnedText(request.prompt_token_ids, request.cache_salt, precision) if pinning else None
-        if request.warm_only and not self.content.enabled:  # only whole chunks can be prefix-matched
+        if request.warm_only and not self.reuse.enabled:  # only whole chunks can be prefix-matched
             usable = len(request.prompt_token_ids) // self.config.chunk_size * self.config.chunk_size
             request.prompt_token_ids = request.prompt_token_ids[:usable]
         params = request.sampling_params

@@ -2,7 +2,7 @@
 the prompt logprobs of the prefill rows that need them (engine/prompt_logprobs.py).
 
 This is the one forward of the model: prefill slices, decode rows and content-reuse repair rows
-(scheduler/repair.py) run through it together. A repair row carries its own position; a batch with
+(reuse/repair.py) run through it together. A repair row carries its own position; a batch with
 such rows gives every row its explicit position (`AttentionMetadata.query_positions`; a prefill or
 decode row at position p sees [0, p], as the bottom-right rule gives it) and runs attention through a
 backend that takes them (cpu_paged with the extension; else PositionalBackend). A repair row may also
@@ -23,7 +23,6 @@ import torch
 from kvserve.attention.base import AttentionBackend, AttentionMetadata, SeqRows
 from kvserve.attention.forward_context import ForwardContext, forward_context
 from kvserve.attention.positional import PositionalBackend
-from kvserve.attention.probe import AttentionProbe, ProbingBackend
 from kvserve.engine.prompt_logprobs import ROWS_PER_BLOCK, PromptRows, rows_to_score, score
 from kvserve.kvcache.kv_storage import LayerKV
 from kvserve.kvcache.layout import KVLayout
@@ -32,8 +31,8 @@ from kvserve.models.fused_llama import FusedLlamaForward, LayerCut, LayerTail
 from kvserve.models.hf_adapter import PoolCache
 from kvserve.models.nested import NestedLinear, RowPrecision
 from kvserve.request import TokenLogprob
+from kvserve.reuse import AttentionProbe, ProbingBackend, Work
 from kvserve.scheduler.batch import ScheduledBatch, ScheduledSeq
-from kvserve.scheduler.cost import Work
 
 
 @dataclass
@@ -43,7 +42,7 @@ class StepInputs:
     meta: AttentionMetadata  # the first layer group's (the only one without sliding-window layers)
     logits_indices: torch.Tensor  # [num_sampled] int64, rows of the packed batch whose logits are needed
     cuts: list[LayerCut] = field(default_factory=list)  # rows that stop early, by layer
-    work: Work = field(default_factory=Work)  # what the forward computes (scheduler/cost.py)
+    work: Work = field(default_factory=Work)  # what the forward computes (reuse/cost.py)
     prompt_rows: list[PromptRows] = field(default_factory=list)  # rows that score prompt tokens
     precision: RowPrecision | None = None  # NestedFP weights: each row's precision (its sequence's)
     probes: list[AttentionProbe] = field(default_factory=list)  # attention measured beside the forward
@@ -378,7 +377,7 @@ class ModelRunner:
 
     def _hf_by_layer(self, inputs: StepInputs, backend: AttentionBackend) -> torch.Tensor:
         """HF's decoder layers one by one, dropping rows at the cuts. It is the decoder's own forward
-        (embed, rotary, layers, norm) for the models approximate reuse supports (engine/content_reuse.py:
+        (embed, rotary, layers, norm) for the models approximate reuse supports (reuse/build.py:
         CONTENT_REUSE_MODEL_TYPES), the only ones whose batches have cuts."""
         hidden = self.decoder.embed_tokens(inputs.input_ids)  # [1, T, hidden]
         position_ids = inputs.position_ids

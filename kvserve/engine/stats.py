@@ -11,21 +11,11 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
-from kvserve.engine.audit import AuditStats
 from kvserve.engine.precision import WeightStats
 from kvserve.kvcache.stats import PoolStats, StoreStats
-from kvserve.scheduler.content import MatcherStats
+from kvserve.reuse import ContentReuseStats
 from kvserve.scheduler.scheduler import SchedulerStats
 from kvserve.tiers.manager import TierStats
-
-
-@dataclass(frozen=True)
-class ContentReuseStats(MatcherStats, AuditStats):
-    """The content matcher's counters and the auditor's, side by side (/v1/stats `cache.reuse`)."""
-
-    @classmethod
-    def of(cls, matcher: MatcherStats, audits: AuditStats) -> ContentReuseStats:
-        return cls(**fields_of(matcher), **fields_of(audits))
 
 
 def fields_of(value: Any) -> dict[str, Any]:

@@ -17,17 +17,14 @@ from typing import Protocol
 
 import torch
 
-from kvserve.engine.audit import Auditor
 from kvserve.engine.batch_sampler import Sampled, SamplingRow, sample_batch
 from kvserve.engine.model_runner import SampledRows
 from kvserve.engine.output import OutputProcessor
 from kvserve.engine.precision import PrecisionPolicy
-from kvserve.engine.repair import Repairer
 from kvserve.engine.sampler import plain_greedy, sample_one
 from kvserve.request import FinishReason, Request
+from kvserve.reuse import ContentReuse, Repair
 from kvserve.scheduler.batch import ScheduledSeq
-from kvserve.scheduler.content import ContentMatcher
-from kvserve.scheduler.repair import Repair
 from kvserve.scheduler.scheduler import Scheduler
 from kvserve.scheduler.sequence import Sequence
 from kvserve.structured import GrammarCompiler
@@ -48,15 +45,13 @@ class StepUpdate:
         self,
         host: StepHost,
         scheduler: Scheduler,
-        repairer: Repairer | None,
-        content: ContentMatcher,
-        auditor: Auditor,
+        reuse: ContentReuse,
         outputs: OutputProcessor,
         precision: PrecisionPolicy,
         grammars: GrammarCompiler,
     ):
-        self.host, self.scheduler, self.repairer, self.content = host, scheduler, repairer, content
-        self.auditor, self.outputs, self.precision, self.grammars = auditor, outputs, precision, grammars
+        self.host, self.scheduler, self.reuse = host, scheduler, reuse
+        self.outputs, self.precision, self.grammars = outputs, precision, grammars
         self.logits_sink: dict[str, list[torch.Tensor]] | None = None  # tests: raw logits per request
 
     def apply(self, items: list[ScheduledSeq], rows: SampledRows) -> list[Sequence]:
@@ -98,7 +93,7 @@ class StepUpdate:
             and seq.grammar is None
             and not seq.request.background
             and (seq.report is None or seq.report.strategy is None)
-            and seq.request_id not in self.auditor.tracing
+            and not self.reuse.traces(seq.request_id)
             for seq, _ in to_sample
         )
 
@@ -143,20 +138,13 @@ class StepUpdate:
     def _advance_repair(self, seq: Sequence, repair: Repair) -> bool:
         """After a repair slice: CacheBlend's selection when its first pass ends, the end of the
         repair after its last. False if that failed (the request is failed)."""
-        repairer = self.repairer
-        assert repairer is not None
         try:
-            if repair.awaits_selection:
-                repairer.select(seq, repair)
-            if not repair.finished:
-                return True
-            report = repairer.finish(seq, repair)
+            finished = self.reuse.after_slice(seq, repair)
         except Exception as e:
             self.host.fail(seq, "repairing its reused KV", e)
             return False
-        self.scheduler.chunks.repair_done(seq)
-        self.content.num_hit_tokens += report.num_reused_tokens
-        self.content.num_recomputed_tokens += report.num_recomputed_tokens
+        if finished:
+            self.scheduler.chunks.repair_done(seq)
         return True
 
     def _sample(
@@ -173,8 +161,6 @@ class StepUpdate:
             assert logits is not None, "an audit's row keeps its logits (_greedy_only)"
             self._audit_step(seq, logits.float())
             return
-        if seq.num_output_tokens == 0 and self.auditor.wants(seq, time.monotonic()):
-            self.auditor.start(seq)
         params = seq.request.sampling_params
         stage = "sampling"
         try:
@@ -200,7 +186,9 @@ class StepUpdate:
                 self.precision.observe_ttft(
                     metrics.first_token_time - metrics.arrival_time, metrics.first_token_time
                 )
-            audit = self.auditor.observe(seq, logits, token, self.precision.last(seq.request_id))
+            audit = self.reuse.observe(
+                seq, logits, token, self.precision.last(seq.request_id), time.monotonic()
+            )
             if audit is not None:
                 self.host.add_background(audit)
             stage = "processing its output"
@@ -216,12 +204,8 @@ class StepUpdate:
     def _audit_step(self, seq: Sequence, logits: torch.Tensor) -> None:
         """An audit's recompute has the full prefill's logits at the next served position: feed it
         the served token there, or record the audit (maybe guarding documents) and end it."""
-        token, keys = self.auditor.step(seq.request_id, logits)
+        token = self.reuse.audit_step(seq, logits)
         if token is not None:
             seq.token_ids.append(token)  # fed, not generated: no output, no stop checks
             return
-        self.content.guarded.update(keys)
-        result = self.auditor.results[-1]  # the one just completed
-        if result.auto:
-            self.content.auto.observe(result.agreement)
         self.host.finish(seq, FinishReason.STOP)  # the auditor recorded it

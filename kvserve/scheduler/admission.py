@@ -12,9 +12,7 @@ from dataclasses import dataclass
 
 from kvserve.kvcache.chunk_store import CachedChunk
 from kvserve.kvcache.manager import KVCacheManager, Reservation, cdiv
-from kvserve.scheduler.batch import ContentHit
-from kvserve.scheduler.content import Choice, ContentMatcher
-from kvserve.scheduler.repair import Repair, Repairs, make_repair
+from kvserve.reuse import Choice, ContentHit, ContentReuse, Repair
 from kvserve.scheduler.sequence import ReuseReport, Sequence
 
 
@@ -65,11 +63,10 @@ class Admissions:
     def __init__(
         self,
         kv: KVCacheManager,
-        content: ContentMatcher | None,
-        repairs: Repairs,
+        reuse: ContentReuse | None,
         enable_prefix_caching: bool,
     ):
-        self.kv, self.content, self.repairs = kv, content, repairs
+        self.kv, self.reuse = kv, reuse
         self.chunk_size, self.block_size = kv.chunk_size, kv.block_size
         self.enable_prefix_caching = enable_prefix_caching
         self.prefix = PrefixCounters()
@@ -103,8 +100,8 @@ class Admissions:
             matched = self.kv.match(seq.cache.prefix_hashes[: self.max_match_chunks(seq)])
         num_cached = len(matched) * self.chunk_size
         choice = None
-        if content and self.content is not None and self.content.wants(seq):
-            choice = self.content.consider(seq, num_cached)
+        if content and self.reuse is not None:
+            choice = self.reuse.consider(seq, num_cached)
         hits = choice.plan.hits if choice is not None and choice.plan is not None else []
         partial = None
         if not hits and self._takes_partial_hits(seq):
@@ -154,9 +151,6 @@ class Admissions:
             seq.report = ReuseReport(num_exact_cached_tokens=num_cached)
             self.prefix.num_query_tokens += seq.num_prompt_tokens
             self.prefix.num_hit_tokens += num_cached
-        if adm.choice is not None:
-            assert self.content is not None
-            self.content.record(seq, adm.choice)
         limit = None
         if adm.hits:
             # KV after the first hit is approximate: never registered, so never marked in flight
@@ -166,8 +160,4 @@ class Admissions:
             # a background sequence (an audit) runs only in idle steps: a request deferred on chunks it
             # holds in flight would keep every step busy and so wait forever; it computes them itself
             self.kv.mark_in_flight(rid, seq.cache.prefix_hashes[len(adm.matched) : limit])
-        if adm.choice is None or adm.choice.plan is None:
-            return None
-        assert self.content is not None
-        repair = make_repair(adm.choice.plan, seq.num_prompt_tokens, self.content.cost.num_layers)
-        return self.repairs.start(rid, repair)
+        return self.reuse.start(seq, adm.choice) if self.reuse is not None else None

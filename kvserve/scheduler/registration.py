@@ -15,9 +15,8 @@ from collections.abc import Callable
 
 from kvserve.kvcache.chunk_store import CachedChunk
 from kvserve.kvcache.manager import KVCacheManager
+from kvserve.reuse import ContentReuse
 from kvserve.scheduler.batch import ScheduledSeq
-from kvserve.scheduler.content import ContentMatcher
-from kvserve.scheduler.repair import Repairs
 from kvserve.scheduler.sequence import Sequence
 
 
@@ -25,13 +24,11 @@ class ChunkRegistrar:
     def __init__(
         self,
         kv: KVCacheManager,
-        content: ContentMatcher | None,
-        repairs: Repairs,
+        reuse: ContentReuse | None,
         enable_prefix_caching: bool = True,
     ):
         self.kv = kv
-        self.repairs = repairs
-        self.content = content
+        self.reuse = reuse
         self.enable_prefix_caching = enable_prefix_caching
         self.chunk_size = kv.chunk_size
         self.num_prompt_tokens_computed = 0
@@ -43,7 +40,8 @@ class ChunkRegistrar:
         A repair slice only advances its pass (the engine ends the repair: `repair_done`)."""
         seq = item.seq
         if item.repair is not None:
-            item.repair.computed(item.num_new_tokens)
+            assert self.reuse is not None
+            self.reuse.computed(item.repair, item.num_new_tokens)
             return
         start = seq.num_computed_tokens
         self.num_prompt_tokens_computed += max(
@@ -59,12 +57,10 @@ class ChunkRegistrar:
 
     def repair_done(self, seq: Sequence) -> None:
         """The repair's last pass is computed: the prompt's KV is complete; release the hit sources."""
-        repair = self.repairs.end(seq.request_id)
-        assert repair.finished
-        self.kv.release_chunks(
-            seq.request_id, {c.prefix_hash for hit in repair.plan.hits for c in hit.hit.chunks}
-        )
-        self.num_prompt_tokens_computed += len(repair.fresh)
+        assert self.reuse is not None
+        sources, num_fresh = self.reuse.end(seq.request_id)
+        self.kv.release_chunks(seq.request_id, sources)
+        self.num_prompt_tokens_computed += num_fresh
         seq.num_computed_tokens = seq.num_prompt_tokens
         self.register(seq)
 
@@ -78,16 +74,16 @@ class ChunkRegistrar:
         for c in inserted:
             for hook in self.on_insert:
                 hook(seq, c.chunk, c.index)
-        if self.content is not None:
+        if self.reuse is not None:
             held = self.kv.holding(rid)
             assert held is not None
             num_cached = held.num_chunks_in_store * self.chunk_size
-            self.content.register(seq, num_cached, cache.prefix_hashes[: held.num_chunks_in_store])
+            self.reuse.register(seq, num_cached, cache.prefix_hashes[: held.num_chunks_in_store])
 
     def register_tail(self, seq: Sequence) -> list[int]:
         """Cache the prompt's tail (its tokens after its last full chunk: warmed documents), for content matches;
         returns its last block when this call cached it and it ends mid-block (to seal), else []."""
-        if self.content is None or not self.content.enabled:
+        if self.reuse is None or not self.reuse.enabled:
             return []
         full = seq.num_prompt_tokens // self.chunk_size
         tail = seq.token_ids[full * self.chunk_size : seq.num_prompt_tokens]
@@ -96,7 +92,7 @@ class ChunkRegistrar:
         if committed is None:
             return []
         h, open_block = committed
-        self.content.register(seq, seq.num_prompt_tokens, hashes + [h])
+        self.reuse.register(seq, seq.num_prompt_tokens, hashes + [h])
         return open_block
 
     def register_blocks(self, seq: Sequence) -> None:
@@ -107,7 +103,7 @@ class ChunkRegistrar:
         request = seq.request
         if not self.enable_prefix_caching or request.warm_only or request.background:
             return
-        if self.repairs.get(seq.request_id) is not None:
+        if self.reuse is not None and self.reuse.repair(seq.request_id) is not None:
             return
         self.kv.commit_blocks(
             seq.request_id,

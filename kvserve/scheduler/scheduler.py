@@ -36,13 +36,11 @@ from dataclasses import dataclass
 from kvserve.kvcache.hashing import chunk_prefix_hashes
 from kvserve.kvcache.manager import KVCacheManager
 from kvserve.request import FinishReason
+from kvserve.reuse import ContentReuse, CostModel, Repair
 from kvserve.scheduler.admission import Admission, Admissions, slice_len
 from kvserve.scheduler.batch import ScheduledBatch, ScheduledSeq
-from kvserve.scheduler.content import ContentMatcher
-from kvserve.scheduler.cost import CostModel
 from kvserve.scheduler.queue import AdmissionQueue
 from kvserve.scheduler.registration import ChunkRegistrar
-from kvserve.scheduler.repair import Repair, Repairs
 from kvserve.scheduler.sequence import SeqStatus, Sequence
 from kvserve.scheduler.slowdown import SlowdownLimit, is_decoding
 
@@ -73,7 +71,7 @@ class Scheduler:
         max_num_batched_tokens: int,
         batch_window_s: float = 0.0,
         enable_prefix_caching: bool = True,
-        content: ContentMatcher | None = None,
+        reuse: ContentReuse | None = None,
         granularity: int | None = None,
         cost: CostModel | None = None,
         decode_slowdown_limit: float = 0.0,
@@ -90,10 +88,9 @@ class Scheduler:
         self.background: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
-        self.content = content if enable_prefix_caching else None
-        self.repairs = Repairs()
-        self.chunks = ChunkRegistrar(kv, self.content, self.repairs, enable_prefix_caching)
-        self.admissions = Admissions(kv, self.content, self.repairs, enable_prefix_caching)
+        self.reuse = reuse if enable_prefix_caching else None  # content reuse (kvserve/reuse/)
+        self.chunks = ChunkRegistrar(kv, self.reuse, enable_prefix_caching)
+        self.admissions = Admissions(kv, self.reuse, enable_prefix_caching)
         # a prefill slice that is not its prompt's last ends on a multiple of this (the block size where the KV
         # storage encodes whole blocks, else 1: `LayerKV.per_token`)
         self.granularity = granularity or self.block_size
@@ -107,8 +104,8 @@ class Scheduler:
 
     def enqueue(self, seq: Sequence) -> None:
         """Queue a checked sequence (its content pieces are cut now: they are kept until it finishes)."""
-        if self.content is not None:
-            self.content.prepare(seq)
+        if self.reuse is not None:
+            self.reuse.prepare(seq)
         if seq.request.background:
             self.background.append(seq)
             return
@@ -148,12 +145,13 @@ class Scheduler:
                 continue
             if seq.request.background and background_rows == 0:
                 continue
-            decode = is_decoding(seq, self.repairs)
+            repair = self._repair(seq)
+            decode = is_decoding(seq, repair)
             room = budget if decode else min(budget, prefill)
             if seq.request.background:
                 room = min(room, background_rows)
             item: ScheduledSeq | None
-            if (repair := self.repairs.get(seq.request_id)) is not None:  # blocks allocated at admission
+            if repair is not None:  # blocks allocated at admission
                 item = self._repair_slice(seq, repair, room)
             else:
                 n = slice_len(seq.num_computed_tokens, seq.num_tokens, room, self.granularity)
@@ -178,7 +176,7 @@ class Scheduler:
         if not self.slowdown.active:
             return self.max_num_batched_tokens
         decoding = [
-            s for s in self.running if is_decoding(s, self.repairs) and (idle or not s.request.background)
+            s for s in self.running if is_decoding(s, self._repair(s)) and (idle or not s.request.background)
         ]
         longest = max((s.num_tokens for s in [*self.running, *self.waiting]), default=0)
         return self.slowdown.rows(decoding, longest)
@@ -231,8 +229,12 @@ class Scheduler:
         batch.preempted.append(victim)
         return True
 
+    def _repair(self, seq: Sequence) -> Repair | None:
+        """The content-reuse repair the sequence is running, if any."""
+        return self.reuse.repair(seq.request_id) if self.reuse is not None else None
+
     def _repair_slice(self, seq: Sequence, repair: Repair, budget: int) -> ScheduledSeq | None:
-        """The next rows of a content-reuse repair that fit the budget (scheduler/repair.py)."""
+        """The next rows of a content-reuse repair that fit the budget (reuse/repair.py)."""
         rows = repair.next_slice(budget, self.granularity)
         if not rows or (cur := repair.current) is None:
             return None
@@ -278,7 +280,8 @@ class Scheduler:
     # --- leaving -----------------------------------------------------------------------------------
     def _release(self, seq: Sequence) -> None:
         self.kv.free(seq.request_id)
-        self.repairs.drop(seq.request_id)  # a preempted repair is planned again at re-admission
+        if self.reuse is not None:
+            self.reuse.drop(seq.request_id)  # a preempted repair is planned again at re-admission
         seq.num_computed_tokens = 0
 
     def finish(self, seq: Sequence, reason: FinishReason, error: str | None = None) -> None:
@@ -291,8 +294,8 @@ class Scheduler:
         else:
             return
         self._release(seq)
-        if self.content is not None:
-            self.content.forget(seq.request_id)
+        if self.reuse is not None:
+            self.reuse.forget(seq.request_id)
         seq.status = SeqStatus.FINISHED
         seq.finish_reason = reason
         seq.error = error
@@ -324,8 +327,6 @@ class Scheduler:
             self.waiting.remove(seq)
         self.running.clear()
         self.background.clear()
-        for request_id in self.repairs.request_ids():
-            self.repairs.drop(request_id)
 
     # --- facts -------------------------------------------------------------------------------------
     def stats(self) -> SchedulerStats:
@@ -346,6 +347,8 @@ class Scheduler:
         for seq in self.running:
             assert len(self.kv.block_ids(seq.request_id)) >= -(-seq.num_computed_tokens // self.block_size)
         self.kv.check_integrity(running := [s.request_id for s in self.running])
-        assert self.repairs.request_ids() <= set(running), "a repair kept for a sequence not running"
-        if self.content is not None:
-            self.content.index.check_integrity()
+        if self.reuse is not None:
+            assert self.reuse.request_ids()["repairs"] <= set(running), (
+                "a repair kept for a sequence not running"
+            )
+            self.reuse.check_integrity()

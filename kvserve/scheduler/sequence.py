@@ -4,7 +4,7 @@ tensors are derived from it once per step (ModelRunner).
 The rest of a request's state lives with its owner, keyed by request id: its blocks and the chunks
 it uses or computes with the KVCacheManager (kvcache/manager.py), its output text, logprobs and what
 was streamed with the OutputProcessor (engine/output.py), its content pieces with the ContentMatcher,
-a content-reuse repair in progress with Repairs (scheduler/repair.py),
+a content-reuse repair in progress with Repairs (reuse/repair.py),
 the precisions its steps ran at with the PrecisionPolicy, a pinning warm's booking with WarmPins,
 a tier load it waits for with EngineTiers, an audit's trace with the Auditor.
 

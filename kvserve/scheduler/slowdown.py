@@ -14,13 +14,13 @@ lower the decode ITL, so it is not done.
 
 from __future__ import annotations
 
-from kvserve.scheduler.cost import CostModel, Work
-from kvserve.scheduler.repair import Repairs
+from kvserve.reuse import CostModel, Repair, Work
 from kvserve.scheduler.sequence import Sequence
 
 
-def is_decoding(seq: Sequence, repairs: Repairs) -> bool:
-    return repairs.get(seq.request_id) is None and seq.num_tokens - seq.num_computed_tokens == 1
+def is_decoding(seq: Sequence, repair: Repair | None) -> bool:
+    """`repair`: the content-reuse repair the sequence runs (None: none)."""
+    return repair is None and seq.num_tokens - seq.num_computed_tokens == 1
 
 
 class SlowdownLimit:

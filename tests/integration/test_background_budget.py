@@ -10,9 +10,9 @@ import time
 import pytest
 
 from kvserve import LLM, ServeConfig
-from kvserve.engine.audit import QUEUED, SKIPPED_NO_REUSE
 from kvserve.errors import ConfigError
 from kvserve.request import Request, RequestOutput, ReuseOptions
+from kvserve.reuse.audit import QUEUED, SKIPPED_NO_REUSE
 from kvserve.scheduler.batch import ScheduledBatch
 from kvserve.scheduler.scheduler import BACKGROUND_ROWS
 from tests.integration.helpers import corpus_token_ids
@@ -47,7 +47,7 @@ def test_a_step_computes_at_most_background_rows_for_all_audits_together():
     for seed, order in enumerate(ORDERS):
         (out,) = llm.generate([rag_prompt(llm, docs, order, seed=seed)], PARAMS3, reuse=NONE)
         assert out.num_approx_cached_tokens > 0
-    assert len(engine.auditor.pending) == len(ORDERS)
+    assert len(engine.reuse.auditor.pending) == len(ORDERS)
     rows = background_rows_per_step(llm)
     for _ in range(3):
         engine.step()
@@ -57,7 +57,7 @@ def test_a_step_computes_at_most_background_rows_for_all_audits_together():
     assert rows[-1] == 0 and engine._seqs["arrives"].num_computed_tokens > 0
     while engine.has_unfinished_requests():
         engine.step()
-    assert len(engine.auditor.results) == len(ORDERS) and engine.auditor.num_dropped == 0
+    assert len(engine.reuse.auditor.results) == len(ORDERS) and engine.reuse.auditor.num_dropped == 0
     assert max(rows) == BACKGROUND_ROWS, rows  # every audit's prefill ran, never more than the cap a step
     engine.check_integrity()
 
@@ -76,7 +76,7 @@ def test_requested_audits_past_the_budget_are_skipped_and_the_output_says_why(mo
     docs = warmed(llm)
     over = "skipped: over the server's budget of 2 requested audits a minute"
     assert [_asked(llm, docs, seed).audit for seed in range(3)] == [QUEUED, QUEUED, over]
-    assert len(engine.auditor.pending) == 2  # the third was served without one
+    assert len(engine.reuse.auditor.pending) == 2  # the third was served without one
     (exact,) = llm.generate([corpus_token_ids(llm, 40, seed=61)], PARAMS3, reuse=ASKED)
     assert exact.num_approx_cached_tokens == 0 and exact.audit == SKIPPED_NO_REUSE
     (plain,) = llm.generate([rag_prompt(llm, docs, [1, 0, 2], seed=9)], PARAMS3, reuse=NONE)
@@ -87,7 +87,7 @@ def test_requested_audits_past_the_budget_are_skipped_and_the_output_says_why(mo
     monkeypatch.setattr(time, "monotonic", lambda: start + 60.0)  # a minute later the budget is back
     assert _asked(llm, docs, 4).audit == QUEUED
     engine.run_background()
-    assert len(engine.auditor.results) == 3
+    assert len(engine.reuse.auditor.results) == 3
     engine.check_integrity()
 
 
@@ -101,18 +101,18 @@ def test_past_the_budget_a_request_that_asks_is_sampled_like_any_other(rate: flo
     assert out.audit == (
         QUEUED if sampled else "skipped: over the server's budget of 0 requested audits a minute"
     )
-    assert len(llm.engine.auditor.pending) == sampled and not llm.engine.auditor.tracing
+    assert len(llm.engine.reuse.auditor.pending) == sampled and not llm.engine.reuse.auditor.tracing
     assert llm.stats().content_reuse.num_audits_over_budget == (not sampled)
 
 
 def test_a_requested_audit_dropped_for_too_many_pending_says_so(monkeypatch):
-    from kvserve.engine import audit
+    from kvserve.reuse import audit
 
     monkeypatch.setattr(audit, "MAX_PENDING", 1)
     llm = make(audit_rate=0.0)
     docs = warmed(llm)
     assert [_asked(llm, docs, seed).audit for seed in range(2)] == [QUEUED, "skipped: 1 audits already wait"]
-    assert len(llm.engine.auditor.pending) == 1 and llm.engine.auditor.num_dropped == 1
+    assert len(llm.engine.reuse.auditor.pending) == 1 and llm.engine.reuse.auditor.num_dropped == 1
 
 
 def test_the_budget_is_validated():

@@ -162,7 +162,7 @@ def test_the_content_index_is_bounded_by_the_store():
     any_reuse = ReuseOptions(reuse="any", recompute_strategy="none")
     for i in range(4):
         llm.generate([corpus_token_ids(llm, 4 * CHUNK + 3, seed=470 + i)], GREEDY, reuse=any_reuse)
-    index = llm.engine.content.index
+    index = llm.engine.reuse.matcher.index
     assert len(index) > 0
     llm.engine.store.evict(10**6)
     assert len(index) == 0, "entries of evicted chunks stay in the index"
@@ -171,11 +171,11 @@ def test_the_content_index_is_bounded_by_the_store():
 def test_prefix_only_requests_are_not_content_indexed():
     llm = make()
     llm.generate([corpus_token_ids(llm, 4 * CHUNK + 3, seed=480)], GREEDY)  # the server default: prefix
-    assert len(llm.engine.content.index) == 0
+    assert len(llm.engine.reuse.matcher.index) == 0
 
 
 def test_warm_without_content_reuse_keeps_no_tail_pieces(monkeypatch: pytest.MonkeyPatch):
-    from kvserve.engine import content_reuse
+    from kvserve.reuse import build as content_reuse
 
     monkeypatch.setattr(content_reuse, "check_content_reuse", lambda model: (None, "off for this test"))
     llm = make()

@@ -70,7 +70,7 @@ def test_cacheblend_spends_the_compute_it_reports():
     n, reused = len(prompt), 8 * CHUNK
     fresh = n - reused
     captured = {}
-    repairer = llm.engine.repairer
+    repairer = llm.engine.reuse.repairer
     original = repairer.finish
 
     def spy(seq, repair):
@@ -106,7 +106,7 @@ def test_query_aware_repair_recomputes_what_the_question_attends_to():
     fresh = n - reused
     question = 7  # _rag_prompt's tail: the rows after the last reused token
     captured: dict = {}
-    repairer = llm.engine.repairer
+    repairer = llm.engine.reuse.repairer
     original_select, original_finish = repairer.select, repairer.finish
 
     def spy_select(seq, repair):
@@ -146,8 +146,8 @@ def test_attention_probe_equals_a_softmax_over_the_pool():
     """AttentionProbe.observe against the attention weights written out for one layer's K."""
     import torch
 
-    from kvserve.attention.probe import AttentionProbe
     from kvserve.kvcache.quantized_storage import create_layer_kv
+    from kvserve.reuse.probe import AttentionProbe
 
     gen = torch.Generator().manual_seed(0)
     heads, kv_heads, d, bs, n = 4, 2, 16, 8, 21
@@ -259,7 +259,7 @@ def test_a_warmed_document_stays_the_source_over_copies_in_later_prompts():
     llm = make()
     doc = corpus_token_ids(llm, 3 * CHUNK, seed=80)
     other = corpus_token_ids(llm, 3 * CHUNK, seed=81)
-    index, exact = llm.engine.content.index, ReuseOptions(reuse="any")  # auto: served exactly, indexed
+    index, exact = llm.engine.reuse.matcher.index, ReuseOptions(reuse="any")  # auto: served exactly, indexed
     llm.warm(doc)
     sources = []
     for seed in (82, 83):  # the document inside other prompts, after other headers
@@ -280,10 +280,10 @@ def test_line_ends_are_found_at_the_first_cut_or_at_start_up_under_reuse_any():
     """Finding the line ends decodes every token: a server that cuts no prompt skips it, one whose
     requests are all cut (--reuse any) pays it at start-up, not in its first request's TTFT."""
     prefix = LLM(model="tiny-random-llama", pieces="lines", max_cache_bytes=50_000_000)
-    assert "cutter" not in vars(prefix.engine.content)
+    assert "cutter" not in vars(prefix.engine.reuse.matcher)
     prefix.generate([[5, 6, 7, 8]], GREEDY)  # served by prefix: nothing cut
-    assert "cutter" not in vars(prefix.engine.content)
+    assert "cutter" not in vars(prefix.engine.reuse.matcher)
     prefix.warm(corpus_token_ids(prefix, 2 * CHUNK, seed=90))  # a warm is cut for content matches
-    assert vars(prefix.engine.content)["cutter"].line_ends
+    assert vars(prefix.engine.reuse.matcher)["cutter"].line_ends
     anywhere = LLM(model="tiny-random-llama", pieces="lines", reuse="any", max_cache_bytes=50_000_000)
-    assert vars(anywhere.engine.content)["cutter"].line_ends
+    assert vars(anywhere.engine.reuse.matcher)["cutter"].line_ends

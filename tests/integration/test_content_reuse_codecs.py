@@ -20,7 +20,7 @@ from kvserve import LLM, SamplingParams
 from kvserve.kvcache.quantized_storage import create_layer_kv
 from kvserve.quant.registry import CODEC_NAMES, head_dim_problem
 from kvserve.request import ReuseOptions
-from kvserve.scheduler.batch import ReusePlan
+from kvserve.reuse.plan import ReusePlan
 from tests.integration.helpers import corpus_token_ids
 
 CHUNK = 32
@@ -42,7 +42,7 @@ def _codec_params() -> list[Any]:
 
 def _moved_rows(llm: LLM, plan: ReusePlan, layer_idx: int) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
     """position -> the source's K/V as the codec decodes it, K rotated to the position."""
-    repairer = llm.engine.repairer
+    repairer = llm.engine.reuse.repairer
     assert repairer is not None
     kv = llm.engine.layers[layer_idx]
     src = torch.tensor([s for h in plan.hits for s in h.hit.src_slots])
@@ -115,7 +115,7 @@ def _spy(
     """Wrap the repairer: record each layer's writes from the move to the repair's end (the pieces
     of every pass, whatever steps they ran in), then check the oracle."""
     engine = llm.engine
-    repairer = engine.repairer
+    repairer = engine.reuse.repairer
     assert repairer is not None
     begin, finish = repairer.begin, repairer.finish
     writes: list[list[tuple]] = []

@@ -10,9 +10,9 @@ import pytest
 import torch
 
 from kvserve import LLM, SamplingParams
-from kvserve.engine.content_reuse import check_content_reuse, check_reuse_request, require_content_reuse
 from kvserve.errors import ConfigError, InvalidRequestError
 from kvserve.request import ReuseOptions
+from kvserve.reuse.build import check_content_reuse, check_reuse_request, require_content_reuse
 from tests.integration.helpers import corpus_token_ids, generate_with_logits
 
 CHUNK = 32
@@ -117,7 +117,7 @@ def test_a_server_started_with_reuse_any_where_it_is_unavailable_fails_at_start_
 @pytest.fixture
 def reuse_unavailable(monkeypatch: pytest.MonkeyPatch) -> str:
     reason = "RoPE self-check failed (made to fail by the test)"
-    monkeypatch.setattr("kvserve.engine.content_reuse.check_content_reuse", lambda model: (None, reason))
+    monkeypatch.setattr("kvserve.reuse.build.check_content_reuse", lambda model: (None, reason))
     return reason
 
 

@@ -22,11 +22,11 @@ from kvserve.api.backend import LocalBackend
 from kvserve.api.server import create_app
 from kvserve.config import ServeConfig
 from kvserve.engine.async_engine import AsyncEngine
-from kvserve.engine.audit import Trace
 from kvserve.engine.engine import Engine
 from kvserve.engine.integrity import IntegrityError
 from kvserve.metrics import Metrics
 from kvserve.request import Request
+from kvserve.reuse.audit import Trace
 from kvserve.tiers.loads import LoadJob
 from tests.integration.helpers import corpus_token_ids
 
@@ -205,8 +205,8 @@ def test_a_recovery_that_fails_refuses_every_request_for_good(
 
 # --- check_integrity names what leaked -------------------------------------------------------------
 def _leak_trace(engine: Engine) -> Callable[[], None]:
-    engine.auditor.tracing["gone"] = Trace("selective", [], False)
-    return lambda: engine.auditor.tracing.pop("gone")
+    engine.reuse.auditor.tracing["gone"] = Trace("selective", [], False)
+    return lambda: engine.reuse.auditor.tracing.pop("gone")
 
 
 def _leak_tier_load(engine: Engine) -> Callable[[], None]:
@@ -216,8 +216,8 @@ def _leak_tier_load(engine: Engine) -> Callable[[], None]:
 
 
 def _leak_repair(engine: Engine) -> Callable[[], None]:
-    engine.scheduler.repairs._by_request["gone"] = None  # type: ignore[assignment]
-    return lambda: engine.scheduler.repairs.drop("gone")
+    engine.reuse.repairs._by_request["gone"] = None  # type: ignore[assignment]
+    return lambda: engine.reuse.repairs.drop("gone")
 
 
 def _leak_pin_booking(engine: Engine) -> Callable[[], None]:

@@ -181,7 +181,7 @@ class EngineMachine(RuleBasedStateMachine):
     )
     def add(self, shape, p, reuse, salt, n) -> None:  # type: ignore[no-untyped-def]
         prompt = self._prompt(shape)
-        if not self.engine.content.enabled:  # declined on this model (sliding-window layers)
+        if not self.engine.reuse.matcher.enabled:  # declined on this model (sliding-window layers)
             reuse = None
         for i in range(n):
             params = SamplingParams(
@@ -277,7 +277,7 @@ class EngineMachine(RuleBasedStateMachine):
         engine.store.evict(engine.pool.num_blocks)
         engine.check_integrity()
         assert len(engine.store) == 0 and engine.pool.num_free_blocks == engine.pool.num_blocks
-        assert len(engine.content.index) == 0
+        assert len(engine.reuse.matcher.index) == 0
 
 
 PROFILES = {

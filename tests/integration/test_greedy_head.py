@@ -66,7 +66,7 @@ def test_rows_that_need_logits_take_the_logits_path(monkeypatch):
 @pytest.mark.parametrize("temperature", [0.0, 0.7])
 def test_each_step_observes_its_cost_with_the_head_inside(monkeypatch, temperature):
     """The head runs when the update asks for tokens or logits, after the forward: the step's cost
-    (scheduler/cost.py) is observed then, once a step, and includes the head's time."""
+    (reuse/cost.py) is observed then, once a step, and includes the head's time."""
     llm = LLM(model="tiny-random-llama", dtype="bfloat16", max_cache_bytes=20_000_000)
     observed: list[float] = []
     monkeypatch.setattr(llm.engine.cost, "observe", lambda work, seconds: observed.append(seconds))

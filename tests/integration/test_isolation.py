@@ -122,7 +122,7 @@ def test_a_repair_forward_fault_fails_only_its_request(llm: LLM, monkeypatch: py
     llm.warm(doc)
     prompts = _prompts(llm)
     expected = dict(zip("abcd", _reference(llm, prompts)))
-    repairer = llm.engine.repairer
+    repairer = llm.engine.reuse.repairer
     assert repairer is not None
 
     def explode(seq):  # type: ignore[no-untyped-def]

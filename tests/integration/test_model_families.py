@@ -60,10 +60,10 @@ def test_exact_reuse_equals_no_cache(model: str):
     s = cached.engine.stats()
     assert s.num_hit_tokens >= 5 * CHUNK + 5 * CHUNK + 3 * CHUNK  # the repeat, the full hit, the prefix
     if model in WINDOWED:
-        assert not cached.engine.content.enabled
-        assert "sliding-window layers" in cached.engine.content.disabled_reason
+        assert not cached.engine.reuse.matcher.enabled
+        assert "sliding-window layers" in cached.engine.reuse.matcher.disabled_reason
     else:
-        assert cached.engine.content.enabled, cached.engine.content.disabled_reason
+        assert cached.engine.reuse.matcher.enabled, cached.engine.reuse.matcher.disabled_reason
 
 
 @pytest.mark.skipif(bool(cpu_ext.unavailable_reason()), reason="bitwise warm == cold needs the CPU extension")

@@ -13,9 +13,9 @@ import pytest
 import torch
 
 from kvserve import LLM, SamplingParams
-from kvserve.engine.audit import first_token_kl
 from kvserve.kvcache.stats import num_evictable_blocks
 from kvserve.request import Request, ReuseOptions
+from kvserve.reuse.audit import first_token_kl
 from kvserve.scheduler.batch import ScheduledBatch
 from kvserve.stat_table import STATS
 from tests.integration.helpers import corpus_token_ids, generate_with_logits
@@ -145,7 +145,7 @@ def test_a_plan_pays_the_steps_of_its_passes():
 
 
 def test_the_cost_model_fits_measured_step_times():
-    from kvserve.scheduler.cost import CostModel, Work
+    from kvserve.reuse.cost import CostModel, Work
 
     model = CostModel(num_layers=4, hidden=64, num_heads=4, num_kv_heads=2, head_dim=16, inter=128)
     true = [2e-3, 3e-6, 2e-9, 1e-7]
@@ -172,9 +172,9 @@ def test_audit_measures_the_served_kl_and_the_guard_stops_a_bad_document():
     (served,), (served_logits,) = generate_with_logits(llm, [prompt], GREEDY, audited)
     (_,), (full_logits,) = generate_with_logits(cold, [prompt], GREEDY)
     engine = llm.engine
-    assert len(engine.auditor.pending) == 1 and not engine.auditor.results
+    assert len(engine.reuse.auditor.pending) == 1 and not engine.reuse.auditor.results
     engine.run_background()  # idle now: the audit's full recompute runs, fed the served tokens
-    (result,) = engine.auditor.results
+    (result,) = engine.reuse.auditor.results
     kl = result.first_kl
     assert result.request_id == served.request_id and result.strategy == "none"
     assert kl == pytest.approx(first_token_kl(full_logits[0], served_logits[0]), rel=1e-5, abs=1e-9)
@@ -207,14 +207,14 @@ def test_the_audit_takes_the_first_audit_tokens_and_starts_before_the_request_en
     params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
     audited = ReuseOptions(reuse="any", recompute_strategy="none", audit=True)
     engine.add_request(Request("long", rag_prompt(llm, docs, [1, 2, 0], seed=5), params, reuse=audited))
-    while not engine.auditor.pending:  # submitted at the third token, while the request still decodes
+    while not engine.reuse.auditor.pending:  # submitted at the third token, while the request still decodes
         engine.step()
     assert "long" in engine._seqs and len(engine._seqs["long"].output_token_ids) == 3
     while engine.has_unfinished_requests():
         engine.step()
     engine.run_background()
-    (result,) = engine.auditor.results
-    assert result.num_tokens == 3 and not engine.auditor.tracing
+    (result,) = engine.reuse.auditor.results
+    assert result.num_tokens == 3 and not engine.reuse.auditor.tracing
     engine.check_integrity()
 
 
@@ -254,9 +254,9 @@ def test_auto_serves_matches_exactly_on_a_model_no_repair_is_verified_on(tmp_pat
     it and usage says so."""
     for presets in ("", presets_file(tmp_path, verified=False)):
         llm, cold = make(reuse="any", verified_presets=presets), make(enable_prefix_caching=False)
-        assert llm.engine.config.recompute_strategy == "auto" and llm.engine.content.auto.preset is None
+        assert llm.engine.config.recompute_strategy == "auto" and llm.engine.reuse.matcher.auto.preset is None
         docs = warmed(llm)
-        looked_up = counted_lookups(llm.engine.content.index)
+        looked_up = counted_lookups(llm.engine.reuse.matcher.index)
         prompt = rag_prompt(llm, docs, [2, 0, 1], seed=12)
         (ref,) = cold.generate([prompt], GREEDY)
         (out,) = llm.generate([prompt], GREEDY)
@@ -286,7 +286,7 @@ def test_auto_repairs_with_the_verified_preset_of_the_file_and_names_it(tmp_path
 def test_auto_falls_back_to_exact_when_its_audits_agree_less_than_the_verification(tmp_path, monkeypatch):
     """The watch judges only auto-repaired prompts' audits; once they are clearly below the
     verification's agreement, auto serves exactly, says why, and shows it in the stats."""
-    from kvserve.scheduler import verified
+    from kvserve.reuse import verified
 
     monkeypatch.setattr(verified, "WATCH_MIN_AUDITS", 3)
     llm = make(reuse="any", audit_rate=1.0, verified_presets=presets_file(tmp_path, True, agreement=1.0))
@@ -298,13 +298,13 @@ def test_auto_falls_back_to_exact_when_its_audits_agree_less_than_the_verificati
         prompt = rag_prompt(llm, docs, [seed % 3, (seed + 1) % 3, (seed + 2) % 3], seed=20 + seed)
         (out,) = llm.generate([prompt], params)
         llm.engine.run_background()
-        agreements.append(llm.engine.auditor.results[-1].agreement)
+        agreements.append(llm.engine.reuse.auditor.results[-1].agreement)
         if llm.stats().content_reuse.auto["fell_back"]:
             break
     assert min(agreements) < 1.0, "the random model's repair kept every token: nothing to fall back from"
     auto = llm.stats().content_reuse.auto
     assert auto["fell_back"] and auto["num_audits"] == len(agreements) >= 3
-    assert llm.engine.auditor.results[-1].auto
+    assert llm.engine.reuse.auditor.results[-1].auto
     prompt = rag_prompt(llm, docs, [1, 0, 2], seed=40)
     (after,), (ref,) = llm.generate([prompt], GREEDY), cold.generate([prompt], GREEDY)
     assert (
@@ -328,7 +328,7 @@ def test_audits_wait_while_requests_run_and_never_reach_a_client():
     seen = set()
     while engine.has_unfinished_requests():
         seen |= {o.request_id for o in engine.step()}
-    assert seen == {"rag", "chat"} and len(engine.auditor.results) == 1
+    assert seen == {"rag", "chat"} and len(engine.reuse.auditor.results) == 1
     for step in steps:
         ids = {rid for rid, _, _ in step}
         assert not ({"rag", "chat"} & ids and any(i.startswith("audit:") for i in ids))
@@ -383,7 +383,7 @@ def test_a_request_never_waits_on_an_audit_computing_its_chunks():
     llm.generate([rag_prompt(llm, docs, [0, 1], seed=1)], params)
     prompt_b = rag_prompt(llm, docs, [1, 0], seed=1)
     (b,) = llm.generate([prompt_b], params, reuse=NONE)
-    assert b.num_approx_cached_tokens > 0 and engine.auditor.pending
+    assert b.num_approx_cached_tokens > 0 and engine.reuse.auditor.pending
     engine.step()  # idle: the audit is admitted and computes its first piece
     assert any(s.request.background for s in engine.scheduler.running)
     engine.add_request(Request("b-again", prompt_b, params, reuse=NONE))
@@ -394,7 +394,7 @@ def test_a_request_never_waits_on_an_audit_computing_its_chunks():
         pytest.fail("the repeat never finished: it waits on the audit, which waits for an idle step")
     while engine.has_unfinished_requests():
         engine.step()
-    assert len(engine.auditor.results) >= 1
+    assert len(engine.reuse.auditor.results) >= 1
     engine.check_integrity()
 
 
@@ -411,11 +411,11 @@ def test_a_request_id_reused_while_its_audit_waits_audits_both():
         engine.add_request(Request("same-id", rag_prompt(llm, docs, [1, 0], seed=seed), params, reuse=NONE))
         while "same-id" in engine._seqs:
             engine.step()
-    assert len(engine.auditor.pending) == 2
+    assert len(engine.reuse.auditor.pending) == 2
     while engine.has_unfinished_requests():
         engine.step()
-    assert [r.request_id for r in engine.auditor.results] == ["same-id", "same-id"]
-    assert engine.auditor.num_dropped == 0
+    assert [r.request_id for r in engine.reuse.auditor.results] == ["same-id", "same-id"]
+    assert engine.reuse.auditor.num_dropped == 0
     engine.check_integrity()
 
 
@@ -428,13 +428,13 @@ def test_an_audit_waiting_past_the_request_timeout_still_completes(monkeypatch):
     docs = warmed(llm)
     audited = ReuseOptions(reuse="any", recompute_strategy="none", audit=True)
     (served,) = llm.generate([rag_prompt(llm, docs, [2, 0, 1], seed=4)], GREEDY, reuse=audited)
-    assert len(engine.auditor.pending) == 1
+    assert len(engine.reuse.auditor.pending) == 1
     start = time.monotonic()
     monkeypatch.setattr(time, "monotonic", lambda: start + 60.0)  # the engine was busy for a minute
     (again,) = llm.generate([rag_prompt(llm, docs, [1, 2, 0], seed=5)], GREEDY, reuse=NONE)
     engine.run_background()
-    assert [r.request_id for r in engine.auditor.results] == [served.request_id]
-    assert engine.auditor.num_dropped == 0
+    assert [r.request_id for r in engine.reuse.auditor.results] == [served.request_id]
+    assert engine.reuse.auditor.num_dropped == 0
     engine.check_integrity()
 
 
@@ -461,7 +461,7 @@ def _serve_then_audit(llm: LLM, prompt: list[int], what: str) -> None:
     else:
         pytest.fail(f"the request waited forever for {what} of an audit that waits for an idle step")
     engine.run_background()
-    assert len(engine.auditor.results) == 1 and engine.auditor.num_dropped == 0
+    assert len(engine.reuse.auditor.results) == 1 and engine.reuse.auditor.num_dropped == 0
     engine.check_integrity()
 
 

@@ -40,4 +40,4 @@ def test_the_engine_moves_keys_with_the_extension_on_cpu():
     if cpu_ext.unavailable_reason():
         pytest.skip(cpu_ext.unavailable_reason())
     llm = LLM(model="tiny-random-llama", reuse="any", max_cache_bytes=20_000_000)
-    assert llm.engine.repairer is not None and llm.engine.repairer.rotator.ext is not None
+    assert llm.engine.reuse.repairer is not None and llm.engine.reuse.repairer.rotator.ext is not None

@@ -25,6 +25,7 @@ LAYERS = [
     ["engine"],
     ["tiers"],
     ["scheduler", "structured"],
+    ["reuse"],
     ["models"],
     ["attention"],
     ["kernels"],
@@ -149,7 +150,8 @@ def test_the_rules_read_lazy_imports_and_type_checking_ones_where_they_count():
 # none of them reads ServeConfig
 SLICES_READ = {
     "kvcache": {"CacheConfig"},
-    "scheduler": {"ReuseConfig", "SchedulerConfig", "CacheConfig"},
+    "scheduler": {"SchedulerConfig", "CacheConfig"},
+    "reuse": {"ReuseConfig"},
     "tiers": {"TierConfig"},
 }
 BELOW_THE_ENGINE = {unit for unit, level in LEVEL.items() if LEVEL["engine"] < level < LEVEL["config"]}
@@ -206,3 +208,26 @@ def test_no_script_imports_its_way_back_to_itself():
     assert "harness" in graph["bench_compare"]  # the check sees the scripts' imports
     cycle = find_cycle(graph)
     assert cycle is None, " -> ".join(cycle or [])
+
+
+def test_content_reuse_is_reached_through_its_interface_only():
+    """Outside kvserve/reuse/, modules import the package (its interface, kvserve/reuse/__init__.py),
+    never its modules: matching, repair plans, moving KV in, probes and audits are its own."""
+    inside = [
+        f"{module} imports {target}"
+        for module in sorted(MODULES)
+        if unit(module) != "reuse"
+        for target in sorted(TYPED_GRAPH[module])
+        if unit(target) == "reuse" and target != "kvserve.reuse"
+    ]
+    assert not inside, "\n".join(inside)
+    assert "kvserve.reuse" in GRAPH["kvserve.scheduler.admission"]  # the check sees the package's imports
+
+
+def test_the_scheduled_rows_name_their_types():
+    """ScheduledSeq, the scheduler's hand-off to the model runner, types every field (no Any)."""
+    tree = ast.parse(MODULES["kvserve.scheduler.batch"].read_text())
+    seq = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "ScheduledSeq")
+    annotations = [ast.unparse(n.annotation) for n in seq.body if isinstance(n, ast.AnnAssign)]
+    assert len(annotations) >= 8
+    assert not [a for a in annotations if "Any" in a], annotations

@@ -1,6 +1,6 @@
 """Quantized storage: a block's content depends only on the final rows written to it.
 
-Content reuse (engine/repair.py, scheduler/repair.py) writes a sequence's blocks out of order: the moved rows of
+Content reuse (reuse/repairer.py, reuse/repair.py) writes a sequence's blocks out of order: the moved rows of
 every hit (anywhere in a block), then fresh rows (often at offset 0 of the same blocks), then repair
 rows that rewrite some moved rows, possibly of a block that already filled and was encoded. The
 blocks come straight from the free list, still holding a previous owner's codes. Every test here

@@ -1,4 +1,4 @@
-"""The verified-presets file `auto` reads, its targets, and the online watch (scheduler/verified.py)."""
+"""The verified-presets file `auto` reads, its targets, and the online watch (reuse/verified.py)."""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ import pytest
 
 from kvserve.errors import ConfigError
 from kvserve.request import ReuseOptions
-from kvserve.scheduler import verified
-from kvserve.scheduler.verified import AutoWatch, Targets, VerifiedPreset, shortfalls, targets_for
+from kvserve.reuse.verified import AutoWatch, Targets, VerifiedPreset, shortfalls, targets_for
+from kvserve.reuse import verified
 
 ROOT = Path(__file__).resolve().parents[2]
 

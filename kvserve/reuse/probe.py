@@ -1,7 +1,7 @@
 """Attention probes: the attention mass some rows of a step put on every earlier position of their
 sequence, at one layer, measured beside the real attention (which they do not change).
 
-Query-aware repair (scheduler/repair.py, strategy `query`) probes the request's question: its rows,
+Query-aware repair (reuse/repair.py, strategy `query`) probes the request's question: its rows,
 computed through the first layers, read the moved KV of the reused tokens; the tokens they attend to
 most are the ones worth recomputing. A probe is handed to the model runner on a ScheduledSeq; the
 runner sets its first row in the packed step and wraps the step's backend in ProbingBackend.

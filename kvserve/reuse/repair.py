@@ -2,7 +2,7 @@
 
 Position map of the prompt [0, n) under a ReusePlan:
   [0, prefix_len)   exact prefix: shared blocks, never touched
-  reused            the hits' KV, copied in and re-rotated once before the first pass (engine/repair.py)
+  reused            the hits' KV, copied in and re-rotated once before the first pass (reuse/repairer.py)
   fresh             everything else after the prefix (the last prompt token always is)
 
 A pass computes some positions through the first `num_layers` layers (None: all), writing their KV
@@ -16,7 +16,7 @@ over whatever the slots held. The passes of each strategy:
               `seam_tokens` of every run are picked first)
   query       query-aware: the fresh positions through layers [0, check_layer], the rows after the
               last reused token (the request's question) probed there: their attention over the
-              moved KV (attention/probe.py); then fresh + selective's marks (run starts, the tokens
+              moved KV (reuse/probe.py); then fresh + selective's marks (run starts, the tokens
               before runs, the sink) + the `ratio` of the other reused tokens the question attended
               to most, all layers
 The second cacheblend pass recomputes layers [0, check_layer] of its rows with the same inputs the
@@ -33,9 +33,12 @@ from __future__ import annotations
 
 from bisect import bisect_left
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING
 
-from kvserve.scheduler.batch import ReusePlan
+from kvserve.reuse.plan import ReusePlan
+
+if TYPE_CHECKING:
+    import torch
 
 
 @dataclass
@@ -58,8 +61,8 @@ class Repair:
     reused: list[int]  # positions whose KV was moved in, sorted
     fresh: list[int]  # positions computed because nothing reused covers them, sorted
     moved: bool = False  # the engine has copied the hits in (before the first slice)
-    check_k: Any = None  # cacheblend: the moved K of `reused` at the check layer (a tensor)
-    query_mass: Any = None  # query: attention mass of the question's rows on every position (a tensor)
+    check_k: torch.Tensor | None = None  # cacheblend: the moved K of `reused` at the check layer
+    query_mass: torch.Tensor | None = None  # query: attention mass of the question's rows on every position
     token_layers: list[int] = field(init=False)  # rows each layer computed, over all passes
 
     def __post_init__(self) -> None:

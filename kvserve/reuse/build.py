@@ -1,6 +1,6 @@
 """Content (approximate) reuse at start-up and per request: whether this model can have it (its RoPE
-re-rotates, the self-check passes), the matcher and the repairer the engine gets, and the checks of
-a server's --reuse and of a request's reuse options against what is available."""
+re-rotates, the self-check passes), the ContentReuse the engine gets (connector.py), and the checks
+of a server's --reuse and of a request's reuse options against what is available."""
 
 from __future__ import annotations
 
@@ -9,19 +9,22 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from kvserve.config import ServeConfig
-from kvserve.engine.repair import Repairer
+from kvserve.config_slices import ReuseConfig
 from kvserve.errors import ConfigError, InvalidRequestError
 from kvserve.kernels import cpu_ext
+from kvserve.kvcache.kv_storage import LayerKV
 from kvserve.kvcache.manager import KVCacheManager
 from kvserve.kvcache.piece_index import PieceIndex
 from kvserve.kvcache.pieces import line_end_ids
 from kvserve.request import REUSE_OPTION_NAMES, ReuseOptions
-from kvserve.scheduler.content import ContentMatcher
-from kvserve.scheduler.cost import CostModel
+from kvserve.reuse.audit import Auditor
+from kvserve.reuse.connector import ContentReuse
+from kvserve.reuse.cost import CostModel
+from kvserve.reuse.matcher import ContentMatcher
+from kvserve.reuse.repairer import Repairer
 
 if TYPE_CHECKING:
-    from kvserve.engine.builder import EngineParts
+    from kvserve.tokenizer import Tokenizer
 
 log = logging.getLogger("kvserve.engine")
 
@@ -58,41 +61,54 @@ def check_content_reuse(model: Any) -> tuple[Any, str]:
 
 
 def build_content_reuse(
-    config: ServeConfig, parts: EngineParts, kv: KVCacheManager, cost: CostModel
-) -> tuple[ContentMatcher, Repairer | None]:
-    """The content matcher (always: it reports why content reuse is off) and, where the model's
-    RoPE can be re-rotated, the repairer that moves matched KV in."""
-    rotator, reason = check_content_reuse(parts.model)
-    if rotator is not None and torch.device(parts.info.device).type == "cpu":
+    config: ReuseConfig,
+    model_name: str,
+    chunk_size: int,
+    max_num_batched_tokens: int,
+    model: Any,
+    tokenizer: Tokenizer,
+    layers: list[LayerKV],
+    device: torch.device,
+    kv: KVCacheManager,
+    cost: CostModel,
+    seed: int,
+) -> ContentReuse:
+    """Content reuse for this model: the matcher (always: it reports why content reuse is off) and,
+    where the model's RoPE can be re-rotated, the repairer that moves matched KV in."""
+    rotator, reason = check_content_reuse(model)
+    if rotator is not None and device.type == "cpu":
         rotator.ext = cpu_ext.load_or_none()  # moved keys rotated in one call a layer (bitwise the same)
-    content = ContentMatcher(
-        config.reuse_config,
-        config.model,
-        config.chunk_size,
-        config.max_num_batched_tokens,
+    matcher = ContentMatcher(
+        config,
+        model_name,
+        chunk_size,
+        max_num_batched_tokens,
         PieceIndex(kv.store),
         cost,
         rotator is not None,
         reason,
-        lambda: line_end_ids(parts.tokenizer.token_texts()),
+        lambda: line_end_ids(tokenizer.token_texts()),
     )
     if config.reuse == "any" and rotator is not None:
-        _ = content.cutter  # every request is cut: find the line ends now, not in the first one's TTFT
-    repairer = Repairer(parts.layers, rotator, torch.device(parts.info.device), kv) if rotator else None
+        _ = matcher.cutter  # every request is cut: find the line ends now, not in the first one's TTFT
+    repairer = Repairer(layers, rotator, device, kv) if rotator else None
     require_content_reuse(config.reuse, rotator, reason)
     if config.reuse == "any" and config.recompute_strategy == "auto":
-        auto = content.auto_preset()
+        auto = matcher.auto_preset()
         if isinstance(auto, str):
             log.warning(
                 "--reuse any on %s: content matches are served exactly (%s; docs/blend.md); name a "
                 "repair (--recompute-strategy, or a request's recompute_strategy) to opt into its "
                 "measured loss",
-                config.model,
+                model_name,
                 auto,
             )
         else:
             log.info("--reuse any: content matches are repaired with %s", auto.describe())
-    return content, repairer
+    auditor = Auditor(
+        config.audit_rate, config.audit_max_kl, seed, config.audit_tokens, config.audit_requests_per_minute
+    )
+    return ContentReuse(matcher, repairer, auditor)
 
 
 def require_content_reuse(reuse: str, rotator: Any, reason: str) -> None:

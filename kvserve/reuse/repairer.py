@@ -1,4 +1,4 @@
-"""Repairer: the engine's part of a content-reuse repair (scheduler/repair.py plans it).
+"""Repairer: the engine's part of a content-reuse repair (reuse/repair.py plans it).
 
 The rows of a repair run in ordinary steps through the one model forward (ModelRunner), each at its
 explicit position. Around them the engine:
@@ -16,17 +16,19 @@ explicit position. Around them the engine:
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING
 
 import torch
 
-from kvserve.attention.probe import AttentionProbe
 from kvserve.kvcache.block_pool import slot_mapping
 from kvserve.kvcache.kv_storage import LayerKV
 from kvserve.kvcache.manager import KVCacheManager
 from kvserve.kvcache.rope import RopeRotator
-from kvserve.scheduler.batch import ScheduledSeq
-from kvserve.scheduler.repair import Repair, query_positions, selective_positions
-from kvserve.scheduler.sequence import Sequence
+from kvserve.reuse.probe import AttentionProbe
+from kvserve.reuse.repair import Repair, query_positions, selective_positions
+
+if TYPE_CHECKING:
+    from kvserve.scheduler.sequence import Sequence
 
 
 @dataclass
@@ -79,23 +81,22 @@ class Repairer:
             repair.query_mass = torch.zeros(repair.num_prompt_tokens, dtype=torch.float32, device=self.device)
         return int(dst.numel()) * len(self.layers)
 
-    def probe(self, item: ScheduledSeq) -> AttentionProbe | None:
+    def probe(self, seq: Sequence, repair: Repair, positions: list[int]) -> AttentionProbe | None:
         """Query-aware repair: the probe of a first-pass slice's question rows (None: it has none)."""
-        repair = item.repair
-        if repair is None or not repair.probing or item.positions is None:
+        if not repair.probing:
             return None
         asked = set(query_positions(repair.reused, repair.fresh))
-        rows = [i for i, p in enumerate(item.positions) if p in asked]
+        rows = [i for i, p in enumerate(positions) if p in asked]
         if not rows:
             return None
         layers = repair.passes[0].num_layers
         assert layers is not None
-        n = max(item.positions[i] for i in rows) + 1
+        n = max(positions[i] for i in rows) + 1
         return AttentionProbe(
             layer=layers - 1,
             rows=rows,
-            positions=torch.tensor([item.positions[i] for i in rows], dtype=torch.long, device=self.device),
-            context_slots=self._slots(item.seq, list(range(n))),
+            positions=torch.tensor([positions[i] for i in rows], dtype=torch.long, device=self.device),
+            context_slots=self._slots(seq, list(range(n))),
             mass=repair.query_mass[:n],  # a view: the probe adds into the repair's mass
         )
 

@@ -8,8 +8,8 @@ indexed: exact-only traffic pays no hashing and no index memory. The index is bo
 
 A match is taken only when it pays (`choose`): the CostModel prices the prompt's prefill both ways,
 exact-only (every token after the prefix through every layer) and as the repair plan (the rows of its
-passes, scheduler/repair.py, plus moving the hits' KV), and the plan must come out at least
-`reuse_min_saving` cheaper. Documents the online audit found too far off (engine/audit.py) are not
+passes, reuse/repair.py, plus moving the hits' KV), and the plan must come out at least
+`reuse_min_saving` cheaper. Documents the online audit found too far off (reuse/audit.py) are not
 matched at all (`guarded`).
 """
 
@@ -20,22 +20,24 @@ import itertools
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from kvserve.config_slices import ReuseConfig
 from kvserve.kvcache.hashing import content_hash
 from kvserve.kvcache.piece_index import Piece, PieceIndex
 from kvserve.kvcache.pieces import PieceCutter
-from kvserve.scheduler.batch import ContentHit, ReusePlan
-from kvserve.scheduler.cost import CostModel, Work
-from kvserve.scheduler.repair import positions, query_positions, selective_positions
-from kvserve.scheduler.sequence import Sequence
-from kvserve.scheduler.verified import AUTO_SOURCE, AutoWatch, VerifiedPreset, verified_preset
+from kvserve.reuse.cost import CostModel, Work
+from kvserve.reuse.plan import ContentHit, ReusePlan
+from kvserve.reuse.repair import positions, query_positions, selective_positions
+from kvserve.reuse.verified import AUTO_SOURCE, AutoWatch, VerifiedPreset, verified_preset
+
+if TYPE_CHECKING:
+    from kvserve.scheduler.sequence import Sequence
 
 TAKEN = "taken"
 DECLINED_SAVING = "declined: saves too little"
 DECLINED_GUARD = "declined: audit guard"
-# --recompute-strategy auto on a model no repair preset has been verified on (scheduler/verified.py)
+# --recompute-strategy auto on a model no repair preset has been verified on (reuse/verified.py)
 DECLINED_UNVERIFIED = "declined: no repair verified on this model"
 DECLINED_PIECES = "declined: the repair verified on this model was measured with other --pieces"
 DECLINED_FELL_BACK = "declined: auto fell back to exact serving (its audits fell below the verification's)"
@@ -65,7 +67,7 @@ class MatcherStats:
     reason: str
     default_reuse: str
     recompute_strategy: str
-    auto: dict[str, Any]  # auto's verified preset and its online watch (scheduler/verified.py: AutoWatch)
+    auto: dict[str, Any]  # auto's verified preset and its online watch (reuse/verified.py: AutoWatch)
     pieces: str
     num_indexed_pieces: int
     num_approx_hit_tokens: int
@@ -168,7 +170,7 @@ class ContentMatcher:
         return work
 
     def plan_work(self, plan: ReusePlan, n: int) -> Work:
-        """The plan's passes (scheduler/repair.py) and the moving of its hits' KV. CacheBlend's second
+        """The plan's passes (reuse/repair.py) and the moving of its hits' KV. CacheBlend's second
         pass is not chosen yet: it is priced as the fresh tokens plus `ratio` of the reused ones at
         their mean position; so is query-aware repair's, after its first pass (the fresh rows through
         the probe's layers) and the probe."""

@@ -32,13 +32,15 @@ import itertools
 import random
 from collections import deque
 from dataclasses import dataclass, field
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 
 from kvserve.request import Request, ReuseOptions, SamplingParams
-from kvserve.scheduler.sequence import Sequence
-from kvserve.scheduler.verified import AUTO_SOURCE
+from kvserve.reuse.verified import AUTO_SOURCE
+
+if TYPE_CHECKING:
+    from kvserve.scheduler.sequence import Sequence
 
 MAX_PENDING = 64
 HISTORY = 4096  # audited results kept per strategy for the quantiles
