@@ -32,7 +32,7 @@ from kvserve.models.hf_adapter import ATTN_IMPLEMENTATION, check_supported, laye
 from kvserve.models.loader import model_fingerprint, resolve_model_path
 from kvserve.models.nested import weight_bytes as model_weight_bytes
 from kvserve.models.random_weights import is_random_model, load_random_model
-from kvserve.reuse import ContentReuse, CostModel
+from kvserve.reuse import ContentReuse, CostModel, build_content_reuse
 from kvserve.scheduler.scheduler import Scheduler
 from kvserve.tokenizer import Tokenizer
 
@@ -295,6 +295,23 @@ def _eos_ids(model: torch.nn.Module, tokenizer: Tokenizer) -> tuple[int, ...]:
     elif isinstance(eos, list):
         ids.update(int(e) for e in eos)
     return tuple(sorted(ids))
+
+
+def build_reuse(config: ServeConfig, parts: EngineParts, kv: KVCacheManager, cost: CostModel) -> ContentReuse:
+    """Content reuse (kvserve/reuse/) for the model these parts hold."""
+    return build_content_reuse(
+        config.reuse_config,
+        config.model,
+        config.chunk_size,
+        config.max_num_batched_tokens,
+        parts.model,
+        parts.tokenizer,
+        parts.layers,
+        torch.device(parts.info.device),
+        kv,
+        cost,
+        config.seed,
+    )
 
 
 def build_scheduler(

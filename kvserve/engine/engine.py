@@ -20,10 +20,10 @@ from collections.abc import Iterable
 import torch
 
 from kvserve.config import ServeConfig
-from kvserve.engine.builder import build_parts, build_scheduler
+from kvserve.engine.builder import build_parts, build_reuse, build_scheduler
 from kvserve.engine.execute import StepExecute
 from kvserve.engine.intake import Intake
-from kvserve.engine.integrity import Books, IntegrityError
+from kvserve.engine.integrity import IntegrityError, check_books
 from kvserve.engine.model_runner import ModelRunner
 from kvserve.engine.output import OutputProcessor
 from kvserve.engine.pins import WarmPins
@@ -33,7 +33,7 @@ from kvserve.engine.update import StepUpdate
 from kvserve.errors import InvalidRequestError
 from kvserve.kvcache.manager import KVCacheManager
 from kvserve.request import FinishReason, Request, RequestOutput, warm_request
-from kvserve.reuse import CostModel, build_content_reuse
+from kvserve.reuse import CostModel
 from kvserve.scheduler.batch import ScheduledBatch
 from kvserve.scheduler.sequence import Sequence
 from kvserve.structured import GrammarCompiler
@@ -55,19 +55,7 @@ class Engine:
         self.pins = WarmPins(self.kv, config.chunk_size, config.block_size, config.max_pinned_fraction)
         device = torch.device(self.info.device)
         self.cost = CostModel.of(self.model.config, len(self.layers))
-        self.reuse = build_content_reuse(
-            config.reuse_config,
-            config.model,
-            config.chunk_size,
-            config.max_num_batched_tokens,
-            self.model,
-            self.tokenizer,
-            self.layers,
-            device,
-            self.kv,
-            self.cost,
-            config.seed,
-        )
+        self.reuse = build_reuse(config, parts, self.kv, self.cost)
         per_token = all(layer.per_token for layer in self.layers)
         self.scheduler = build_scheduler(config, self.kv, self.reuse, self.cost, per_token)
         tiers = build_tiers(config.tier_config, self.kv, self.layers, self.info)
@@ -85,14 +73,7 @@ class Engine:
         self.outputs = OutputProcessor(self.tokenizer, self.info.eos_token_ids, self.info.max_model_len)
         self.grammars = GrammarCompiler(self.tokenizer.hf, self.info.vocab_size, self.info.eos_token_ids)
         self.intake = Intake(
-            config,
-            self.info,
-            self.kv,
-            self.scheduler,
-            self.reuse,
-            self.precision,
-            self.grammars,
-            self.pins,
+            config, self.info, self.kv, self.scheduler, self.reuse, self.precision, self.grammars, self.pins
         )
         self._seqs: dict[str, Sequence] = {}
         self._background: dict[str, Sequence] = {}  # audits' full recomputes (no client sees them)
@@ -103,21 +84,10 @@ class Engine:
         self.num_restarts = 0  # rebuilds of the KV state after a failed step left the books disagreeing
         self.last_restart_reason = ""
         self.execute = StepExecute(
-            self,
-            self.runner,
-            self.reuse,
-            self.precision,
-            self.scheduler.chunks,
-            self.cost,
-            config.chunk_size,
+            self, self.runner, self.reuse, self.precision, self.scheduler.chunks, self.cost, config.chunk_size
         )
         self.update = StepUpdate(
-            self,
-            self.scheduler,
-            self.reuse,
-            self.outputs,
-            self.precision,
-            self.grammars,
+            self, self.scheduler, self.reuse, self.outputs, self.precision, self.grammars
         )
 
     # --- intake ------------------------------------------------------------------------------------
@@ -382,24 +352,16 @@ class Engine:
         """The owners' books agree: blocks and chunks, pin bookings and pinned texts, and every table
         kept by request id holds only requests in flight. Raises one IntegrityError naming each owner
         or table that disagrees."""
-        books = Books()
-        books.check("scheduler and KV cache", self.scheduler.check_integrity)
-        books.check("warm pins", self.pins.check_integrity)
-        seqs, background = set(self._seqs), set(self._background)
-        s = self.scheduler
-        queued = [*s.running, *s.waiting, *s.background]
-        books.same("scheduler's sequences", (seq.request_id for seq in queued), seqs | background)
-        books.same("outputs", self.outputs.request_ids(), seqs)
-        reuse = self.reuse.request_ids()
-        books.within("content pieces", reuse["content pieces"], seqs | background)
-        books.within("step precisions", self.precision.request_ids(), seqs | background)
-        books.within("repairs", reuse["repairs"], {seq.request_id for seq in s.running})
-        books.within("warm pins' bookings", self.pins.request_ids(), seqs)
-        books.within("audit traces", reuse["audit traces"], seqs)
-        books.same("audit jobs", reuse["audit jobs"], background)
-        if self.tiers is not None:
-            books.within("tier loads", self.tiers.request_ids(), {seq.request_id for seq in s.waiting})
-        books.close()
+        check_books(
+            self.scheduler,
+            self.pins,
+            self.outputs,
+            self.reuse,
+            self.precision,
+            self.tiers,
+            self._seqs,
+            self._background,
+        )
 
     def stats(self) -> EngineStats:
         """Each part's own report, put together (one pass over the cached chunks)."""

@@ -11,6 +11,16 @@ from __future__ import annotations
 
 import traceback
 from collections.abc import Callable, Iterable
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from kvserve.engine.output import OutputProcessor
+    from kvserve.engine.pins import WarmPins
+    from kvserve.engine.precision import PrecisionPolicy
+    from kvserve.reuse import ContentReuse
+    from kvserve.scheduler.scheduler import Scheduler
+    from kvserve.scheduler.sequence import Sequence
+    from kvserve.tiers.engine_side import EngineTiers
 
 SHOWN_IDS = 3  # request ids named per leaking table
 
@@ -69,3 +79,37 @@ def _describe(e: Exception) -> str:
         return str(e)
     frame = traceback.extract_tb(e.__traceback__)[-1]
     return f"assertion failed at {frame.filename.rsplit('/', 1)[-1]}:{frame.lineno}"
+
+
+def check_books(
+    scheduler: Scheduler,
+    pins: WarmPins,
+    outputs: OutputProcessor,
+    reuse: ContentReuse,
+    precision: PrecisionPolicy,
+    tiers: EngineTiers | None,
+    seqs: dict[str, Sequence],
+    background: dict[str, Sequence],
+) -> None:
+    """The engine's owners agree (`Engine.check_integrity`): blocks and chunks, pin bookings and pinned
+    texts, and every table kept by request id holds only requests in flight (`seqs`: the requests,
+    `background`: the audits' recomputes). Raises one IntegrityError naming each owner or table that
+    disagrees."""
+    books = Books()
+    books.check("scheduler and KV cache", scheduler.check_integrity)
+    books.check("warm pins", pins.check_integrity)
+    served, audits = set(seqs), set(background)
+    s = scheduler
+    queued = [*s.running, *s.waiting, *s.background]
+    books.same("scheduler's sequences", (seq.request_id for seq in queued), served | audits)
+    books.same("outputs", outputs.request_ids(), served)
+    tables = reuse.request_ids()
+    books.within("content pieces", tables["content pieces"], served | audits)
+    books.within("step precisions", precision.request_ids(), served | audits)
+    books.within("repairs", tables["repairs"], {seq.request_id for seq in s.running})
+    books.within("warm pins' bookings", pins.request_ids(), served)
+    books.within("audit traces", tables["audit traces"], served)
+    books.same("audit jobs", tables["audit jobs"], audits)
+    if tiers is not None:
+        books.within("tier loads", tiers.request_ids(), {seq.request_id for seq in s.waiting})
+    books.close()

@@ -26,6 +26,7 @@ from kvserve.attention.positional import PositionalBackend
 from kvserve.engine.prompt_logprobs import ROWS_PER_BLOCK, PromptRows, rows_to_score, score
 from kvserve.kvcache.kv_storage import LayerKV
 from kvserve.kvcache.layout import KVLayout
+from kvserve.models.by_layer import forward_by_layer
 from kvserve.models.cpu_linear import RowInvariantLinear
 from kvserve.models.fused_llama import FusedLlamaForward, LayerCut, LayerTail
 from kvserve.models.hf_adapter import PoolCache
@@ -319,8 +320,9 @@ class ModelRunner:
                 inputs.precision,
                 inputs.tail,
             )  # [num_tokens left after the cuts, or the tail's rows, hidden]
-        elif inputs.cuts:
-            hidden = self._hf_by_layer(inputs, backend)
+        elif inputs.cuts:  # only models approximate reuse supports have cuts (reuse/build.py)
+            ctx = ForwardContext(self.layers, backend, inputs.meta)
+            hidden = forward_by_layer(self.decoder, inputs.input_ids, inputs.position_ids, inputs.cuts, ctx)
         else:
             with forward_context(ForwardContext(self.layers, backend, inputs.meta, inputs.layer_metas)):
                 hidden = self.decoder(
@@ -374,40 +376,6 @@ class ModelRunner:
             block = hidden[rows.first_row + start : rows.first_row + end]
             entries += score(self._logits(block), targets[start:end], k)
         return entries
-
-    def _hf_by_layer(self, inputs: StepInputs, backend: AttentionBackend) -> torch.Tensor:
-        """HF's decoder layers one by one, dropping rows at the cuts. It is the decoder's own forward
-        (embed, rotary, layers, norm) for the models approximate reuse supports (reuse/build.py:
-        CONTENT_REUSE_MODEL_TYPES), the only ones whose batches have cuts."""
-        hidden = self.decoder.embed_tokens(inputs.input_ids)  # [1, T, hidden]
-        position_ids = inputs.position_ids
-        cos, sin = self.decoder.rotary_emb(hidden, position_ids=position_ids)
-        cuts = {c.after_layer: c for c in inputs.cuts}
-        ctx = ForwardContext(self.layers, backend, inputs.meta)
-        with forward_context(ctx):
-            for idx, layer in enumerate(self.decoder.layers):
-                out = layer(
-                    hidden,
-                    attention_mask=None,
-                    position_ids=position_ids,
-                    past_key_values=PoolCache(),
-                    use_cache=True,
-                    position_embeddings=(cos, sin),
-                )
-                hidden = out[0] if isinstance(out, tuple) else out
-                cut = cuts.get(idx)
-                if cut is not None:
-                    r = cut.num_rows
-                    hidden, position_ids, cos, sin = (
-                        hidden[:, :r],
-                        position_ids[:, :r],
-                        cos[:, :r],
-                        sin[:, :r],
-                    )
-                    ctx.meta = cut.meta
-                    if r == 0:  # every row stopped: no later layer has work
-                        break
-        return self.decoder.norm(hidden)[0]
 
 
 def _readable(table: list[int]) -> list[int]:

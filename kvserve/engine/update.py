@@ -23,7 +23,7 @@ from kvserve.engine.output import OutputProcessor
 from kvserve.engine.precision import PrecisionPolicy
 from kvserve.engine.sampler import plain_greedy, sample_one
 from kvserve.request import FinishReason, Request
-from kvserve.reuse import ContentReuse, Repair
+from kvserve.reuse import ContentReuse
 from kvserve.scheduler.batch import ScheduledSeq
 from kvserve.scheduler.scheduler import Scheduler
 from kvserve.scheduler.sequence import Sequence
@@ -64,10 +64,12 @@ class StepUpdate:
         to_sample: list[tuple[Sequence, int]] = []  # (sequence, its sampled row)
         row = 0
         for item in items:
-            self.scheduler.chunks.computed(item)
             row += item.sample
-            if item.repair is not None and not self._advance_repair(item.seq, item.repair):
-                continue
+            if item.repair is not None:
+                if not self._advance_repair(item):
+                    continue
+            else:
+                self.scheduler.chunks.computed(item)
             if item.sample:
                 to_sample.append((item.seq, row - 1))
         tokens = rows.greedy_tokens() if self._greedy_only(to_sample) else None
@@ -86,14 +88,13 @@ class StepUpdate:
 
     def _greedy_only(self, to_sample: list[tuple[Sequence, int]]) -> bool:
         """Whether these rows need only their argmax: each plain greedy (sampler.plain_greedy), without a
-        grammar, not an audit's recompute, not served with approximate reuse (the auditor may trace its
-        logits), and no test collects logits."""
+        grammar, not an audit's recompute, not served with approximate reuse (only those are audited:
+        the auditor may trace their logits), and no test collects logits."""
         return self.logits_sink is None and all(
             plain_greedy(seq.request.sampling_params)
             and seq.grammar is None
             and not seq.request.background
             and (seq.report is None or seq.report.strategy is None)
-            and not self.reuse.traces(seq.request_id)
             for seq, _ in to_sample
         )
 
@@ -135,16 +136,18 @@ class StepUpdate:
             return {}
         return {seq.request_id: allowed[i] for i, (seq, _) in enumerate(constrained)}
 
-    def _advance_repair(self, seq: Sequence, repair: Repair) -> bool:
-        """After a repair slice: CacheBlend's selection when its first pass ends, the end of the
-        repair after its last. False if that failed (the request is failed)."""
+    def _advance_repair(self, item: ScheduledSeq) -> bool:
+        """After a repair slice: its pass advances, CacheBlend's selection when its first pass ends,
+        the end of the repair after its last. False if that failed (the request is failed)."""
+        seq, repair = item.seq, item.repair
+        assert repair is not None
         try:
-            finished = self.reuse.after_slice(seq, repair)
+            done = self.reuse.after_slice(seq, repair, item.num_new_tokens)
         except Exception as e:
             self.host.fail(seq, "repairing its reused KV", e)
             return False
-        if finished:
-            self.scheduler.chunks.repair_done(seq)
+        if done is not None:
+            self.scheduler.chunks.repair_done(seq, done)
         return True
 
     def _sample(

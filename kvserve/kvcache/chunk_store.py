@@ -41,47 +41,12 @@ from __future__ import annotations
 import time
 from collections import Counter
 from collections.abc import Callable
-from dataclasses import dataclass, field
 
+from kvserve.kvcache.block_index import BlockIndex
 from kvserve.kvcache.block_pool import BlockPool
+from kvserve.kvcache.cached_chunk import CachedChunk
 from kvserve.kvcache.eviction import POLICIES, EvictionPolicy
 from kvserve.kvcache.layout import KVLayout
-
-
-@dataclass
-class CachedChunk:
-    prefix_hash: bytes
-    block_ids: list[int]  # the global groups' blocks, group after group (kvcache/layout.py)
-    depth: int  # chunk index within the prompt that produced it (0 = first chunk)
-    parent: bytes | None  # prefix hash of the chunk before it (None: depth 0, under the root)
-    # chunk_size, or fewer: a prompt's tail (content matches) or a block tail (match_blocks)
-    num_tokens: int = 0
-    num_users: int = 0
-    num_pins: int = 0  # owners pinning it
-    num_children: int = 0  # cached chunks whose parent it is
-    num_hits: int = 0
-    last_used: float = 0.0  # time.monotonic() of its insertion or last acquire / release
-    token_hash: bytes | None = None  # tiers/entry.token_ids_hash of its tokens (full chunks)
-    # its KV is what an exact computation gives; False when it or a chunk before it was promoted from
-    # the cold area (a lossy codec): such KV never goes to the disk or Redis tier
-    exact: bool = True
-    origin: str = "computed"  # computed here, or the tier it was loaded from ("cold", "disk", "redis")
-    # the sliding-window groups' blocks, group after group; [] when the layout has none or they were dropped
-    window_blocks: list[int] = field(default_factory=list)
-    # keys of its first 1 .. blocks_per_chunk - 1 blocks (hashing.block_keys), in the store's block index
-    block_keys: list[bytes] = field(default_factory=list)
-
-    @property
-    def all_block_ids(self) -> list[int]:
-        return self.block_ids + self.window_blocks
-
-    @property
-    def pinned(self) -> bool:
-        return self.num_pins > 0
-
-    @property
-    def evictable(self) -> bool:
-        return self.num_users == 0 and self.num_pins == 0 and self.num_children == 0
 
 
 class ChunkStore:
@@ -103,7 +68,7 @@ class ChunkStore:
         self.max_pinned_blocks = pool.num_blocks if max_pinned_blocks is None else max_pinned_blocks
         self._chunks: dict[bytes, CachedChunk] = {}
         self._pins: dict[bytes, list[bytes]] = {}  # owner -> the chunks it pins
-        self._by_blocks: dict[bytes, tuple[bytes, int]] = {}  # block key -> (chunk, its leading blocks)
+        self.block_index = BlockIndex()  # block key -> (chunk, its leading blocks): match_blocks
         self.on_drop: list[Callable[[bytes], None]] = []  # called with each evicted chunk's hash
         self.on_evict: list[Callable[[CachedChunk], None]] = []  # before eviction, blocks intact
         self.num_evicted_chunks = 0
@@ -127,11 +92,8 @@ class ChunkStore:
     def match_blocks(self, keys: list[bytes]) -> tuple[CachedChunk, int] | None:
         """The cached chunk whose leading blocks have the longest of `keys` (hashing.block_keys of a
         prompt's next chunk, shortest first), and how many blocks that is; None if none has even one."""
-        for key in reversed(keys):
-            found = self._by_blocks.get(key)
-            if found is not None:
-                return self._chunks[found[0]], found[1]
-        return None
+        found = self.block_index.match(keys)
+        return (self._chunks[found[0]], found[1]) if found is not None else None
 
     def match_prefix(self, prefix_hashes: list[bytes]) -> list[CachedChunk]:
         """The cached chunks of the longest cached run of leading hashes (no side effects)."""
@@ -202,20 +164,7 @@ class ChunkStore:
             chunk.exact = False  # computed attending to approximate KV
         self._chunks[prefix_hash] = chunk
         self._holders.update(chunk.all_block_ids)
-        for j, key in enumerate(block_keys or [], start=1):
-            owner = self._by_blocks.get(key)
-            if (
-                owner is not None
-                and num_tokens == self.chunk_size
-                and self._chunks[owner[0]].num_tokens < num_tokens
-            ):
-                # a full chunk takes the key from a block tail with the same leading blocks: it outlives
-                # the tail (a leaf, evicted first), which would take the key with it
-                self._chunks[owner[0]].block_keys.remove(key)
-                owner = None
-            if owner is None:  # else another chunk with the same leading blocks keeps it
-                self._by_blocks[key] = (prefix_hash, j)
-                chunk.block_keys.append(key)
+        self.block_index.add(chunk, block_keys or [], self._chunks, self.chunk_size)
         self.policy.touch(prefix_hash)
         return chunk
 
@@ -353,8 +302,7 @@ class ChunkStore:
             parent = self._chunks[chunk.parent]
             parent.num_children -= 1
             self._maybe_evictable(parent)
-        for key in chunk.block_keys:
-            del self._by_blocks[key]
+        self.block_index.drop(chunk)
         blocks = chunk.all_block_ids
         self.pool.release(blocks)
         self._forget_blocks(blocks)
@@ -377,7 +325,7 @@ class ChunkStore:
         dropped = list(self._chunks)
         self._chunks.clear()
         self._pins.clear()
-        self._by_blocks.clear()
+        self.block_index.clear()
         self._holders.clear()
         self._pinned_holders.clear()
         self.num_reserved_pin_blocks = 0
@@ -442,9 +390,4 @@ class ChunkStore:
         assert self._pinned_holders == pinned, "pinned blocks do not match the pinned chunks"
         assert self.num_pinned_blocks <= self.max_pinned_blocks
         assert self.policy.candidates() == {h for h, c in self._chunks.items() if c.evictable}
-        owners = {key: h for h, c in self._chunks.items() for key in c.block_keys}
-        indexed = {key: h for key, (h, _) in self._by_blocks.items()}
-        assert owners == indexed, "the block index does not match the chunks' keys"
-        # a key names a chunk's first j whole blocks, never all of a full chunk's
-        for h, j in self._by_blocks.values():
-            assert j < self.blocks_per_chunk and j * self.pool.block_size <= self._chunks[h].num_tokens
+        self.block_index.check_integrity(self._chunks, self.blocks_per_chunk, self.pool.block_size)

@@ -21,8 +21,8 @@ of one length; a sliding group's entries before its window are -1 (given back by
 count of blocks the scheduler sees (`num_new_blocks`, `grow`'s) is per group; the pool gives
 num_groups times as many.
 
-It is the only caller of the pool's `allocate` and `retain` (tests/unit/test_kv_ownership.py checks
-that), and nothing outside kvcache/ calls a mutating method of the pool or the chunk store; the
+With CacheEntries (entries.py: what enters the chunk store, called with a request's Holding), it
+is the only caller of the pool's `allocate` and `retain` (tests/unit/test_kv_ownership.py checks that), and nothing outside kvcache/ calls a mutating method of the pool or the chunk store; the
 chunk store releases the blocks of the chunks it drops. Per-request state (`Holding`) is
 keyed by request id, so a `Sequence` holds only what the request is and where it stands.
 
@@ -39,49 +39,16 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Callable
-from dataclasses import dataclass, field
 
 from kvserve.config_slices import CacheConfig
 from kvserve.kvcache.block_pool import BlockPool
-from kvserve.kvcache.chunk_store import CachedChunk, ChunkStore
-from kvserve.kvcache.hashing import block_keys, blocks_hash, chunk_prefix_hashes, tail_hash
+from kvserve.kvcache.cached_chunk import CachedChunk
+from kvserve.kvcache.chunk_store import ChunkStore
+from kvserve.kvcache.entries import CacheEntries
+from kvserve.kvcache.hashing import block_keys
+from kvserve.kvcache.holding import Committed, Holding, Reservation, cdiv, check_holdings, landed
 from kvserve.kvcache.layout import KVLayout
 from kvserve.kvcache.stats import PoolStats, StoreStats, cache_stats
-
-
-def cdiv(a: int, b: int) -> int:
-    return -(-a // b)
-
-
-@dataclass
-class Holding:
-    """One request's hold on the cache, from admission until it finishes or is preempted."""
-
-    # per layer group (kvcache/layout.py), the blocks in position order, one pool ref each; -1: a
-    # sliding group's block that left the window (given back)
-    tables: list[list[int]] = field(default_factory=list)
-    used_chunks: list[bytes] = field(default_factory=list)  # cached chunks it is a user of
-    num_chunks_in_store: int = 0  # leading chunks cached and held (matched, registered or adopted)
-    in_flight: list[bytes] = field(default_factory=list)  # prompt chunks it computes and will register
-    register_limit: int | None = None  # chunks from this index on hold approximate KV: never registered
-    num_committed_tokens: int = 0  # the latest `commit`'s num_computed (`slide` comes after it)
-
-
-@dataclass
-class Reservation:
-    """What `reserve` held for one admission: `admit` takes it, once."""
-
-    chunks: list[bytes]  # the held chunks' prefix hashes: matched, sources, the partial hit's
-    num_new_blocks: int
-    admitted: bool = False
-
-
-@dataclass(frozen=True)
-class Committed:
-    """A full chunk a commit inserted into the store, at `index` among the request's chunks."""
-
-    chunk: CachedChunk
-    index: int
 
 
 class KVCacheManager:
@@ -115,6 +82,7 @@ class KVCacheManager:
         self.blocks_per_chunk = store.blocks_per_chunk
         self.in_flight: Counter[bytes] = Counter()  # prompt chunks being computed right now
         self._held: dict[str, Holding] = {}
+        self.entries = CacheEntries(pool, store, self.layout, self.in_flight)
 
     # --- reading -----------------------------------------------------------------------------------
     def holding(self, request_id: str) -> Holding | None:
@@ -198,13 +166,8 @@ class KVCacheManager:
         return None
 
     def make_room(self, num_blocks: int, keep: set[bytes] | None = None) -> bool:
-        """Free `num_blocks` pool blocks: drop unread sliding-window parts of cached chunks (not those
-        of `keep`), then evict unused cached chunks; False if they cannot be freed."""
-        if num_blocks > self.pool.num_free_blocks and self.windowed:
-            self.store.drop_windows(num_blocks - self.pool.num_free_blocks, keep or set())
-        if num_blocks > self.pool.num_free_blocks:
-            self.store.evict(num_blocks - self.pool.num_free_blocks)
-        return num_blocks <= self.pool.num_free_blocks
+        """Free `num_blocks` pool blocks (CacheEntries.make_room); False if they cannot be freed."""
+        return self.entries.make_room(num_blocks, keep)
 
     def can_ever_fit(
         self,
@@ -257,10 +220,10 @@ class KVCacheManager:
         for g in range(self.num_groups):
             # a chunk whose sliding part was dropped lies before the window (`match` ends hits there)
             table = [
-                b for c in matched for b in self._chunk_group_blocks(c, g) or [-1] * self.blocks_per_chunk
+                b for c in matched for b in self.entries.group_blocks(c, g) or [-1] * self.blocks_per_chunk
             ]
             if partial is not None:
-                table += self._chunk_group_blocks(partial[0], g)[: partial[1]]
+                table += self.entries.group_blocks(partial[0], g)[: partial[1]]
             first = min(self._first_needed(g, num_cached), len(table))
             table[:first] = [-1] * first
             assert -1 not in table[first:], "a hit's window reaches a dropped sliding part"
@@ -274,19 +237,9 @@ class KVCacheManager:
         )
         return held
 
-    def _chunk_group_blocks(self, chunk: CachedChunk, group: int) -> list[int]:
-        """The chunk's blocks of layer group `group` (global groups come first in the layout)."""
-        n = cdiv(chunk.num_tokens, self.block_size)
-        full = self.num_full_groups
-        if group < full:
-            return chunk.block_ids[group * n : (group + 1) * n]
-        return chunk.window_blocks[(group - full) * n : (group - full + 1) * n]
-
     def chunk_group_blocks(self, chunk: CachedChunk) -> list[list[int]] | None:
         """The chunk's blocks per layer group, or None when its sliding parts were dropped."""
-        if self.windowed and not chunk.window_blocks:
-            return None
-        return [self._chunk_group_blocks(chunk, g) for g in range(self.num_groups)]
+        return self.entries.chunk_group_blocks(chunk)
 
     def grow(self, request_id: str, num_tokens: int) -> bool:
         """Give the request blocks for `num_tokens` tokens, evicting unused cached chunks if it must;
@@ -318,7 +271,7 @@ class KVCacheManager:
                 table[:first] = [-1] * first
                 self.pool.release(gone)
 
-    # --- commit ------------------------------------------------------------------------------------
+    # --- commit (kvcache/entries.py) ---------------------------------------------------------------
     def commit(
         self,
         request_id: str,
@@ -328,83 +281,16 @@ class KVCacheManager:
         root: bytes,
     ) -> list[Committed]:
         """Register the request's completed chunks (up to its register limit) in the store; returns
-        those it inserted. `prefix_hashes` (the request's) is extended with the hashes of chunks of
-        generated tokens."""
-        held = self._holding(request_id, "commit")
-        held.num_committed_tokens = num_computed
-        num_full = num_computed // self.chunk_size
-        if held.register_limit is not None:
-            num_full = min(num_full, held.register_limit)
-        if len(prefix_hashes) < num_full:  # chunks made of generated tokens
-            last = prefix_hashes[-1] if prefix_hashes else root
-            prefix_hashes += chunk_prefix_hashes(
-                token_ids[: num_full * self.chunk_size], self.chunk_size, last, len(prefix_hashes)
-            )
-        bpc = self.blocks_per_chunk
-        full = self.num_full_groups
-        inserted: list[Committed] = []
-        for i in range(held.num_chunks_in_store, num_full):
-            h = prefix_hashes[i]
-            chunk = self.store.get(h)
-            if chunk is None:
-                blocks = [b for t in held.tables[:full] for b in t[i * bpc : (i + 1) * bpc]]
-                window = self._window_of(held, i)
-                self.pool.retain(blocks + window)
-                parent = prefix_hashes[i - 1] if i else None
-                keys = self._block_keys(token_ids, i, parent or root)
-                chunk = self.store.insert(h, blocks, i, parent, window_blocks=window, block_keys=keys)
-                inserted.append(Committed(chunk, i))
-            else:
-                # computed concurrently by another request: ours stays private, but hold the cached
-                # copy so it stays the parent of the chunks this request registers next
-                self.store.acquire(chunk, hit=False)
-                if self.windowed and not chunk.window_blocks and (window := self._window_of(held, i)):
-                    self.pool.retain(window)  # recomputed after its sliding part was dropped
-                    self.store.restore_window(chunk, window)
-            held.used_chunks.append(h)
-            self._landed(held, h)
-        held.num_chunks_in_store = max(held.num_chunks_in_store, num_full)
-        return inserted
-
-    def _block_keys(self, token_ids: list[int], index: int, parent: bytes) -> list[bytes]:
-        """The keys of chunk `index`'s first 1 .. blocks_per_chunk - 1 blocks (for `match_blocks`)."""
-        start = index * self.chunk_size
-        return block_keys(
-            parent, token_ids[start : start + self.chunk_size - self.block_size], self.block_size
+        those it inserted. `prefix_hashes` (the request's) is extended with generated chunks' hashes."""
+        return self.entries.commit(
+            self._holding(request_id, "commit"), token_ids, num_computed, prefix_hashes, root
         )
-
-    def _window_of(self, held: Holding, index: int) -> list[int]:
-        """The request's sliding-group blocks of chunk `index`, [] if some already left the window."""
-        bpc = self.blocks_per_chunk
-        window = [b for t in held.tables[self.num_full_groups :] for b in t[index * bpc : (index + 1) * bpc]]
-        return [] if -1 in window else window
 
     def commit_tail(
         self, request_id: str, tail: list[int], prefix_hashes: list[bytes], root: bytes
     ) -> tuple[bytes, list[int]] | None:
-        """Cache a prompt's tail (`tail`: its tokens after its full chunks, fewer than a chunk; a warmed
-        document's end), for content matches. Returns its hash and its last block when this call
-        cached it and it ends mid-block (to seal), or None when it may not be cached (its chunks
-        before it are not all in the store, or its KV is approximate)."""
-        held = self._holding(request_id, "commit_tail")
-        full = len(prefix_hashes)
-        if not tail or held.num_chunks_in_store < full or held.register_limit is not None:
-            return None
-        assert self.num_groups == 1, "tails are for content matches, which layer groups do not take"
-        parent = prefix_hashes[full - 1] if full else None
-        h = tail_hash(parent or root, tail)
-        chunk = self.store.get(h)
-        open_block: list[int] = []
-        if chunk is None:
-            first = full * self.blocks_per_chunk
-            blocks = held.tables[0][first : first + cdiv(len(tail), self.block_size)]
-            self.pool.retain(blocks)
-            self.store.insert(h, blocks, full, parent, len(tail))
-            open_block = blocks[-1:] if len(tail) % self.block_size else []
-        else:
-            self.store.acquire(chunk, hit=False)
-        held.used_chunks.append(h)
-        return h, open_block
+        """Cache a prompt's tail for content matches (CacheEntries.commit_tail)."""
+        return self.entries.commit_tail(self._holding(request_id, "commit_tail"), tail, prefix_hashes, root)
 
     def commit_blocks(
         self,
@@ -414,38 +300,9 @@ class KVCacheManager:
         prefix_hashes: list[bytes],
         root: bytes,
     ) -> CachedChunk | None:
-        """When its prompt is in, and before it is freed: cache the whole blocks the request computed
-        after its last full chunk (its first num_computed tokens' KV is complete), keyed block by
-        block, so a prompt that shares them (the next question over the same system prompt, the next
-        turn of a chat) reuses them through `match_blocks`: an exact hit ends on a block, as fine as
-        the pool's unit, not on a chunk. Returns the entry cached, or None: no whole block, KV not
-        exact (a register limit), its chunks not all in the store, sliding-window layers (tails take
-        one layer group), or every one of its blocks already findable."""
+        """Cache the whole blocks computed after the last full chunk (CacheEntries.commit_blocks)."""
         held = self._holding(request_id, "commit_blocks")
-        num_full = num_computed // self.chunk_size
-        if self.num_groups != 1 or held.register_limit is not None or held.num_chunks_in_store < num_full:
-            return None
-        bs = self.block_size
-        num_blocks = (num_computed - num_full * self.chunk_size) // bs
-        if num_blocks == 0:  # (its num_full chunks are in the store: `commit` hashed them all)
-            return None
-        parent = prefix_hashes[num_full - 1] if num_full else None
-        start = num_full * self.chunk_size
-        tokens = token_ids[start : start + num_blocks * bs]
-        keys = block_keys(parent or root, tokens, bs)
-        found = self.store.match_blocks(keys)
-        if found is not None and found[1] == num_blocks:
-            return None  # another chunk already has all of these blocks
-        h = blocks_hash(parent or root, tokens)
-        if h in self.store:
-            return None
-        first = num_full * self.blocks_per_chunk
-        blocks = held.tables[0][first : first + num_blocks]
-        assert len(blocks) == num_blocks and -1 not in blocks
-        self.pool.retain(blocks)
-        chunk = self.store.insert(h, blocks, num_full, parent, num_blocks * bs, block_keys=keys)
-        held.used_chunks.append(h)  # released by `free`, after which it is evictable
-        return chunk
+        return self.entries.commit_blocks(held, token_ids, num_computed, prefix_hashes, root)
 
     def mark_in_flight(self, request_id: str, hashes: list[bytes]) -> None:
         """The request will compute and register these chunks: twins wait for them."""
@@ -463,7 +320,7 @@ class KVCacheManager:
         held.register_limit = num_chunks
         kept = set(prefix_hashes[:num_chunks])
         for h in [h for h in held.in_flight if h not in kept]:
-            self._landed(held, h)
+            landed(self.in_flight, held, h)
 
     def release_chunks(self, request_id: str, hashes: set[bytes]) -> None:
         """Stop using these cached chunks (a repair's sources, once their KV is copied)."""
@@ -477,13 +334,6 @@ class KVCacheManager:
         assert held is not None, f"{verb} {request_id}: it is not admitted (admit first; nothing after free)"
         return held
 
-    def _landed(self, held: Holding, h: bytes) -> None:
-        if h in held.in_flight:
-            held.in_flight.remove(h)
-            self.in_flight[h] -= 1
-            if self.in_flight[h] <= 0:
-                del self.in_flight[h]
-
     # --- free --------------------------------------------------------------------------------------
     def free(self, request_id: str) -> None:
         """Give back the request's blocks and chunks, and what it still had in flight."""
@@ -494,7 +344,7 @@ class KVCacheManager:
             self.store.release(h)
         self.pool.release(b for t in held.tables for b in t if b >= 0)
         for h in list(held.in_flight):
-            self._landed(held, h)
+            landed(self.in_flight, held, h)
 
     def reset(self) -> None:
         """Start over: no holding, nothing in flight, no cached chunk or pin, every block free. For the
@@ -505,43 +355,11 @@ class KVCacheManager:
         self.store.reset()
         self.pool.reset()
 
-    # --- import ------------------------------------------------------------------------------------
     def import_chunk(
-        self,
-        prefix_hash: bytes,
-        depth: int,
-        parent: bytes | None,
-        write: Callable[[list[list[int]]], None],
+        self, prefix_hash: bytes, depth: int, parent: bytes | None, write: Callable[[list[list[int]]], None]
     ) -> CachedChunk | None:
-        """Cache a chunk loaded from a KV tier: fresh blocks in every layer group (after evicting),
-        filled by `write` (given each group's blocks), held
-        by the store alone (evictable like any unused chunk). None when its parent is not cached or
-        no blocks can be freed. The parent is held meanwhile, so the eviction cannot pick it (a chain
-        loaded into a full pool would cut itself off)."""
-        held_parent = self.store.get(parent) if parent is not None else None
-        if parent is not None and held_parent is None:
-            return None
-        if held_parent is not None:
-            self.store.acquire(held_parent, hit=False)
-        try:
-            keep = {parent} if parent is not None else set()
-            if not self.make_room(self.blocks_per_chunk * self.num_groups, keep):
-                return None
-            groups = [self.pool.allocate(self.blocks_per_chunk) for _ in range(self.num_groups)]
-            write(groups)
-            full = self.num_full_groups
-            chunk = self.store.insert(  # takes over the allocation's ref
-                prefix_hash,
-                [b for t in groups[:full] for b in t],
-                depth,
-                parent,
-                window_blocks=[b for t in groups[full:] for b in t],
-            )
-            self.store.release(prefix_hash)  # no user
-            return chunk
-        finally:
-            if held_parent is not None:
-                self.store.release(held_parent.prefix_hash)
+        """Cache a chunk loaded from a KV tier (CacheEntries.import_chunk)."""
+        return self.entries.import_chunk(prefix_hash, depth, parent, write)
 
     # --- pins and eviction (what warms and the KV tiers change) ----------------------------------
     def pin(self, owner: bytes, prefix_hashes: list[bytes]) -> int:
@@ -579,20 +397,4 @@ class KVCacheManager:
     # --- invariants --------------------------------------------------------------------------------
     def check_integrity(self, admitted: list[str]) -> None:
         """`admitted`: the request ids that should hold something (the running sequences)."""
-        self.pool.check_integrity()
-        self.store.check_integrity()
-        assert set(self._held) <= set(admitted), "a request that is not running holds cache"
-        expected = [0] * self.pool.num_blocks
-        for held in self._held.values():
-            assert len({len(t) for t in held.tables}) == 1, "layer groups' tables of different lengths"
-            for b in (b for t in held.tables for b in t if b >= 0):
-                expected[b] += 1
-        for chunk in self.store.chunks():
-            for b in chunk.all_block_ids:
-                expected[b] += 1
-        assert expected == self.pool.ref_counts, "pool ref counts do not match owners"
-        users = Counter(h for held in self._held.values() for h in held.used_chunks)
-        for chunk in self.store.chunks():
-            assert chunk.num_users == users.get(chunk.prefix_hash, 0), "chunk user count mismatch"
-        flying = Counter(h for held in self._held.values() for h in held.in_flight)
-        assert flying == self.in_flight, "in-flight chunks do not match the holdings"
+        check_holdings(self.pool, self.store, self._held, self.in_flight, admitted)

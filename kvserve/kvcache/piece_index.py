@@ -15,7 +15,8 @@ from dataclasses import dataclass
 import torch
 
 from kvserve.kvcache.block_pool import slot_mapping
-from kvserve.kvcache.chunk_store import CachedChunk, ChunkStore
+from kvserve.kvcache.cached_chunk import CachedChunk
+from kvserve.kvcache.chunk_store import ChunkStore
 
 
 @dataclass(frozen=True)

@@ -11,7 +11,7 @@ reads), cost.py (the step cost model plans are priced with), build.py (start-up 
 
 from kvserve.reuse.audit import AuditStats
 from kvserve.reuse.build import build_content_reuse, check_reuse_request
-from kvserve.reuse.connector import ContentReuse, ContentReuseStats
+from kvserve.reuse.connector import ContentReuse, ContentReuseStats, RepairDone
 from kvserve.reuse.cost import CostModel, Work
 from kvserve.reuse.matcher import Choice, MatcherStats
 from kvserve.reuse.plan import ContentHit
@@ -29,6 +29,7 @@ __all__ = [
     "MatcherStats",
     "ProbingBackend",
     "Repair",
+    "RepairDone",
     "Work",
     "build_content_reuse",
     "check_reuse_request",

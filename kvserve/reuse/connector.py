@@ -8,16 +8,16 @@ Scheduler side:
   prepare / forget       a request's prompt pieces, cut when it is queued, dropped when it ends
   consider               what a waiting request can take from content matches, and at what cost
   start                  it was admitted: record the choice, and begin the repair it runs (if any)
-  repair / computed / end / drop
-                         the repair in progress: the scheduler cuts its rows into slices
-                         (ScheduledSeq.repair), each computed slice advances it, it ends with its
-                         last pass, and a preempted one is dropped (planned again at re-admission)
+  repair / drop          the repair in progress: the scheduler cuts its rows into slices
+                         (ScheduledSeq.repair); a preempted one is dropped (planned again at
+                         re-admission)
   register               index the pieces of a sequence's newly cached chunks
 Step side:
   before_forward         a repair's first slice moves its matches' KV in; a query-aware slice gets
                          the attention probe the model runner measures (ScheduledSeq.probe)
-  after_slice            CacheBlend's or query-aware selection when a first pass ends; the end of
-                         a repair after its last pass (its counts added to the stats)
+  after_slice            a computed slice advances its pass; CacheBlend's or query-aware selection
+                         when a first pass ends; the end of a repair after its last pass (its
+                         counts added to the stats, what it leaves the scheduler's books to do)
   audits                 the online audit (Auditor): sampled, recomputed, compared
 """
 
@@ -38,6 +38,14 @@ if TYPE_CHECKING:
     from kvserve.request import Request
     from kvserve.reuse.probe import AttentionProbe
     from kvserve.scheduler.sequence import Sequence
+
+
+@dataclass(frozen=True)
+class RepairDone:
+    """A repair's last pass is in: the prompt's KV is complete."""
+
+    sources: set[bytes]  # the prefix hashes of its hits' source chunks: the sequence releases them
+    num_fresh_tokens: int  # the prompt tokens it computed fresh (not reused)
 
 
 @dataclass(frozen=True)
@@ -91,18 +99,6 @@ class ContentReuse:
     def repair(self, request_id: str) -> Repair | None:
         return self.repairs.get(request_id)
 
-    def computed(self, repair: Repair, num_rows: int) -> None:
-        """A slice of `repair`'s current pass was computed."""
-        repair.computed(num_rows)
-
-    def end(self, request_id: str) -> tuple[set[bytes], int]:
-        """The repair's last pass is in: (the prefix hashes of its hits' source chunks, to release;
-        the prompt tokens it computed fresh)."""
-        repair = self.repairs.end(request_id)
-        assert repair.finished
-        sources = {c.prefix_hash for hit in repair.plan.hits for c in hit.hit.chunks}
-        return sources, len(repair.fresh)
-
     def drop(self, request_id: str) -> None:
         """The sequence left the pool (preempted or finished): its repair, if any, is dropped."""
         self.repairs.drop(request_id)
@@ -121,18 +117,22 @@ class ContentReuse:
         moved = 0 if repair.moved else self.repairer.begin(seq, repair)
         return moved, self.repairer.probe(seq, repair, positions)
 
-    def after_slice(self, seq: Sequence, repair: Repair) -> bool:
-        """After a repair slice: select the second pass when the first ends; True when the repair is
-        finished (its counts are added to the stats; the scheduler then `end`s it)."""
+    def after_slice(self, seq: Sequence, repair: Repair, num_rows: int) -> RepairDone | None:
+        """A slice of `num_rows` rows of the repair's current pass was computed: select the second
+        pass when the first ends; after the last, end the repair (its counts added to the stats) and
+        say what the scheduler's books do with it (None: not finished)."""
         assert self.repairer is not None
+        repair.computed(num_rows)
         if repair.awaits_selection:
             self.repairer.select(seq, repair)
         if not repair.finished:
-            return False
+            return None
         report = self.repairer.finish(seq, repair)
         self.matcher.num_hit_tokens += report.num_reused_tokens
         self.matcher.num_recomputed_tokens += report.num_recomputed_tokens
-        return True
+        self.repairs.end(seq.request_id)
+        sources = {c.prefix_hash for hit in repair.plan.hits for c in hit.hit.chunks}
+        return RepairDone(sources, len(repair.fresh))
 
     def audit_step(self, seq: Sequence, logits: torch.Tensor) -> int | None:
         """An audit's recompute has the full prefill's logits at the next served position: the served
@@ -148,10 +148,6 @@ class ContentReuse:
         return None
 
     # --- audits --------------------------------------------------------------------------------------
-    def traces(self, request_id: str) -> bool:
-        """Whether an audit traces this request's served tokens (its logits are read)."""
-        return request_id in self.auditor.tracing
-
     def observe(
         self, seq: Sequence, logits: torch.Tensor | None, token: int, weight_precision: str | None, now: float
     ) -> Request | None:

@@ -90,7 +90,7 @@ class Repairer:
         if not rows:
             return None
         layers = repair.passes[0].num_layers
-        assert layers is not None
+        assert layers is not None and repair.query_mass is not None  # made by `begin`
         n = max(positions[i] for i in rows) + 1
         return AttentionProbe(
             layer=layers - 1,

@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from kvserve.kvcache.chunk_store import CachedChunk
+from kvserve.kvcache.cached_chunk import CachedChunk
 from kvserve.kvcache.manager import KVCacheManager, Reservation, cdiv
 from kvserve.reuse import Choice, ContentHit, ContentReuse, Repair
 from kvserve.scheduler.sequence import ReuseReport, Sequence

@@ -13,9 +13,9 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from kvserve.kvcache.chunk_store import CachedChunk
+from kvserve.kvcache.cached_chunk import CachedChunk
 from kvserve.kvcache.manager import KVCacheManager
-from kvserve.reuse import ContentReuse
+from kvserve.reuse import ContentReuse, RepairDone
 from kvserve.scheduler.batch import ScheduledSeq
 from kvserve.scheduler.sequence import Sequence
 
@@ -37,12 +37,10 @@ class ChunkRegistrar:
 
     def computed(self, item: ScheduledSeq) -> None:
         """The step computed item.num_new_tokens tokens of the sequence: register completed chunks.
-        A repair slice only advances its pass (the engine ends the repair: `repair_done`)."""
+        Not for a repair slice: content reuse advances its pass (ContentReuse.after_slice) and its end
+        comes here (`repair_done`)."""
         seq = item.seq
-        if item.repair is not None:
-            assert self.reuse is not None
-            self.reuse.computed(item.repair, item.num_new_tokens)
-            return
+        assert item.repair is None, "a repair slice is content reuse's to advance"
         start = seq.num_computed_tokens
         self.num_prompt_tokens_computed += max(
             0, min(start + item.num_new_tokens, seq.num_prompt_tokens) - start
@@ -55,12 +53,10 @@ class ChunkRegistrar:
         # after the commit: the store keeps what it cached of the blocks the window leaves
         self.kv.slide(seq.request_id, seq.num_computed_tokens)
 
-    def repair_done(self, seq: Sequence) -> None:
+    def repair_done(self, seq: Sequence, done: RepairDone) -> None:
         """The repair's last pass is computed: the prompt's KV is complete; release the hit sources."""
-        assert self.reuse is not None
-        sources, num_fresh = self.reuse.end(seq.request_id)
-        self.kv.release_chunks(seq.request_id, sources)
-        self.num_prompt_tokens_computed += num_fresh
+        self.kv.release_chunks(seq.request_id, done.sources)
+        self.num_prompt_tokens_computed += done.num_fresh_tokens
         seq.num_computed_tokens = seq.num_prompt_tokens
         self.register(seq)
 

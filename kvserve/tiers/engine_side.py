@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 
 from kvserve.config_slices import TierConfig
 from kvserve.errors import ConfigError
-from kvserve.kvcache.chunk_store import CachedChunk
+from kvserve.kvcache.cached_chunk import CachedChunk
 from kvserve.kvcache.kv_storage import LayerKV
 from kvserve.kvcache.manager import KVCacheManager
 from kvserve.kvcache.stats import StoreStats

@@ -35,8 +35,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from kvserve.kvcache.cached_chunk import CachedChunk
 from kvserve.kvcache.chunk_payload import ChunkLayout, export_chunk
-from kvserve.kvcache.chunk_store import CachedChunk
 from kvserve.kvcache.kv_storage import LayerKV
 from kvserve.kvcache.manager import KVCacheManager
 from kvserve.tiers.entry import TierKey

@@ -22,7 +22,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from kvserve.kvcache.chunk_store import CachedChunk
+from kvserve.kvcache.cached_chunk import CachedChunk
 from kvserve.tiers.entry import TierKey, entry_bytes
 
 if TYPE_CHECKING:

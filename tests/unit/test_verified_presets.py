@@ -9,8 +9,8 @@ import pytest
 
 from kvserve.errors import ConfigError
 from kvserve.request import ReuseOptions
-from kvserve.reuse.verified import AutoWatch, Targets, VerifiedPreset, shortfalls, targets_for
 from kvserve.reuse import verified
+from kvserve.reuse.verified import AutoWatch, Targets, VerifiedPreset, shortfalls, targets_for
 
 ROOT = Path(__file__).resolve().parents[2]
 
