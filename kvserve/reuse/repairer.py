@@ -47,15 +47,19 @@ class Repairer:
         self.device = device
         self.block_size = layers[0].block_size
 
+    def _blocks(self, seq: Sequence) -> list[int]:
+        """The sequence's blocks in position order (the one place the repairer reads them)."""
+        return self.kv.block_ids(seq.request_id)
+
     def _slots(self, seq: Sequence, positions: list[int]) -> torch.Tensor:
-        block_ids = torch.tensor(self.kv.block_ids(seq.request_id), dtype=torch.long)
+        block_ids = torch.tensor(self._blocks(seq), dtype=torch.long)
         return slot_mapping(block_ids, torch.tensor(positions, dtype=torch.long), self.block_size).to(
             self.device
         )
 
     def _assembled(self, seq: Sequence, repair: Repair) -> list[int]:
         """The blocks past the exact prefix: their rows arrive out of order."""
-        return self.kv.block_ids(seq.request_id)[repair.plan.prefix_len // self.block_size :]
+        return self._blocks(seq)[repair.plan.prefix_len // self.block_size :]
 
     @torch.inference_mode()
     def begin(self, seq: Sequence, repair: Repair) -> int:
