@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections import ChainMap
 from collections.abc import Iterable
 
 import torch
@@ -28,6 +29,7 @@ from kvserve.engine.model_runner import ModelRunner
 from kvserve.engine.output import OutputProcessor
 from kvserve.engine.pins import WarmPins
 from kvserve.engine.precision import PRECISIONS, PrecisionPolicy
+from kvserve.engine.requests import RequestRecord
 from kvserve.engine.stats import EngineStats, fields_of
 from kvserve.engine.update import StepUpdate
 from kvserve.errors import InvalidRequestError
@@ -75,19 +77,29 @@ class Engine:
         self.intake = Intake(
             config, self.info, self.kv, self.scheduler, self.reuse, self.precision, self.grammars, self.pins
         )
-        self._seqs: dict[str, Sequence] = {}
-        self._background: dict[str, Sequence] = {}  # audits' full recomputes (no client sees them)
+        # one record per request in flight (engine/requests.py): served ones, and audits' full
+        # recomputes (no client sees them)
+        self._records: dict[str, RequestRecord] = {}
+        self._background: dict[str, RequestRecord] = {}
         self._pending: list[RequestOutput] = []
         self.num_steps = 0
         self.check_integrity_each_step = False  # tests: verify pool ownership after every step
         self.num_step_failures = 0  # steps that raised (recover)
         self.num_restarts = 0  # rebuilds of the KV state after a failed step left the books disagreeing
         self.last_restart_reason = ""
+        every = ChainMap(self._records, self._background)  # each record, served or an audit's, by id
         self.execute = StepExecute(
-            self, self.runner, self.reuse, self.precision, self.scheduler.chunks, self.cost, config.chunk_size
+            self,
+            self.runner,
+            self.reuse,
+            self.precision,
+            self.scheduler.chunks,
+            self.cost,
+            config.chunk_size,
+            every,
         )
         self.update = StepUpdate(
-            self, self.scheduler, self.reuse, self.outputs, self.precision, self.grammars
+            self, self.scheduler, self.reuse, self.outputs, self.precision, self.grammars, every
         )
 
     # --- intake ------------------------------------------------------------------------------------
@@ -111,11 +123,12 @@ class Engine:
             self.intake.check(request)
         self.intake.check_grammar(request)
         rid = request.request_id
-        if rid in self._seqs or any(out.request_id == rid for out in self._pending):
+        if rid in self._records or any(out.request_id == rid for out in self._pending):
             raise InvalidRequestError(f"request id {rid!r} is already in use")
-        seq = self.intake.sequence(request)
-        self.outputs.open(seq)
-        self._seqs[rid] = seq
+        record = self.intake.sequence(request)
+        seq = record.seq
+        record.stream = self.outputs.open(seq)
+        self._records[rid] = record
         self.scheduler.enqueue(seq)
         if request.warm_only and not request.prompt_token_ids:
             self.finish(seq, FinishReason.STOP)
@@ -132,34 +145,34 @@ class Engine:
 
     # --- aborts ------------------------------------------------------------------------------------
     def abort_request(self, request_id: str, reason: str = "aborted") -> bool:
-        seq = self._seqs.get(request_id)
-        if seq is None:
+        record = self._records.get(request_id)
+        if record is None:
             return False
-        self.finish(seq, FinishReason.ABORT, error=reason)
+        self.finish(record.seq, FinishReason.ABORT, error=reason)
         return True
 
     def abort_all(self, reason: str = "aborted") -> int:
         """Abort every unfinished request (their final outputs come with the next step); returns how many."""
-        seqs = list(self._seqs.values())
-        for seq in seqs + list(self._background.values()):
-            self.finish(seq, FinishReason.ABORT, error=reason)
-        return len(seqs)
+        records = list(self._records.values())
+        for record in records + list(self._background.values()):
+            self.finish(record.seq, FinishReason.ABORT, error=reason)
+        return len(records)
 
     def fail_all(self, error: str) -> int:
         """Finish every request and background sequence with `error`: as failed, not aborted, so no
         request's KV is cached on its way out (a failed step may have left it half written). Returns how
         many requests; a finish that raises leaves its request behind (`recover` rebuilds then)."""
-        seqs = list(self._seqs.values())
-        for seq in seqs + list(self._background.values()):
+        records = list(self._records.values())
+        for record in records + list(self._background.values()):
             try:
-                self.finish(seq, FinishReason.ERROR, error=error)
+                self.finish(record.seq, FinishReason.ERROR, error=error)
             except Exception:
-                log.exception("failing request %s raised", seq.request_id)
-        return len(seqs)
+                log.exception("failing request %s raised", record.request_id)
+        return len(records)
 
     def has_unfinished_requests(self) -> bool:
         """Requests in flight, outputs not yet returned, or background work (run while idle)."""
-        return bool(self._seqs) or bool(self._pending) or bool(self._background)
+        return bool(self._records) or bool(self._pending) or bool(self._background)
 
     @property
     def idle_wakeup_s(self) -> float | None:
@@ -184,13 +197,13 @@ class Engine:
     def run_background(self) -> None:
         """Step until the background work (audits) is done: for callers that drive the engine
         themselves (LLM, benchmarks); the server's loop runs it whenever it is idle."""
-        while self._background and not self._seqs:
+        while self._background and not self._records:
             self.step()
 
     def add_background(self, request: Request) -> None:
-        seq = self.intake.background(request)
-        self._background[request.request_id] = seq
-        self.scheduler.enqueue(seq)
+        record = self.intake.background(request)
+        self._background[request.request_id] = record
+        self.scheduler.enqueue(record.seq)
 
     # --- the step ----------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
@@ -238,7 +251,9 @@ class Engine:
             if seq.request_id in seen or seq.finished or request.background or request.final_only:
                 continue  # finished ones were queued in _pending; background ones have no client
             seen.add(seq.request_id)
-            out = self.outputs.delta(seq, self.precision.served_at(seq))
+            record = self._records[seq.request_id]
+            assert record.stream is not None
+            out = self.outputs.delta(seq, record.stream, self.precision.served_at(record))
             if out is not None:
                 outputs.append(out)
         return outputs
@@ -252,30 +267,32 @@ class Engine:
         open_block = self.scheduler.chunks.register_tail(seq)
         for storage in self.storages:  # the cached tail's last block will never fill: encode it now
             storage.seal(open_block)
-        error = self.pins.pin(seq) if self.pins.pins(seq) else None
+        booking = self._records[seq.request_id].pin
+        error = self.pins.pin(seq, booking) if booking is not None else None
         self.finish(seq, FinishReason.STOP if error is None else FinishReason.ERROR, error=error)
 
     def finish(self, seq: Sequence, reason: FinishReason, error: str | None = None) -> None:
         if seq.request.background:  # done (the auditor recorded it), or ended early: failed, aborted
-            if self._background.pop(seq.request_id, None) is not None:
+            if self._background.pop(seq.request_id, None) is not None:  # its record goes with it
                 self.scheduler.finish(seq, reason, error)
                 self.reuse.background_done(seq.request_id)
-                self.precision.forget(seq.request_id)
             return
-        if self._seqs.get(seq.request_id) is not seq:  # already finished
+        record = self._records.get(seq.request_id)
+        if record is None or record.seq is not seq:  # already finished
             return
         rid = seq.request_id
-        audit = self.reuse.finished(seq, reason != FinishReason.ERROR, self.precision.last(rid))
+        audit = self.reuse.finished(seq, reason != FinishReason.ERROR, record.last_precision)
         if audit is not None:
             self.add_background(audit)
         self.scheduler.finish(seq, reason, error)  # a no-op for one the scheduler finished (refused)
-        self.pins.release(seq)
+        if record.pin is not None:
+            self.pins.release(record.pin)
         if self.tiers is not None:
             self.tiers.forget(rid)
         seq.request.metrics.finished_time = time.monotonic()
-        del self._seqs[rid]
-        self._pending.append(self.outputs.final(seq, self.precision.served_at(seq)))
-        self.precision.forget(rid)
+        del self._records[rid]  # the record, and what each part kept in it
+        assert record.stream is not None
+        self._pending.append(self.outputs.final(seq, record.stream, self.precision.served_at(record)))
 
     def _expire(self, now: float) -> None:
         timeout = self.config.request_timeout_s
@@ -283,9 +300,9 @@ class Engine:
         # idle (so under steady load they wait longer than any timeout), and at most MAX_PENDING of
         # them hold memory (reuse/audit.py). Timing them dropped every audit queued more than
         # request_timeout_s before the first idle moment.
-        for seq in list(self._seqs.values()):
-            if now - seq.request.metrics.arrival_time > timeout:
-                self.finish(seq, FinishReason.ABORT, error="timeout")
+        for record in list(self._records.values()):
+            if now - record.seq.request.metrics.arrival_time > timeout:
+                self.finish(record.seq, FinishReason.ABORT, error="timeout")
 
     # --- after a failed step -----------------------------------------------------------------------
     def recover(self, exc: Exception) -> bool:
@@ -294,7 +311,7 @@ class Engine:
         The books are checked: whole, the engine carries on (False); not, or a request could not be
         failed, it rebuilds its state (True), the reason naming what disagreed."""
         self.num_step_failures += 1
-        left = set(self._seqs) | set(self._background)
+        left = set(self._records) | set(self._background)
         try:
             self.check_integrity()
             if not left:
@@ -335,13 +352,9 @@ class Engine:
         failed); the KV cache manager starts over with every block free."""
         self.scheduler.reset()
         self.reuse.reset()
-        for rid in self.precision.request_ids():
-            self.precision.forget(rid)
-        for rid in self.outputs.request_ids():
-            self.outputs.forget(rid)
         if self.tiers is not None:
             self.tiers.reset()
-        self._seqs.clear()
+        self._records.clear()  # each record, and what each part kept in it
         self._background.clear()
         self._pending.clear()
         self.kv.reset()
@@ -352,16 +365,7 @@ class Engine:
         """The owners' books agree: blocks and chunks, pin bookings and pinned texts, and every table
         kept by request id holds only requests in flight. Raises one IntegrityError naming each owner
         or table that disagrees."""
-        check_books(
-            self.scheduler,
-            self.pins,
-            self.outputs,
-            self.reuse,
-            self.precision,
-            self.tiers,
-            self._seqs,
-            self._background,
-        )
+        check_books(self.scheduler, self.pins, self.reuse, self.tiers, self._records, self._background)
 
     def stats(self) -> EngineStats:
         """Each part's own report, put together (one pass over the cached chunks)."""

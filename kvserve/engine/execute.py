@@ -12,7 +12,8 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Protocol
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Protocol
 
 from kvserve.engine.model_runner import ModelRunner, SampledRows
 from kvserve.engine.precision import PrecisionPolicy
@@ -21,6 +22,9 @@ from kvserve.reuse import ContentReuse, CostModel
 from kvserve.scheduler.batch import ScheduledBatch, ScheduledSeq
 from kvserve.scheduler.registration import ChunkRegistrar
 from kvserve.scheduler.sequence import Sequence
+
+if TYPE_CHECKING:
+    from kvserve.engine.requests import RequestRecord
 
 log = logging.getLogger("kvserve.engine")
 
@@ -39,9 +43,11 @@ class StepExecute:
         chunks: ChunkRegistrar,
         cost: CostModel,
         chunk_size: int,
+        records: Mapping[str, RequestRecord],
     ):
         self.host, self.runner, self.reuse, self.precision = host, runner, reuse, precision
         self.chunks, self.cost, self.chunk_size = chunks, cost, chunk_size
+        self.records = records  # the engine's, of the requests and the audits' recomputes
 
     def run(self, items: list[ScheduledSeq]) -> list[tuple[list[ScheduledSeq], SampledRows]]:
         """The items that ran and their sampled rows (logits or greedy tokens on demand): one pair for the
@@ -59,7 +65,7 @@ class StepExecute:
                 items.remove(item)
         if not items:
             return []
-        self.precision.apply(items, self.chunks, self.chunk_size)
+        self.precision.apply(items, self.records, self.chunks, self.chunk_size)
         try:
             batch = ScheduledBatch(items=items)
             inputs = self.runner.prepare_inputs(batch)

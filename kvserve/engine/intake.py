@@ -18,6 +18,7 @@ from kvserve.config import ServeConfig
 from kvserve.engine.builder import RuntimeInfo
 from kvserve.engine.pins import PinnedText, WarmPins
 from kvserve.engine.precision import PRECISIONS, PrecisionPolicy
+from kvserve.engine.requests import RequestRecord
 from kvserve.errors import InvalidRequestError
 from kvserve.kvcache.hashing import root_hash
 from kvserve.kvcache.manager import KVCacheManager
@@ -123,9 +124,9 @@ class Intake:
         namespace = self.info.namespace if precision is None else f"{self.info.namespace}|{precision}"
         return root_hash(namespace, cache_salt)
 
-    def sequence(self, request: Request) -> Sequence:
-        """The sequence a checked request becomes: its weight precision, hashes, seed and
-        grammar, and a pinning warm's booking. Raises InvalidRequestError when pinned chunks leave it no
+    def sequence(self, request: Request) -> RequestRecord:
+        """The record of the sequence a checked request becomes: its weight precision, hashes, seed
+        and grammar, and a pinning warm's booking. Raises InvalidRequestError when pinned chunks leave it no
         room, or pinning it would pass the pin cap."""
         precision = request.weight_precision or self.precision.assign(
             len(self.scheduler.waiting), time.monotonic()
@@ -144,15 +145,14 @@ class Intake:
         if params.structured is not None and not request.warm_only:
             seq.grammar = self.grammars.matcher(params.structured)
         self.check_capacity(seq)
-        if pinned is not None:
-            self.pins.reserve(seq, pinned)  # the last check: a 400 past the pin cap
-        return seq
+        booking = self.pins.reserve(seq, pinned) if pinned is not None else None  # last: a 400 past the cap
+        return RequestRecord(seq, pin=booking)
 
-    def background(self, request: Request) -> Sequence:
+    def background(self, request: Request) -> RequestRecord:
         """An audit's recompute: no client, no output, the served request's precision."""
         seq = self._new(request, self.root(request.cache_salt, request.weight_precision), 0)
         seq.precision = request.weight_precision
-        return seq
+        return RequestRecord(seq)
 
     def _new(self, request: Request, root: bytes, seed: int) -> Sequence:
         """A sequence for `request`, its prompt hashed (Scheduler.prepare), not yet queued."""

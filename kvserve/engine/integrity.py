@@ -14,12 +14,10 @@ from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from kvserve.engine.output import OutputProcessor
     from kvserve.engine.pins import WarmPins
-    from kvserve.engine.precision import PrecisionPolicy
+    from kvserve.engine.requests import RequestRecord
     from kvserve.reuse import ContentReuse
     from kvserve.scheduler.scheduler import Scheduler
-    from kvserve.scheduler.sequence import Sequence
     from kvserve.tiers.engine_side import EngineTiers
 
 SHOWN_IDS = 3  # request ids named per leaking table
@@ -84,32 +82,39 @@ def _describe(e: Exception) -> str:
 def check_books(
     scheduler: Scheduler,
     pins: WarmPins,
-    outputs: OutputProcessor,
     reuse: ContentReuse,
-    precision: PrecisionPolicy,
     tiers: EngineTiers | None,
-    seqs: dict[str, Sequence],
-    background: dict[str, Sequence],
+    records: dict[str, RequestRecord],
+    background: dict[str, RequestRecord],
 ) -> None:
     """The engine's owners agree (`Engine.check_integrity`): blocks and chunks, pin bookings and pinned
-    texts, and every table kept by request id holds only requests in flight (`seqs`: the requests,
-    `background`: the audits' recomputes). Raises one IntegrityError naming each owner or table that
-    disagrees."""
+    texts, each request's record (`records`: the requests, `background`: the audits' recomputes), and
+    every table a part below the engine keeps by request id holds only requests in flight. Raises one
+    IntegrityError naming each owner or table that disagrees."""
     books = Books()
     books.check("scheduler and KV cache", scheduler.check_integrity)
-    books.check("warm pins", pins.check_integrity)
-    served, audits = set(seqs), set(background)
+    bookings = [r.pin for r in records.values() if r.pin is not None]
+    books.check("warm pins", lambda: pins.check_integrity(bookings))
+    served, audits = set(records), set(background)
+    books.check("request records", lambda: _check_records(records, background))
     s = scheduler
     queued = [*s.running, *s.waiting, *s.background]
     books.same("scheduler's sequences", (seq.request_id for seq in queued), served | audits)
-    books.same("outputs", outputs.request_ids(), served)
     tables = reuse.request_ids()
     books.within("content pieces", tables["content pieces"], served | audits)
-    books.within("step precisions", precision.request_ids(), served | audits)
     books.within("repairs", tables["repairs"], {seq.request_id for seq in s.running})
-    books.within("warm pins' bookings", pins.request_ids(), served)
     books.within("audit traces", tables["audit traces"], served)
     books.same("audit jobs", tables["audit jobs"], audits)
     if tiers is not None:
         books.within("tier loads", tiers.request_ids(), {seq.request_id for seq in s.waiting})
     books.close()
+
+
+def _check_records(records: dict[str, RequestRecord], background: dict[str, RequestRecord]) -> None:
+    """Each record is its request's: keyed by its id, a served one with its output, an audit without."""
+    for rid, record in records.items():
+        assert record.request_id == rid and not record.seq.request.background, f"record {rid} misfiled"
+        assert record.stream is not None, f"request {rid} has no output"
+    for rid, record in background.items():
+        assert record.request_id == rid and record.seq.request.background, f"record {rid} misfiled"
+        assert record.stream is None and record.pin is None, f"audit {rid} has a client's parts"

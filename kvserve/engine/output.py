@@ -1,6 +1,6 @@
 """OutputProcessor: what a sampled token does to a request's output (stop checks, detokenizing),
 and the RequestOutput deltas and final outputs built from it. Each request's output so far (its text,
-logprobs, what was streamed) is kept here, by request id, from `open` to `final`."""
+logprobs, what was streamed) is a Stream `open` makes, kept in the request's record (engine/requests.py)."""
 
 from __future__ import annotations
 
@@ -31,32 +31,22 @@ class OutputProcessor:
         self.eos_token_ids = frozenset(eos_token_ids)
         self.max_model_len = max_model_len
         self.num_generated_tokens = 0
-        self._streams: dict[str, Stream] = {}
 
-    def open(self, seq: Sequence) -> None:
+    def open(self, seq: Sequence) -> Stream:
         """A request was accepted: its output starts (a warm's has no text)."""
         request = seq.request
         detokenizer = (
             None if request.warm_only else IncrementalDetokenizer(self.tokenizer, request.prompt_token_ids)
         )
-        self._streams[seq.request_id] = Stream(detokenizer)
-
-    def request_ids(self) -> set[str]:
-        return set(self._streams)
-
-    def forget(self, request_id: str) -> None:
-        """The request is gone without a final output (the engine's rebuild: its client heard already)."""
-        self._streams.pop(request_id, None)
-
-    def text(self, seq: Sequence) -> str:
-        return self._streams[seq.request_id].text
+        return Stream(detokenizer)
 
     # --- tokens ------------------------------------------------------------------------------------
-    def append(self, seq: Sequence, token: int, logprob: TokenLogprob | None) -> FinishReason | None:
-        """Append a sampled token; returns why the sequence finishes with it, if it does (the stop
-        reason is recorded and a matched stop string trimmed from the text)."""
+    def append(
+        self, seq: Sequence, out: Stream, token: int, logprob: TokenLogprob | None
+    ) -> FinishReason | None:
+        """Append a sampled token to the sequence and its output `out`; returns why the sequence
+        finishes with it, if it does (the stop reason is recorded and a matched stop string trimmed)."""
         params = seq.request.sampling_params
-        out = self._streams[seq.request_id]
         seq.token_ids.append(token)
         self.num_generated_tokens += 1
         if logprob is not None:
@@ -98,17 +88,15 @@ class OutputProcessor:
         return max((len(s) for s in stop), default=1) - 1 if stop else 0
 
     # --- outputs -----------------------------------------------------------------------------------
-    def delta(self, seq: Sequence, weight_precision: str | None = None) -> RequestOutput | None:
+    def delta(self, seq: Sequence, out: Stream, weight_precision: str | None = None) -> RequestOutput | None:
         """What is new since the last emission; None if nothing is (e.g. a prefill slice)."""
-        out = self._streams[seq.request_id]
         emit_to = max(out.num_emitted_chars, len(out.text) - self.holdback(seq))
         if seq.num_output_tokens == out.num_emitted_tokens and emit_to == out.num_emitted_chars:
             return None
         return self._make(seq, out, emit_to, False, weight_precision)
 
-    def final(self, seq: Sequence, weight_precision: str | None = None) -> RequestOutput:
+    def final(self, seq: Sequence, out: Stream, weight_precision: str | None = None) -> RequestOutput:
         """`weight_precision`: what its steps computed at (PrecisionPolicy.served_at)."""
-        out = self._streams.pop(seq.request_id)
         return self._make(seq, out, len(out.text), True, weight_precision)
 
     @staticmethod

@@ -28,13 +28,21 @@ class PinnedText:
     weight_precision: str | None
 
 
+@dataclass
+class PinBooking:
+    """A pinning warm's booking (its request's record keeps it): whom its chunks will be pinned under,
+    its text, and the blocks booked in the store's pin budget until it finishes."""
+
+    owner: bytes
+    text: PinnedText
+    num_blocks: int
+
+
 class WarmPins:
     def __init__(self, kv: KVCacheManager, chunk_size: int, block_size: int, max_pinned_fraction: float):
         self.kv, self.store = kv, kv.store  # pins change through the manager; the store is read
         self.chunk_size, self.block_size = chunk_size, block_size
         self.max_pinned_fraction = max_pinned_fraction
-        self._owners: dict[str, tuple[bytes, PinnedText]] = {}  # request id -> what a pinning warm pins
-        self._booked: dict[str, int] = {}  # request id -> blocks booked in the store's pin budget
         self._pinned: dict[bytes, PinnedText] = {}  # owner -> its text, while the store has its pins
 
     @staticmethod
@@ -61,34 +69,25 @@ class WarmPins:
             param="pin",
         )
 
-    def reserve(self, seq: Sequence, text: PinnedText) -> None:
+    def reserve(self, seq: Sequence, text: PinnedText) -> PinBooking:
         """Book the blocks pinning this warm would add, to pin them under its text's owner when it
-        finishes; InvalidRequestError past the cap (nothing is kept then)."""
+        finishes; InvalidRequestError past the cap (nothing is booked then)."""
         hashes, blocks = self._keys(seq)
         new = self.store.unpinned_blocks(hashes, blocks)
         if not self.kv.book_pins(new):
             raise self._error(new)
-        self._owners[seq.request_id] = (self.owner(seq.cache.root_hash, text.token_ids), text)
-        self._booked[seq.request_id] = new
+        return PinBooking(self.owner(seq.cache.root_hash, text.token_ids), text, new)
 
-    def pins(self, seq: Sequence) -> bool:
-        """Whether the sequence is a pinning warm."""
-        return seq.request_id in self._owners
+    def release(self, booking: PinBooking) -> None:
+        """Give back the warm's booking (finished, aborted, failed, or pinned): once."""
+        if booking.num_blocks:
+            self.kv.unbook_pins(booking.num_blocks)
+            booking.num_blocks = 0
 
-    def release(self, seq: Sequence) -> None:
-        """Give back the warm's booking (finished, aborted or failed); it pins nothing after this."""
-        self._owners.pop(seq.request_id, None)
-        self._unbook(seq.request_id)
-
-    def _unbook(self, request_id: str) -> None:
-        booked = self._booked.pop(request_id, 0)
-        if booked:
-            self.kv.unbook_pins(booked)
-
-    def pin(self, seq: Sequence) -> str | None:
+    def pin(self, seq: Sequence, booking: PinBooking) -> str | None:
         """Pin a finished warm's cached chunks under its owner; the error if that would pass the cap."""
-        owner, text = self._owners[seq.request_id]
-        self._unbook(seq.request_id)
+        owner, text = booking.owner, booking.text
+        self.release(booking)
         hashes, _ = self._keys(seq)
         chunks = [c for c in map(self.store.get, hashes) if c is not None]
         new = sum(len(c.all_block_ids) for c in chunks if not c.pinned)
@@ -99,9 +98,6 @@ class WarmPins:
             self._pinned[owner] = text
         return None
 
-    def request_ids(self) -> set[str]:
-        return set(self._owners) | set(self._booked)
-
     def texts(self) -> list[PinnedText]:
         """The texts pinned now, in the order they were first pinned."""
         return list(self._pinned.values())
@@ -109,12 +105,11 @@ class WarmPins:
     def reset(self) -> None:
         """Forget every warm and pinned text: the store dropped its chunks, pins and bookings
         (ChunkStore.reset, the engine's rebuild)."""
-        self._owners.clear()
-        self._booked.clear()
         self._pinned.clear()
 
-    def check_integrity(self) -> None:
-        assert sum(self._booked.values()) == self.store.num_reserved_pin_blocks, (
+    def check_integrity(self, bookings: list[PinBooking]) -> None:
+        """`bookings`: those of the requests in flight (their records')."""
+        assert sum(b.num_blocks for b in bookings) == self.store.num_reserved_pin_blocks, (
             "pin reservations do not match the warms"
         )
         assert set(self._pinned) == set(self.store.pin_owners()), "pinned texts do not match the pin owners"

@@ -24,12 +24,16 @@ from __future__ import annotations
 import math
 import time
 from collections import Counter, deque
+from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from kvserve.config_slices import ModelConfig
 from kvserve.scheduler.batch import ScheduledSeq
 from kvserve.scheduler.registration import ChunkRegistrar
-from kvserve.scheduler.sequence import Sequence
+
+if TYPE_CHECKING:
+    from kvserve.engine.requests import RequestRecord
 
 PRECISIONS = ("fp16", "fp8")
 
@@ -69,8 +73,6 @@ class PrecisionPolicy:
         self._ttfts: deque[tuple[float, float]] = deque(maxlen=32)  # (when, seconds)
         self.requests: Counter[str] = Counter()  # requests admitted, by precision
         self.tokens: Counter[str] = Counter()  # tokens sampled, by the precision that computed them
-        self._last: dict[str, str] = {}  # request id -> its latest step's precision
-        self._used: dict[str, set[str]] = {}  # request id -> every precision its steps computed at
 
     @property
     def nested(self) -> bool:
@@ -83,11 +85,17 @@ class PrecisionPolicy:
             self.requests[self.mode] += 1
         return self.mode
 
-    def apply(self, items: list[ScheduledSeq], chunks: ChunkRegistrar, chunk_size: int) -> None:
+    def apply(
+        self,
+        items: list[ScheduledSeq],
+        records: Mapping[str, RequestRecord],
+        chunks: ChunkRegistrar,
+        chunk_size: int,
+    ) -> None:
         """Before a step's forward: every row computes at the mode now (a request pinned to a precision,
         such as an audit, at its own). A sequence computing at another precision than the one it was
         admitted at (auto switched) stops caching from the chunk these rows fall in: its cached KV is
-        only ever what its root hash names."""
+        only ever what its root hash names. Each request's record keeps the precisions its steps ran at."""
         if not self.nested:
             return
         for item in items:
@@ -95,30 +103,20 @@ class PrecisionPolicy:
             precision = seq.request.weight_precision or self.mode
             assert precision is not None  # nested: there is always a mode
             item.precision = precision
-            self._last[seq.request_id] = precision
-            self._used.setdefault(seq.request_id, set()).add(precision)
+            record = records[seq.request_id]
+            record.last_precision = precision
+            record.precisions.add(precision)
             if precision != seq.precision:
                 first = item.positions[0] if item.positions is not None else seq.num_computed_tokens
                 chunks.limit(seq, first // chunk_size)
             if item.sample:
                 self.tokens[precision] += 1
 
-    def last(self, request_id: str) -> str | None:
-        """The precision the request's latest step computed at (None: dense weights, or not run)."""
-        return self._last.get(request_id)
-
-    def served_at(self, seq: Sequence) -> str | None:
+    @staticmethod
+    def served_at(record: RequestRecord) -> str | None:
         """What the request's output reports: every precision its steps ran at ("fp16+fp8" when auto
         moved it), else the one it was admitted at."""
-        return "+".join(sorted(self._used.get(seq.request_id, ()))) or seq.precision
-
-    def request_ids(self) -> set[str]:
-        return set(self._last) | set(self._used)
-
-    def forget(self, request_id: str) -> None:
-        """It finished: drop what was kept of its steps."""
-        self._last.pop(request_id, None)
-        self._used.pop(request_id, None)
+        return "+".join(sorted(record.precisions)) or record.seq.precision
 
     def observe_ttft(self, seconds: float, now: float) -> None:
         self._ttfts.append((now, seconds))

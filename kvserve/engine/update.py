@@ -13,7 +13,8 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Protocol
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 
@@ -28,6 +29,9 @@ from kvserve.scheduler.batch import ScheduledSeq
 from kvserve.scheduler.scheduler import Scheduler
 from kvserve.scheduler.sequence import Sequence
 from kvserve.structured import GrammarCompiler
+
+if TYPE_CHECKING:
+    from kvserve.engine.requests import RequestRecord
 
 log = logging.getLogger(__name__)
 
@@ -49,8 +53,10 @@ class StepUpdate:
         outputs: OutputProcessor,
         precision: PrecisionPolicy,
         grammars: GrammarCompiler,
+        records: Mapping[str, RequestRecord],
     ):
         self.host, self.scheduler, self.reuse = host, scheduler, reuse
+        self.records = records  # the engine's, of the requests and the audits' recomputes
         self.outputs, self.precision, self.grammars = outputs, precision, grammars
         self.logits_sink: dict[str, list[torch.Tensor]] | None = None  # tests: raw logits per request
 
@@ -164,6 +170,9 @@ class StepUpdate:
             assert logits is not None, "an audit's row keeps its logits (_greedy_only)"
             self._audit_step(seq, logits.float())
             return
+        record = self.records[seq.request_id]
+        stream = record.stream
+        assert stream is not None, "a served request has its output"
         params = seq.request.sampling_params
         stage = "sampling"
         try:
@@ -189,17 +198,15 @@ class StepUpdate:
                 self.precision.observe_ttft(
                     metrics.first_token_time - metrics.arrival_time, metrics.first_token_time
                 )
-            audit = self.reuse.observe(
-                seq, logits, token, self.precision.last(seq.request_id), time.monotonic()
-            )
+            audit = self.reuse.observe(seq, logits, token, record.last_precision, time.monotonic())
             if audit is not None:
                 self.host.add_background(audit)
             stage = "processing its output"
-            reason = self.outputs.append(seq, token, logprob)
+            reason = self.outputs.append(seq, stream, token, logprob)
         except Exception as e:
             self.host.fail(seq, stage, e)
             return
-        if reason is None and seq.grammar is not None and seq.grammar.ends(self.outputs.text(seq)):
+        if reason is None and seq.grammar is not None and seq.grammar.ends(stream.text):
             reason = FinishReason.STOP  # the document is complete (only end-of-sequence could follow)
         if reason is not None:
             self.host.finish(seq, reason)

@@ -21,9 +21,10 @@ of one length; a sliding group's entries before its window are -1 (given back by
 count of blocks the scheduler sees (`num_new_blocks`, `grow`'s) is per group; the pool gives
 num_groups times as many.
 
-With CacheEntries (entries.py: what enters the chunk store, called with a request's Holding), it
-is the only caller of the pool's `allocate` and `retain` (tests/unit/test_kv_ownership.py checks that), and nothing outside kvcache/ calls a mutating method of the pool or the chunk store; the
-chunk store releases the blocks of the chunks it drops. Per-request state (`Holding`) is
+With CacheEntries (entries.py: what enters the chunk store, called with a request's Holding), it is
+the only caller of the pool's `allocate` and `retain` (tests/unit/test_kv_ownership.py checks that),
+and nothing outside kvcache/ calls a mutating method of the pool or the chunk store; the chunk store
+releases the blocks of the chunks it drops. Per-request state (`Holding`) is
 keyed by request id, so a `Sequence` holds only what the request is and where it stands.
 
 The order is enforced, not described: `admit` takes the Reservation `reserve` returned, once; a

@@ -54,7 +54,7 @@ def test_a_step_computes_at_most_background_rows_for_all_audits_together():
     assert any(s.request.background for s in engine.scheduler.running)
     engine.add_request(Request("arrives", corpus_token_ids(llm, 20, seed=60), PARAMS3))
     engine.step()  # the next step is the request's: no background row in it
-    assert rows[-1] == 0 and engine._seqs["arrives"].num_computed_tokens > 0
+    assert rows[-1] == 0 and engine._records["arrives"].seq.num_computed_tokens > 0
     while engine.has_unfinished_requests():
         engine.step()
     assert len(engine.reuse.auditor.results) == len(ORDERS) and engine.reuse.auditor.num_dropped == 0

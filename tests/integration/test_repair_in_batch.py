@@ -209,7 +209,7 @@ def test_the_audit_takes_the_first_audit_tokens_and_starts_before_the_request_en
     engine.add_request(Request("long", rag_prompt(llm, docs, [1, 2, 0], seed=5), params, reuse=audited))
     while not engine.reuse.auditor.pending:  # submitted at the third token, while the request still decodes
         engine.step()
-    assert "long" in engine._seqs and len(engine._seqs["long"].output_token_ids) == 3
+    assert "long" in engine._records and len(engine._records["long"].seq.output_token_ids) == 3
     while engine.has_unfinished_requests():
         engine.step()
     engine.run_background()
@@ -409,7 +409,7 @@ def test_a_request_id_reused_while_its_audit_waits_audits_both():
     params = SamplingParams(max_tokens=2, temperature=0, ignore_eos=True)
     for seed in (1, 2):  # the same id twice, the first's audit still pending when the second is served
         engine.add_request(Request("same-id", rag_prompt(llm, docs, [1, 0], seed=seed), params, reuse=NONE))
-        while "same-id" in engine._seqs:
+        while "same-id" in engine._records:
             engine.step()
     assert len(engine.reuse.auditor.pending) == 2
     while engine.has_unfinished_requests():

@@ -12,13 +12,8 @@ from __future__ import annotations
 import math
 import random
 import statistics
-import sys
 import time
-from pathlib import Path
 from typing import Any
-
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
 
 PHASES = (0.5, 0.9, 1.1, 1.3)  # arrival rate / fp16 capacity
 PHASE_S = 20.0

