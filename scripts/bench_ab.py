@@ -27,10 +27,12 @@ import sys
 import tempfile
 from pathlib import Path
 
-from machine import describe
+from harness.machine import describe
 
 ROOT = Path(__file__).resolve().parents[1]
 
+# Runs in the other revision's tree (its cwd and PYTHONPATH), which may have no scripts/harness: so it
+# carries its own copy of harness.texts.corpus_tokens, as `corpus`.
 WORKER = r"""
 import json, sys, time
 import torch

@@ -28,8 +28,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from bench_serving import clip, corpus, load_tokenizer, percentile  # noqa: E402
-from machine import describe  # noqa: E402
+from harness.machine import describe  # noqa: E402
+from harness.report import percentile  # noqa: E402
+from harness.serving import load_tokenizer  # noqa: E402
+from harness.texts import clip, corpus  # noqa: E402
 
 SERVER_FLAGS = ("--reuse", "any", "--recompute-strategy", "query", "--audit-rate", "0.5")
 NUM_DOCS, DOCS_PER_CHAT, DOC_TOKENS = 5, 4, 300

@@ -139,7 +139,7 @@ def piece_hit_rates(model: str, docs: list[list[int]], prompts: list[list[int]])
 
 
 def machine_line() -> str:
-    from machine import cpu_name
+    from harness.machine import cpu_name
 
     return (
         f"{cpu_name()}, {platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}, "

@@ -35,8 +35,8 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-from doc_section import fill
-from machine import describe
+from harness.docs import fill
+from harness.machine import describe
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))

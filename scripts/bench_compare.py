@@ -23,16 +23,15 @@ import argparse
 import json
 import os
 import sys
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from bench_serving import QUICK, VLLM_SIZE, WORKLOADS, Size, agreement, bench_interleaved, bench_system  # noqa: E402
-from harness import fmt, slim  # noqa: E402
-from machine import machine  # noqa: E402
+from harness.compare import agreement_rates, run_all  # noqa: E402
+from harness.report import fmt, slim, summaries  # noqa: E402
+from harness.serving import QUICK, VLLM_SIZE, WORKLOADS, Size  # noqa: E402
+from harness.vllm_report import write_vllm_report  # noqa: E402
 
-BASELINE = "hf"
 SYSTEMS = (
     "hf",
     "kvserve-off",
@@ -51,7 +50,7 @@ SYSTEMS = (
     "vllm",
     "vllm-2c",
 )
-# --suite: its systems, workloads, and the docs section (bench_vllm_report) its results go to
+# --suite: its systems, workloads, and the docs section (harness.vllm_report) its results go to
 SUITES = {
     "vllm": {
         "systems": ("hf", "kvserve-auto", "vllm", "vllm-2c"),
@@ -70,104 +69,10 @@ SUITES = {
 TTFT_CHART = ("shared", "multiturn", "rag", "cold")  # the workloads of the TTFT bar chart, in its order
 
 
-def rotated(names: list[str], k: int) -> list[str]:
-    """names rotated left by k, with the baseline kept first (its outputs are the reference)."""
-    rest = [n for n in names if n != BASELINE]
-    k %= max(len(rest), 1)
-    return ([BASELINE] if BASELINE in names else []) + rest[k:] + rest[:k]
-
-
-def add_agreement(results: list[dict]) -> None:
-    """Adds result["agreement"] vs the baseline's greedy outputs on the same workload."""
-    outputs = {}
-    for r in results:
-        outputs[(r["system"], r["workload"])] = {
-            rec["id"]: rec["token_ids"]
-            for ph in r.get("phases", [])
-            for rec in ph["records"]
-            if rec["error"] is None
-        }
-    for r in results:
-        ref = outputs.get((BASELINE, r["workload"]))
-        if ref is not None and "phases" in r:
-            r["agreement"] = agreement(outputs[(r["system"], r["workload"])], ref)
-
-
-def run_all(
-    systems: list[str], workloads: list[str], size: Size, out: Path, resume: bool, interleave: bool = False
-):
-    """Runs every (workload, system) pair not already in `out` (with resume), saving after each; with
-    `interleave`, all the systems of a workload at once, taking turns (bench_serving.bench_interleaved)."""
-    from peers.launch import systems as system_specs
-
-    data = json.loads(out.read_text()) if resume and out.exists() else {"results": []}
-    meta = data.get("meta") or {
-        "machine": machine(),
-        "commands": [],
-        "started": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
-    }
-    if "command" in meta:  # written by a first version of this script
-        meta["commands"] = [meta.pop("command")]
-    meta["commands"].append(" ".join(sys.argv))
-    meta["size"] = vars(size)
-    results = data["results"]
-    done = {(r["system"], r["workload"]) for r in results}
-    for workload in workloads:
-        k = WORKLOADS.index(workload)
-        specs = system_specs(workload)
-        if interleave:
-            names = [
-                n
-                for n in systems
-                if (n, workload) not in done
-                and not (specs[n].workloads and workload not in specs[n].workloads)
-            ]
-            if not names:
-                continue
-            t0, load = time.monotonic(), os.getloadavg()[0]
-            runs = bench_interleaved(names, workload, size, 18400 + 10 * k, out.parent / "logs")
-            for r in runs:
-                r["run_wall_s"], r["loadavg_1m_before"] = time.monotonic() - t0, load
-            _keep(runs, "interleaved", results, meta, out)
-            continue
-        for i, name in enumerate(rotated(systems, k)):
-            only = specs[name].workloads
-            if (name, workload) in done or (only and workload not in only):
-                continue
-            t0 = time.monotonic()
-            load = os.getloadavg()[0]
-            r = bench_system(name, workload, size, 18400 + 10 * k + i, out.parent / "logs")
-            r["run_wall_s"] = time.monotonic() - t0
-            r["loadavg_1m_before"] = load
-            _keep([r], f"{r['run_wall_s']:6.0f} s", results, meta, out)
-    return {"meta": meta, "results": results}
-
-
-def _keep(runs: list[dict], how: str, results: list[dict], meta: dict, out: Path) -> None:
-    """Add a workload's runs to the results, say how each went, and rewrite `out` (so an interrupted
-    run resumes from there)."""
-    for r in runs:
-        results.append(r)
-        status = r.get("unavailable", "ok").splitlines()[-1][:120]
-        print(f"[{time.strftime('%H:%M:%S')}] {r['workload']:9} {r['system']:15} {how}  {status}", flush=True)
-    add_agreement(results)
-    meta["finished"] = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())
-    out.write_text(json.dumps({"meta": meta, "results": results}, indent=1))
-
-
 # -- report: tables, target verdicts, plots ------------------------------------------------------
 
 START, END = "<!-- results:start -->", "<!-- results:end -->"
 KVBOOST = ("kvboost-default", "kvboost-tuned")
-
-
-def _phases(data: dict) -> dict:
-    """(system, workload, phase) -> summary, for available runs."""
-    return {
-        (r["system"], r["workload"], ph["phase"]): ph["summary"]
-        for r in data["results"]
-        for ph in r.get("phases", [])
-    }
 
 
 def results_table(data: dict, workload: str) -> str:
@@ -202,7 +107,7 @@ def _best(values: dict, names, key, lower=True):
 
 def targets(data: dict) -> list[tuple[str, str, str, bool | None]]:
     """(target, kvserve value, peer value, met) for each of the issue's targets."""
-    ph = _phases(data)
+    ph = summaries(data)
     out = []
 
     def at(workload, phase):
@@ -227,13 +132,7 @@ def targets(data: dict) -> list[tuple[str, str, str, bool | None]]:
     ours, base = (cold.get(s, {}).get("ttft_p50_s") for s in ("kvserve", "hf"))
     if ours is not None and base is not None:
         out.append(("cold TTFT p50 within 10% of HF", fmt(ours), fmt(base), ours <= 1.1 * base))
-    agree = {}
-    for r in data["results"]:
-        a = r.get("agreement") or {}
-        if a.get("n") and r["system"] != BASELINE:
-            n, e = agree.get(r["system"], (0, 0.0))
-            agree[r["system"]] = (n + a["n"], e + a["exact"] * a["n"])
-    rates = {s: e / n for s, (n, e) in agree.items()}
+    rates = {s: rate for s, (_, rate) in agreement_rates(data).items()}
     if "kvserve" in rates:
         others = {s: v for s, v in rates.items() if not s.startswith("kvserve")}
         peer = ", ".join(f"{s} {v:.2f}" for s, v in sorted(others.items()))
@@ -250,7 +149,7 @@ def plots(data: dict, img: Path) -> list[str]:
     from matplotlib import ticker
 
     img.mkdir(parents=True, exist_ok=True)
-    ph = _phases(data)
+    ph = summaries(data)
     ran = {r["system"] for r in data["results"] if "phases" in r}
     systems = [s for s in SYSTEMS if s in ran] + sorted(ran - set(SYSTEMS))
     color = {s: f"C{SYSTEMS.index(s) if s in SYSTEMS else 9}" for s in systems}
@@ -412,8 +311,6 @@ def main() -> None:
         names, workloads = args.systems.split(","), args.workloads.split(",")
         data = run_all(names, workloads, size, args.out, args.resume, args.interleave)
     if args.suite != "all":
-        from bench_vllm_report import write_vllm_report
-
         write_vllm_report(data, args.docs, args.model, args.peer)
     else:
         write_report(data, args.docs)

@@ -17,7 +17,7 @@ import statistics
 import time
 
 import torch
-from machine import describe
+from harness.machine import describe
 
 from kvserve import LLM, SamplingParams
 from kvserve.request import Request

@@ -33,8 +33,8 @@ import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from bench_serving import percentile  # noqa: E402
-from machine import describe, machine  # noqa: E402
+from harness.machine import describe, machine  # noqa: E402
+from harness.report import percentile  # noqa: E402
 from peers.launch import ROOT, System, exit_on_sigterm, running  # noqa: E402
 
 MODEL = "smollm2-135m"

@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-from machine import describe
+from harness.machine import describe
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the measurement lives in tests/e2e
 

@@ -19,13 +19,11 @@ from __future__ import annotations
 import argparse
 import functools
 import json
-import sys
 import time
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from machine import describe
+from harness.machine import describe
 
 from kvserve.attention.base import AttentionMetadata, SeqRows
 from kvserve.attention.positional import PositionalBackend
@@ -157,9 +155,8 @@ def cases(args) -> list[tuple[str, int, int, str]]:
 
 
 def hbm_ceilings() -> dict:
-    """The GPU's datasheet HBM bandwidth and its measured copy bandwidth (scripts/gpu/env_report.py)."""
-    sys.path.insert(0, str(Path(__file__).resolve().parent / "gpu"))
-    from env_report import ceilings, datasheet_tbps
+    """The GPU's datasheet HBM bandwidth and its measured copy bandwidth (harness/gpu.py)."""
+    from harness.gpu import ceilings, datasheet_tbps
 
     return {"datasheet_tbps": datasheet_tbps(torch.cuda.get_device_name()), **ceilings()}
 

@@ -21,7 +21,7 @@ import time
 
 import torch
 import torch.nn.functional as F
-from machine import describe, machine
+from harness.machine import describe, machine
 
 from kvserve.kernels import cpu_ext
 from kvserve.models.code_layout import choose_layout, pack

@@ -27,7 +27,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from machine import describe  # noqa: E402
+from harness.machine import describe  # noqa: E402
 
 from kvserve import LLM, SamplingParams  # noqa: E402
 from kvserve.request import Request, RequestOutput  # noqa: E402

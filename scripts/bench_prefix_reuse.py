@@ -21,22 +21,11 @@ import statistics
 import time
 
 import torch
-from machine import describe
+from harness.machine import describe
+from harness.texts import corpus_tokens
 
 from kvserve import LLM, SamplingParams
 from kvserve.request import Request
-
-
-def corpus(llm: LLM, n: int, seed: int) -> list[int]:
-    from pydoc_data.topics import topics
-
-    keys = sorted(topics)
-    ids: list[int] = []
-    i = seed
-    while len(ids) < n:
-        ids += llm.tokenizer.encode(topics[keys[(i * 7919) % len(keys)]])
-        i += 1
-    return ids[:n]
 
 
 def kvserve_ttft(llm: LLM, prompt: list[int]) -> float:
@@ -111,19 +100,20 @@ def main() -> None:
     llm = LLM(model=args.model, max_cache_bytes=2_000_000_000)
     hf = AutoModelForCausalLM.from_pretrained(llm.engine.info.model_path, dtype=torch.float32).eval()
     p_len, s_len = args.prefix_tokens, args.suffix_tokens
-    shared = corpus(llm, p_len, seed=1000)
-    kvserve_ttft(llm, shared + corpus(llm, s_len, seed=2000))  # registers the shared prefix; also warms up
+    shared = corpus_tokens(llm, p_len, seed=1000)
+    # registers the shared prefix; also warms up
+    kvserve_ttft(llm, shared + corpus_tokens(llm, s_len, seed=2000))
 
     cold, warm, hf_cold = [], [], []
     for t in range(args.trials):  # interleaved
-        fresh_prefix = corpus(llm, p_len, seed=t + 1)
-        suffix = corpus(llm, s_len, seed=3000 + t)
+        fresh_prefix = corpus_tokens(llm, p_len, seed=t + 1)
+        suffix = corpus_tokens(llm, s_len, seed=3000 + t)
         cold.append(kvserve_ttft(llm, fresh_prefix + suffix))
         warm.append(kvserve_ttft(llm, shared + suffix))
         hf_cold.append(hf_cold_ttft(hf, fresh_prefix + suffix))
-    limit = hf_suffix_only(hf, shared, corpus(llm, s_len, seed=4000), args.trials)
+    limit = hf_suffix_only(hf, shared, corpus_tokens(llm, s_len, seed=4000), args.trials)
 
-    short = [corpus(llm, 32, seed=5000 + i) for i in range(8)]
+    short = [corpus_tokens(llm, 32, seed=5000 + i) for i in range(8)]
     tput_1 = decode_throughput(llm, short[:1], args.decode_tokens)
     tput_8 = decode_throughput(llm, short, args.decode_tokens)
 

@@ -58,7 +58,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 
-from machine import describe  # noqa: E402
+from harness.machine import describe  # noqa: E402
 
 from kvserve import LLM, SamplingParams  # noqa: E402
 from kvserve.errors import InvalidRequestError  # noqa: E402

@@ -23,7 +23,7 @@ import statistics
 import time
 
 import torch
-from machine import describe, machine
+from harness.machine import describe, machine
 
 from kvserve import LLM, SamplingParams
 from kvserve.request import sample_requests

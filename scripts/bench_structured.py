@@ -35,7 +35,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from machine import describe
+from harness.machine import describe
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the validity cases live in tests/e2e
 

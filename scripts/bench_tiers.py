@@ -40,7 +40,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from machine import describe
+from harness.machine import describe
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))

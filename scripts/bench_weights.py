@@ -3,10 +3,11 @@
 - kernels (section nestedfp-gemv): one decode step's projections of a model (each layer's q|k|v, o,
   gate|up and down, and the LM head) at 1, 8 and 128 rows, every kernel on the same inputs, the order
   rotating each repeat;
-- engine (nestedfp-engine; scripts/weights_engine.py): SmolLM2 served by the engine in each weight
-  format: weight bytes, single-stream and 8-way decode, perplexity;
-- auto (nestedfp-auto; scripts/weights_auto.py): --weight-precision auto under a load ramp against
-  fp16 and fp8 alone.
+- engine (nestedfp-engine; scripts/harness/weights_engine.py, each format measured by
+  scripts/weights_engine.py in its own process): SmolLM2 served by the engine in each weight format:
+  weight bytes, single-stream and 8-way decode, perplexity;
+- auto (nestedfp-auto; scripts/harness/weights_auto.py): --weight-precision auto under a load ramp
+  against fp16 and fp8 alone.
 
     python scripts/bench_weights.py [--part kernels|engine|auto|all] [--threads 2]
 """
@@ -22,13 +23,13 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
-from doc_section import fill
-from machine import describe
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from nestedfp_report import linear_weights  # noqa: E402
+from harness.checkpoint import checkpoint, linear_weights  # noqa: E402
+from harness.docs import fill  # noqa: E402
+from harness.machine import describe  # noqa: E402
 
 from kvserve.kernels import cpu_ext  # noqa: E402
 from kvserve.quant.nestedfp import NestedWeight  # noqa: E402
@@ -39,10 +40,6 @@ ROWS = (1, 8, 128)
 
 def step_weights(model: str) -> list[torch.Tensor]:
     """One decode step's weights, fused as the engine fuses them (q|k|v, gate|up), plus the LM head."""
-    from safetensors.torch import load_file
-
-    from kvserve.models.loader import resolve_model_path
-
     w = linear_weights(model)
     out: list[torch.Tensor] = []
     layers = sorted({int(k.split(".")[2]) for k in w})
@@ -52,9 +49,7 @@ def step_weights(model: str) -> list[torch.Tensor]:
         out.append(w[p + "self_attn.o_proj.weight"])  # type: ignore[arg-type]
         out.append(torch.cat([w[p + f"mlp.{n}_proj.weight"] for n in ("gate", "up")]))  # type: ignore[misc]
         out.append(w[p + "mlp.down_proj.weight"])  # type: ignore[arg-type]
-    tensors: dict[str, torch.Tensor] = {}
-    for f in sorted(resolve_model_path(model).glob("*.safetensors")):
-        tensors.update(load_file(str(f)))
+    tensors = checkpoint(model)
     out.append(tensors.get("lm_head.weight", tensors["model.embed_tokens.weight"]))  # tied in SmolLM2
     return [t.float().contiguous() for t in out]
 
@@ -156,7 +151,7 @@ def main() -> None:
     if args.part in ("kernels", "all"):
         kernel_part(args)
     if args.part in ("engine", "all"):
-        import weights_engine
+        from harness import weights_engine
 
         results = weights_engine.run_all(args.rounds, repeats=3)
         engine_json.parent.mkdir(parents=True, exist_ok=True)
@@ -169,7 +164,7 @@ def main() -> None:
         print(text)
         fill(args.doc, "nestedfp-peers", text)
     if args.part in ("auto", "all"):
-        import weights_auto
+        from harness import weights_auto
 
         ppl = None
         if engine_json.exists():
@@ -184,12 +179,12 @@ PEER_SYSTEMS = ("kvserve-dense-fp32", "kvserve-bf16", "kvserve-nested-fp16", "kv
 
 
 def peers_part(args: argparse.Namespace) -> str:
-    """Single-stream decode through each server (bench_compare's decode workload: one chat, 128 tokens,
+    """Single-stream decode through each server (harness.serving's decode workload: one chat, 128 tokens,
     end of sequence ignored; tokens/s = 1 / ITL p50), llama.cpp's server on the Q4_1 GGUF the model
     comes from (`make bench-peer-llamacpp` builds it)."""
-    from bench_compare import run_all
-    from bench_serving import VLLM_SIZE
-    from bench_vllm_report import _summaries
+    from harness.compare import run_all
+    from harness.report import summaries
+    from harness.serving import VLLM_SIZE
 
     out = ROOT / "out" / "bench" / "weights_peers.json"
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -202,7 +197,7 @@ def peers_part(args: argparse.Namespace) -> str:
             out.with_suffix(f".{r}.json"),
             False,
         )
-        rounds.append(_summaries(data))
+        rounds.append(summaries(data))
     rates: dict[str, float | None] = {}
     notes: dict[str, str] = {}
     for name in PEER_SYSTEMS:

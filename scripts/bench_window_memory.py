@@ -21,7 +21,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from machine import describe  # noqa: E402
+from harness.machine import describe  # noqa: E402
 
 from kvserve import LLM, SamplingParams  # noqa: E402
 

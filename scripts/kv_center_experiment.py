@@ -1,14 +1,12 @@
 """Issue 38 experiment: K error and attention error of turbo K with and without per-block centring
 (the block's per-channel K mean, fp16, subtracted before the rotation and added back), against KIVI
-K, and of each V codec. SmolLM2 on bench_kv_quality's captured text; prints one line per variant.
+K, and of each V codec. SmolLM2 on bench_kv_quality's captured text (harness/kv_quality.py); prints
+one line per variant.
 
     .venv/bin/python scripts/kv_center_experiment.py
 """
 
-import sys
-
-sys.path.insert(0, "scripts")
-import bench_kv_quality as b
+from harness import kv_quality as b
 
 from kvserve.quant.registry import make_codec
 

@@ -1,6 +1,7 @@
-"""Issue 38 experiments on the 2-bit levers not built, by perplexity (bench_kv_quality's harness:
-SmolLM2, fp32, 3 held-out texts x 512 tokens in 128-token pieces, KV replaced by its codec round trip
-as it is written). A proxy, not the task: each line is a lever's size before anyone builds it.
+"""Issue 38 experiments on the 2-bit levers not built, by perplexity (bench_kv_quality's harness,
+harness/kv_quality.py: SmolLM2, fp32, 3 held-out texts x 512 tokens in 128-token pieces, KV replaced
+by its codec round trip as it is written). A proxy, not the task: each line is a lever's size before
+anyone builds it.
 
     .venv/bin/python scripts/kv_lever_experiments.py layers int2      # one layer's K at int2, the rest exact
     .venv/bin/python scripts/kv_lever_experiments.py prerope int2 int3  # K quantized before RoPE, or after
@@ -11,13 +12,11 @@ as it is written). A proxy, not the task: each line is a lever's size before any
 import sys
 
 import torch
+from harness import kv_quality as b
 
-sys.path.insert(0, "scripts")
-import bench_kv_quality as b  # noqa: E402
-
-from kvserve.quant.base import KVCodec  # noqa: E402
-from kvserve.quant.passthrough import PassthroughCodec  # noqa: E402
-from kvserve.quant.registry import make_codec  # noqa: E402
+from kvserve.quant.base import KVCodec
+from kvserve.quant.passthrough import PassthroughCodec
+from kvserve.quant.registry import make_codec
 
 ROPE_THETA = 100000.0  # SmolLM2's
 torch.set_num_threads(2)

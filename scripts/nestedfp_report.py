@@ -12,35 +12,14 @@ import statistics
 import sys
 from pathlib import Path
 
-import torch
-from doc_section import fill
-from machine import describe
-
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from kvserve.models.loader import resolve_model_path  # noqa: E402
+from harness.checkpoint import checkpoint, linear_weights  # noqa: E402
+from harness.docs import fill  # noqa: E402
+from harness.machine import describe  # noqa: E402
+
 from kvserve.quant.nestedfp import FP8_LIMIT, LayerReport, report  # noqa: E402
-
-
-def linear_weights(model: str) -> dict[str, object]:
-    from safetensors.torch import load_file
-
-    weights: dict[str, object] = {}
-    for f in sorted(resolve_model_path(model).glob("*.safetensors")):
-        weights.update(load_file(str(f)))
-    # 2-D weights other than the embedding (SmolLM2 ties its LM head to it: a lookup table, not a GEMV)
-    return {k: v for k, v in weights.items() if getattr(v, "ndim", 0) == 2 and "embed_tokens" not in k}
-
-
-def embedding(model: str) -> torch.Tensor:
-    from safetensors.torch import load_file
-
-    for f in sorted(resolve_model_path(model).glob("*.safetensors")):
-        tensors = load_file(str(f))
-        if "model.embed_tokens.weight" in tensors:
-            return tensors["model.embed_tokens.weight"]
-    raise KeyError("model.embed_tokens.weight")
 
 
 def render(
@@ -98,7 +77,7 @@ def main() -> None:
     dtype = str(next(iter(weights.values())).dtype).replace("torch.", "")  # type: ignore[attr-defined]
     rows = [report(name, w) for name, w in weights.items()]  # type: ignore[arg-type]
     bf16 = [report(name, w.bfloat16()) for name, w in weights.items()]  # type: ignore[union-attr]
-    table = report("model.embed_tokens.weight", embedding(args.model))
+    table = report("model.embed_tokens.weight", checkpoint(args.model)["model.embed_tokens.weight"])
     text = render(args.model, dtype, rows, bf16, table)
     print(text)
     fill(args.doc, "nestedfp-layers", text)

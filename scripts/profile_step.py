@@ -23,8 +23,8 @@ from contextlib import contextmanager
 from typing import Any
 
 import torch
-from bench_prefix_reuse import corpus
-from machine import describe
+from harness.machine import describe
+from harness.texts import corpus_tokens
 
 from kvserve import LLM, SamplingParams
 from kvserve.models.fused_llama import FusedLinear, FusedLlamaForward
@@ -90,11 +90,11 @@ def profile_decode(llm: LLM, batch: int, steps: int, seed: int, shared_prefix: i
     engine = llm.engine
     params = SamplingParams(max_tokens=steps + 8, temperature=0, ignore_eos=True)
     ids = [f"p{seed}-{i}" for i in range(batch)]
-    prefix = corpus(llm, shared_prefix, seed * 1000) if shared_prefix else []
+    prefix = corpus_tokens(llm, shared_prefix, seed * 1000) if shared_prefix else []
     if prefix:  # cached first, so that the 8 hit it and decode over the same blocks
         llm.generate([prefix], SamplingParams(max_tokens=1, temperature=0))
     for rid, i in zip(ids, range(batch)):
-        engine.add_request(Request(rid, prefix + corpus(llm, 64, seed * 100 + i), params))
+        engine.add_request(Request(rid, prefix + corpus_tokens(llm, 64, seed * 100 + i), params))
     while any((s := engine.scheduler.find(r)) is not None and not s.output_token_ids for r in ids):
         engine.step()  # prefills
     return measure_steps(llm, steps, finish=lambda: any(engine.scheduler.find(r) for r in ids))
@@ -123,7 +123,7 @@ def profile_prefill(llm: LLM, tokens: int, seed: int, runs: int = 1) -> dict[str
     results = []
     for run in range(runs):
         timers: Timers = defaultdict(float)
-        ids = corpus(llm, tokens, seed + 1000 * run)
+        ids = corpus_tokens(llm, tokens, seed + 1000 * run)
         with timed_calls(llm, timers):
             t0 = time.perf_counter()
             llm.generate([ids], SamplingParams(max_tokens=1, temperature=0))
@@ -158,7 +158,7 @@ def main() -> None:
     print("|---|---|---|---|---|---|---|")
     for dtype in args.dtype:
         llm = LLM(model=args.model, dtype=dtype, max_cache_bytes=1_000_000_000, **extra)
-        llm.generate([corpus(llm, 256, 0)], SamplingParams(max_tokens=4, temperature=0))  # warm-up
+        llm.generate([corpus_tokens(llm, 256, 0)], SamplingParams(max_tokens=4, temperature=0))  # warm-up
         cases = []
         if "decode" in args.cases:
             cases += [(f"decode x{b}", profile_decode(llm, b, args.steps, seed=b)) for b in (1, 8)]

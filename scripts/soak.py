@@ -44,7 +44,8 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from bench_serving import corpus, percentile, questions  # noqa: E402
+from harness.report import percentile  # noqa: E402
+from harness.texts import corpus, questions  # noqa: E402
 
 SALTS = (None, "tenant-a", "tenant-b")
 GOOD = frozenset({"200", "503"})  # 503: the bounded queue is full, by design under bursts
@@ -874,7 +875,7 @@ def parse_args() -> argparse.Namespace:
 
 def run_soak(args: argparse.Namespace) -> dict | None:
     """Start (or attach to) the server, soak it, return the result; None if it did not start."""
-    from machine import machine
+    from harness.machine import machine
     from peers.launch import System, running
 
     log_path = args.out.with_suffix(".server.log")

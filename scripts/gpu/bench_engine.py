@@ -23,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # scripts/: machine.py
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # scripts/: the harness
 from kvserve import LLM, SamplingParams  # noqa: E402
 
 
@@ -176,7 +176,7 @@ def main() -> None:
     args = ap.parse_args()
     if args.check_args:
         return print("arguments ok")  # the engine (kvserve.LLM) is imported at the top
-    from machine import describe
+    from harness.machine import describe
 
     device_name = torch.cuda.get_device_name() if args.device == "cuda" else args.device
     print(f"# {device_name}; host {describe()}; model {args.model}")

@@ -13,44 +13,13 @@ import os
 import platform
 import shutil
 import subprocess
+import sys
+from pathlib import Path
 
 import torch
 
-# vendor datasheet figures (leads, not readings): HBM bandwidth in TB/s by device-name fragment
-DATASHEET_TBPS = {"H200": 4.8, "H100": 3.35}
-
-
-def datasheet_tbps(name: str) -> float | None:
-    return next((tbps for key, tbps in DATASHEET_TBPS.items() if key in name), None)
-
-
-def median_ms(fn, reps: int = 20) -> float:
-    """Median of `reps` CUDA-event timings after three warm-up calls."""
-    for _ in range(3):
-        fn()
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return sorted(times)[len(times) // 2]
-
-
-def ceilings() -> dict:
-    """Copy bandwidth (2 GiB buffer, read + write) and bf16 8192^3 matrix rate, on random data."""
-    buffers = [torch.randn(2**30, dtype=torch.bfloat16, device="cuda") for _ in range(2)]  # 2 GiB each
-    copy_ms = median_ms(lambda: buffers[1].copy_(buffers[0]))
-    buffers.clear()
-    n = 8192
-    a, b = (torch.randn(n, n, dtype=torch.bfloat16, device="cuda") for _ in range(2))
-    mm_ms = median_ms(lambda: a @ b)
-    return {
-        "copy_tbps": 2 * 2**31 / copy_ms / 1e9,
-        "bf16_matmul_tflops": 2 * n**3 / mm_ms / 1e9,
-    }
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # scripts/: the harness
+from harness.gpu import ceilings, datasheet_tbps  # noqa: E402
 
 
 def report() -> dict:

@@ -1,4 +1,5 @@
-"""The pure parts of the serving benchmark: workloads, percentiles, agreement, run order."""
+"""The pure parts of the serving benchmarks (scripts/harness/): workloads, percentiles, agreement, run
+order, the peers' targets; and the servers' launcher (scripts/peers/launch.py)."""
 
 from __future__ import annotations
 
@@ -9,8 +10,9 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))
 
-import bench_compare  # noqa: E402
-import bench_serving as bs  # noqa: E402
+from harness import serving as bs  # noqa: E402
+from harness.compare import rotated  # noqa: E402
+from harness.report import percentile  # noqa: E402
 
 
 class WordTokenizer:
@@ -78,11 +80,11 @@ def test_cold_prompts_share_no_prefix() -> None:
 
 
 def test_percentile_matches_linear_interpolation() -> None:
-    assert bs.percentile([], 50) is None
-    assert bs.percentile([3.0], 95) == 3.0
-    assert bs.percentile([4.0, 1.0, 3.0, 2.0], 50) == pytest.approx(2.5)
-    assert bs.percentile([1.0, 2.0, 3.0, 4.0], 95) == pytest.approx(3.85)
-    assert bs.percentile(list(range(101)), 95) == pytest.approx(95.0)
+    assert percentile([], 50) is None
+    assert percentile([3.0], 95) == 3.0
+    assert percentile([4.0, 1.0, 3.0, 2.0], 50) == pytest.approx(2.5)
+    assert percentile([1.0, 2.0, 3.0, 4.0], 95) == pytest.approx(3.85)
+    assert percentile(list(range(101)), 95) == pytest.approx(95.0)
 
 
 def test_agreement_exact_and_prefix() -> None:
@@ -110,7 +112,7 @@ def test_summarize_counts_errors_and_tokens() -> None:
 
 def test_rotation_keeps_baseline_first_and_every_system() -> None:
     names = ["hf", "a", "b", "c"]
-    orders = [bench_compare.rotated(names, k) for k in range(3)]
+    orders = [rotated(names, k) for k in range(3)]
     assert all(o[0] == "hf" and sorted(o) == sorted(names) for o in orders)
     assert len({tuple(o) for o in orders}) == 3
 
@@ -289,7 +291,7 @@ def test_a_peer_never_built_is_unavailable_with_its_make_target(tmp_path: Path) 
 def test_each_peer_is_held_to_its_own_targets() -> None:
     """Single-stream decode 1.1x a peer's meets the vLLM suite's SmolLM2 target (1.0x) but not issue
     63's against llama.cpp (1.2x); the row then names each peer's target."""
-    import bench_vllm_report as report
+    from harness import vllm_report as report
 
     def run(system: str, itl_s: float) -> dict:
         summary = {"itl_p50_s": itl_s, "ttft_p50_s": None, "output_tok_per_s": None}

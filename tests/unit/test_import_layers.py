@@ -184,30 +184,127 @@ def test_parts_below_the_engine_read_only_their_own_slice_of_the_config():
 SCRIPTS = ROOT.parent / "scripts"
 
 
+def script_module(path: Path) -> str:
+    """A module of scripts/ by its path relative to scripts/, dots for folders; a package by its name."""
+    parts = path.relative_to(SCRIPTS).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+SCRIPT_MODULES = {script_module(p): p for p in SCRIPTS.rglob("*.py")}
+# The shared parts: the benchmarks' harness and the servers' launcher. Every other module is a script.
+SHARED = ("harness", "peers")
+
+
+def is_script(module: str) -> bool:
+    return module.split(".")[0] not in SHARED
+
+
+def script_module_imports(source: str, module: str, modules: dict[str, Path] | None = None) -> set[str]:
+    """The scripts/ modules that `module` (its source) imports, lazy imports too. Names resolve as the
+    scripts import them, scripts/ being on their path: `import harness.machine`, `from harness.machine
+    import describe` and `from harness import machine` all name harness.machine; a relative import
+    resolves from the module's own package; and a bare name that is no module of scripts/ itself but
+    the module of exactly one of its folders (which a script put on its path, as scripts/gpu/) names
+    that module."""
+    modules = SCRIPT_MODULES if modules is None else modules
+    nested: dict[str, list[str]] = {}
+    for m in modules:
+        if "." in m:
+            nested.setdefault(m.rpartition(".")[2], []).append(m)
+    path = modules.get(module)
+    package = module if path is not None and path.name == "__init__.py" else module.rpartition(".")[0]
+    found: set[str] = set()
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Import):
+            names = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                anchor = package.split(".")[: len(package.split(".")) - node.level + 1] if package else []
+                base = ".".join(anchor + ([node.module] if node.module else []))
+            names = [f"{base}.{a.name}" for a in node.names]  # a submodule, or a name in `base`
+        else:
+            continue
+        for name in names:
+            top = name.split(".")[0]
+            if (
+                top not in modules
+                and len(nested.get(top, [])) == 1
+                and not any(m.startswith(top + ".") for m in modules)
+            ):
+                name = nested[top][0] + name[len(top) :]
+            while name and name not in modules:
+                name = name.rpartition(".")[0]
+            if name and name != module:
+                found.add(name)
+    return found
+
+
 def script_imports() -> dict[str, set[str]]:
-    """scripts/: each module (path relative to scripts/, dots for folders) -> the scripts' modules it
-    imports (they import each other by bare name, scripts/ being on their path; lazy imports too)."""
-    modules = {".".join(p.relative_to(SCRIPTS).with_suffix("").parts): p for p in SCRIPTS.rglob("*.py")}
-    graph: dict[str, set[str]] = {}
-    for module, path in modules.items():
-        found: set[str] = set()
-        for node in ast.walk(ast.parse(path.read_text())):
-            if isinstance(node, ast.Import):
-                names = [a.name for a in node.names]
-            elif isinstance(node, ast.ImportFrom) and not node.level and node.module:
-                names = [node.module]
-            else:
-                continue
-            found.update(n for n in names if n in modules and n != module)
-        graph[module] = found
-    return graph
+    """scripts/: each module (path relative to scripts/, dots for folders) -> the scripts/ modules it
+    imports (script_module_imports)."""
+    return {m: script_module_imports(p.read_text(), m) for m, p in SCRIPT_MODULES.items()}
+
+
+def scripts_imported(graph: dict[str, set[str]]) -> list[str]:
+    """Each import of a script, by any module: a script imports the shared parts only, never another
+    script, and the shared parts import no script."""
+    return [
+        f"{a} imports {b}" for a, targets in sorted(graph.items()) for b in sorted(targets) if is_script(b)
+    ]
 
 
 def test_no_script_imports_its_way_back_to_itself():
     graph = script_imports()
-    assert "harness" in graph["bench_compare"]  # the check sees the scripts' imports
+    assert "harness.report" in graph["bench_compare"]  # the check sees the scripts' imports
     cycle = find_cycle(graph)
     assert cycle is None, " -> ".join(cycle or [])
+
+
+def test_a_script_imports_the_harness_never_another_script():
+    """Every script under scripts/ (scripts/*.py, scripts/gpu/*.py) imports the benchmarks' shared parts
+    (scripts/harness/, the servers' launcher scripts/peers/launch.py) and no other script; the
+    harness imports no script."""
+    graph = script_imports()
+    wrong = scripts_imported(graph)
+    assert not wrong, "\n".join(wrong)
+    # the check sees each form of import: from harness.x import y, from harness import x, lazy ones,
+    # relative ones, and the scripts' own modules
+    assert {"harness.machine", "harness.report", "peers.launch"} <= graph["bench_fairness"]
+    assert "harness.kv_quality" in graph["kv_lever_experiments"]
+    assert {"harness.weights_engine", "harness.weights_auto", "harness.compare"} <= graph["bench_weights"]
+    assert {"harness.compare", "harness.report"} <= graph["harness.vllm_report"]
+    assert "harness.gpu" in graph["gpu.env_report"]
+    assert {m for m in graph if "." not in m and is_script(m)} >= {"bench_serving", "soak", "weights_engine"}
+    assert scripts_imported({**graph, "harness.serving": {"bench_serving"}}) == [
+        "harness.serving imports bench_serving"
+    ]
+
+
+@pytest.mark.parametrize(
+    "source,module,found",
+    [
+        ("from harness.machine import describe", "bench_x", {"harness.machine"}),
+        ("from harness import machine, report as r", "bench_x", {"harness.machine", "harness.report"}),
+        ("import harness.serving as bs\nimport harness", "bench_x", {"harness.serving", "harness"}),
+        ("def f():\n    from bench_serving import percentile", "bench_x", {"bench_serving"}),
+        ("import bench_kv_quality as b", "kv_lever_experiments", {"bench_kv_quality"}),
+        ("from peers.launch import running\nfrom peers import launch", "bench_x", {"peers.launch"}),
+        ("from env_report import ceilings", "bench_kernels", {"gpu.env_report"}),  # gpu/ put on the path
+        (
+            "from .report import fmt\nfrom . import texts",
+            "harness.compare",
+            {"harness.report", "harness.texts"},
+        ),
+        (
+            "import torch\nfrom kvserve import LLM\nfrom harness.machine import describe",
+            "harness.machine",
+            set(),
+        ),
+    ],
+)
+def test_the_script_graph_reads_each_form_of_import(source, module, found):
+    assert script_module_imports(source, module) == found
 
 
 def test_content_reuse_is_reached_through_its_interface_only():
