@@ -13,8 +13,8 @@ books. Its verbs, in a request's order:
   free     give back everything it holds (finished or preempted)
   import   a chunk loaded from a KV tier, written into fresh blocks and cached without a user
 
-and, outside any request: pin / unpin (warmed text, with `book_pins` for a warm about to run),
-`evict_idle` (the KV tiers' idle demotion) and `on_evict` (the tiers see each evicted chunk).
+and, outside any request: pin / unpin (warmed text; `book_pins` for a warm about to run), `evict_idle`
+(the KV tiers' idle demotion) and `on_evict` (the tiers see each evicted chunk).
 
 With sliding-window layers (kvcache/layout.py) a request holds one block table per layer group, all
 of one length; a sliding group's entries before its window are -1 (given back by `slide`). Every
@@ -24,8 +24,7 @@ num_groups times as many.
 With CacheEntries (entries.py: what enters the chunk store, called with a request's Holding), it is
 the only caller of the pool's `allocate` and `retain` (tests/unit/test_kv_ownership.py checks that),
 and nothing outside kvcache/ calls a mutating method of the pool or the chunk store; the chunk store
-releases the blocks of the chunks it drops. Per-request state (`Holding`) is
-keyed by request id, so a `Sequence` holds only what the request is and where it stands.
+releases the blocks of the chunks it drops. Per-request state (`Holding`) is keyed by request id.
 
 The order is enforced, not described: `admit` takes the Reservation `reserve` returned, once; a
 request's verbs (grow, commit, slide, ...) raise for a request that is not admitted, or no longer
